@@ -1,0 +1,254 @@
+"""The synchronous engine core: requests in, one scheduled forward pass per `step()`, deltas out."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import LoadedModel
+from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SamplingState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats
+
+log = logging.getLogger("tokenmill.engine")
+
+
+class EngineRejected(Exception):
+    """A request the engine will not take; `code` and `param` follow the OpenAI error shape."""
+
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass
+class _Pending:
+    """What one step produced for one sequence, before it is handed out."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestGroup:
+    """The n sequences of one caller request."""
+
+    request_id: str
+    sequences: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    num_prompt_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(loaded, config)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks,
+                                   config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.sampler = Sampler()
+        max_positions = loaded.shape.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or max_positions, max_positions)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.groups: dict[str, RequestGroup] = {}
+        self.stats = EngineStats(max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 kv_blocks_total=self.blocks.num_blocks)
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise EngineRejected("invalid_prompt", "the prompt is empty", "prompt")
+        vocab = self.loaded.shape.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise EngineRejected("invalid_prompt", f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.logit_bias):
+            raise EngineRejected("invalid_value", f"logit_bias token ids must be below {vocab}", "logit_bias")
+        max_tokens = params.max_tokens or 1
+        total = len(prompt_token_ids) + max_tokens
+        if total > self.max_model_len:
+            raise EngineRejected(
+                "context_length_exceeded",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_token_ids)} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "messages",
+            )
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise EngineRejected(
+                "context_length_exceeded",
+                f"{total} tokens need {self.blocks.blocks_for(total)} KV blocks, but the pool holds only "
+                f"{self.blocks.num_blocks}. Please reduce the length of the messages or completion.",
+                "messages",
+            )
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineRejected("queue_full", "the server is at capacity; retry shortly")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.groups:
+            raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+        sequences = [Request(request_id, index, list(prompt_token_ids), params) for index in range(params.n)]
+        parent = sequences[0]
+        parent.siblings = sequences[1:]
+        for sibling in parent.siblings:
+            sibling.fork_parent = parent
+        self.groups[request_id] = RequestGroup(
+            request_id, sequences,
+            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in sequences],
+            len(prompt_token_ids),
+        )
+        self.scheduler.add(parent)
+        self.stats.prompt_tokens_total += len(prompt_token_ids)
+        self.stats.refresh(self.scheduler, self.blocks)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        deltas = []
+        for seq, detok in zip(group.sequences, group.detokenizers):
+            if seq.is_finished:
+                continue
+            if seq.fork_parent is not None:  # never joined the batch
+                seq.fork_parent = None
+                seq.status = RequestStatus.FINISHED_ABORTED
+            else:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            deltas.append(SequenceDelta(seq.index, detok.flush(), [], None, "abort"))
+        self.stats.refresh(self.scheduler, self.blocks)
+        return self._output(group, deltas)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.is_empty():
+            return []
+        self.runner.apply_block_moves(batch)
+        pending: dict[Request, _Pending] = {}
+        failed: list[tuple[Request, str]] = []
+        try:
+            logits, samplers = self.runner.forward(batch.requests, batch.num_new_tokens)
+            parts = [(logits, samplers)]
+        except Exception:  # one bad request must not take the others down: retry them one by one
+            log.exception("model step failed; retrying the batch request by request")
+            parts = []
+            for request, count in zip(batch.requests, batch.num_new_tokens):
+                try:
+                    parts.append(self.runner.forward([request], [count]))
+                except Exception as error:  # noqa: BLE001 - reported to that request's caller
+                    failed.append((request, f"{type(error).__name__}: {error}"))
+        failed_set = {request for request, _ in failed}
+        for request, count in zip(batch.requests, batch.num_new_tokens):
+            if request not in failed_set:
+                request.num_computed_tokens += count
+                self.blocks.register_full_blocks(request)
+        for logits, samplers in parts:
+            if samplers:
+                self._sample(logits, samplers, pending)
+        outputs = self._collect(pending, failed)
+        self.stats.record_step(batch, time.perf_counter() - started, self.scheduler, self.blocks)
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, samplers: list[Request], pending: dict[Request, _Pending]) -> None:
+        rows: list[int] = []
+        sequences: list[Request] = []
+        for row, request in enumerate(samplers):
+            for seq in [request, *[s for s in request.siblings if s.fork_parent is request]]:
+                rows.append(row)
+                sequences.append(seq)
+        if len(rows) != len(samplers):
+            logits = logits[torch.tensor(rows, dtype=torch.long)]
+        states = [
+            SamplingState(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
+                          None if seq.params.ignore_eos else self.eos_token_id)
+            for seq in sequences
+        ]
+        result = self.sampler(logits, states)
+        self.stats.generation_tokens_total += len(sequences)
+        for seq, token_id, logprob in zip(sequences, result.token_ids, result.logprobs):
+            parent = seq.fork_parent
+            if parent is not None:  # the parent's prompt is in the cache: share it instead of recomputing
+                self.blocks.fork(parent, seq)
+                seq.num_computed_tokens = parent.num_computed_tokens
+                seq.num_cached_tokens = parent.num_cached_tokens
+                seq.fork_parent = None
+                self.scheduler.add_running(seq)
+            seq.output_token_ids.append(token_id)
+            entry = pending.setdefault(seq, _Pending())
+            entry.token_ids.append(token_id)
+            if logprob is not None:
+                entry.logprobs.append(logprob)
+
+    def _finish_reason(self, seq: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
+        params = seq.params
+        if len(seq.output_token_ids) >= params.min_tokens:
+            if hit_stop_string or token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id == self.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _collect(self, pending: dict[Request, _Pending], failed: list[tuple[Request, str]]) -> list[RequestOutput]:
+        by_group: dict[str, list[SequenceDelta]] = {}
+        errors: dict[str, str] = {}
+        for seq, entry in pending.items():
+            group = self.groups[seq.request_id]
+            detok = group.detokenizers[seq.index]
+            token_id = entry.token_ids[-1]
+            text, hit_stop = detok.add_token(token_id)
+            status = self._finish_reason(seq, token_id, hit_stop)
+            if status is not None:
+                if not hit_stop:
+                    text += detok.flush()
+                self.scheduler.finish(seq, status)
+            by_group.setdefault(seq.request_id, []).append(SequenceDelta(
+                seq.index, text, entry.token_ids, entry.logprobs if seq.params.logprobs is not None else None,
+                status.value if status else None))
+        for request, message in failed:
+            errors[request.request_id] = message
+            group = self.groups[request.request_id]
+            for seq in group.sequences:
+                if not seq.is_finished:
+                    if seq.fork_parent is None:
+                        self.scheduler.finish(seq, RequestStatus.FINISHED_ERROR)
+                    seq.status = RequestStatus.FINISHED_ERROR
+                    by_group.setdefault(seq.request_id, []).append(SequenceDelta(seq.index, "", [], None, "error"))
+        outputs = []
+        for request_id, deltas in by_group.items():
+            group = self.groups[request_id]
+            output = self._output(group, deltas, errors.get(request_id))
+            if output.finished:
+                del self.groups[request_id]
+            outputs.append(output)
+        return outputs
+
+    def _output(self, group: RequestGroup, deltas: list[SequenceDelta], error: str | None = None) -> RequestOutput:
+        return RequestOutput(group.request_id, group.num_prompt_tokens, group.sequences[0].num_cached_tokens,
+                             sorted(deltas, key=lambda d: d.index), group.finished, error)

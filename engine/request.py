@@ -1,0 +1,81 @@
+"""One sequence being generated, with a single progress counter.
+
+`num_computed_tokens` counts the tokens whose KV is in the cache. Prefill, chunked prefill, prefix-cache
+hits and recompute after preemption are all the same move: catch it up with `num_tokens`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str  # the caller's id; shared by the n sequences of one request
+    index: int  # which of the n sequences
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    block_ids: list[int] = field(default_factory=list)  # the block table, in token order
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of known tokens
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    cpu_block_ids: list[int] = field(default_factory=list)  # where the KV is while swapped out
+    generator: torch.Generator | None = None
+    # A sibling of an n > 1 request waits for its parent's prompt instead of prefilling it again.
+    fork_parent: Request | None = None
+    siblings: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,70 @@
+"""What the engine reports about itself: queue sizes, batch occupancy, KV use, prefix hits, tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass
+class EngineStats:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_blocks_total: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # of those, served from the cache
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens of admitted requests
+    generation_tokens_total: int = 0
+    steps_total: int = 0
+    scheduled_seqs_last_step: int = 0
+    scheduled_tokens_last_step: int = 0
+    step_time_seconds_total: float = 0.0
+    # Sums over steps, so that callers can take means over any window from two snapshots.
+    scheduled_seqs_total: int = 0
+    scheduled_tokens_total: int = 0
+    kv_blocks_used_step_sum: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+    @property
+    def batch_occupancy(self) -> float:
+        """Scheduled sequences over the sequence cap, last step."""
+        return self.scheduled_seqs_last_step / self.max_num_seqs
+
+    @property
+    def token_occupancy(self) -> float:
+        return self.scheduled_tokens_last_step / self.max_num_batched_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    def snapshot(self) -> EngineStats:
+        return replace(self)
+
+    def record_step(self, batch, seconds: float, scheduler, blocks) -> None:
+        self.steps_total += 1
+        self.step_time_seconds_total += seconds
+        self.scheduled_seqs_last_step = len(batch.requests)
+        self.scheduled_tokens_last_step = batch.num_tokens
+        self.scheduled_seqs_total += len(batch.requests)
+        self.scheduled_tokens_total += batch.num_tokens
+        self.refresh(scheduler, blocks)
+        self.kv_blocks_used_step_sum += self.kv_blocks_used
+
+    def refresh(self, scheduler, blocks) -> None:
+        self.num_running = len(scheduler.running)
+        self.num_waiting = len(scheduler.waiting)
+        self.num_swapped = len(scheduler.swapped)
+        self.kv_blocks_used = blocks.num_used_blocks
+        counters = scheduler.counters
+        self.prefix_cache_queries = counters.prefix_cache_queries
+        self.prefix_cache_hits = counters.prefix_cache_hits
+        self.num_preemptions_recompute = counters.preemptions_recompute
+        self.num_preemptions_swap = counters.preemptions_swap

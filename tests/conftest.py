@@ -1,0 +1,66 @@
+"""Shared fixtures: the real model is loaded once per test session; tiny models are built in temp dirs."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Converted weights are cached here across sessions (CI converts the GGUF once per run).
+MODEL_CACHE = Path(os.environ.get("TOKENMILL_TEST_DATA_DIR", ROOT / ".tokenmill"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct in float32, as the engine loads it."""
+    from engine.config import EngineConfig
+    from engine.loader import load_model
+
+    return load_model(EngineConfig(dtype="float32", data_dir=str(MODEL_CACHE)))
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    """The same weights through HF transformers: the correctness oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_smollm2):
+    """Greedy continuation by HF `generate`, memoised per (prompt, length)."""
+    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def generate(prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt_token_ids), max_new_tokens)
+        if key not in memo:
+            with torch.inference_mode():
+                out = hf_smollm2.generate(
+                    torch.tensor([prompt_token_ids]), attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf_smollm2.config.eos_token_id,
+                )
+            memo[key] = out[0, len(prompt_token_ids):].tolist()
+        return memo[key]
+
+    return generate
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2):
+    """A tiny random Llama checkpoint folder (SmolLM2's tokenizer), for fast engine tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=smollm2.shape.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    smollm2.tokenizer.save_pretrained(folder)
+    return folder
