@@ -1,0 +1,148 @@
+"""Keyword-only helpers for teams and keys. Callers own the session and the commit."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from app.gateway.keys import generate_key, hash_key, visible_prefix
+from app.gateway.models import ApiKey, Team
+
+BUDGET_PERIODS = ("day", "month")
+LIMIT_FIELDS = ("allowed_models", "rpm_limit", "tpm_limit", "max_budget_usd", "budget_period", "expires_at")
+
+
+class Conflict(Exception):
+    pass
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
+
+def to_naive_utc(value: datetime | None) -> datetime | None:
+    if value is None or value.tzinfo is None:
+        return value
+    return value.astimezone(timezone.utc).replace(tzinfo=None)
+
+
+def _clean(fields: dict[str, Any]) -> dict[str, Any]:
+    if fields.get("budget_period") not in (None, *BUDGET_PERIODS):
+        raise ValueError(f"budget_period must be one of {BUDGET_PERIODS}")
+    if "allowed_models" in fields:
+        fields["allowed_models"] = sorted(set(fields["allowed_models"] or ()))
+    if "expires_at" in fields:
+        fields["expires_at"] = to_naive_utc(fields["expires_at"])
+    if fields.get("budget_period") is None:
+        fields.pop("budget_period", None)
+    return fields
+
+
+# teams
+
+def create_team(session: Session, *, name: str, **limits: Any) -> Team:
+    if get_team_by_name(session, name=name) is not None:
+        raise Conflict(f"a team named {name!r} exists already")
+    fields = _clean({"allowed_models": [], "budget_period": "month", **limits})
+    team = Team(name=name, blocked=False, created_at=utcnow(), **fields)
+    session.add(team)
+    session.flush()
+    return team
+
+
+def get_team(session: Session, *, team_id: int) -> Team | None:
+    team = session.get(Team, team_id)
+    return team if team is not None and team.deleted_at is None else None
+
+
+def get_team_by_name(session: Session, *, name: str) -> Team | None:
+    return session.scalar(select(Team).where(Team.name == name, Team.deleted_at.is_(None)))
+
+
+def list_teams(session: Session, *, limit: int = 100, after: int | None = None) -> Sequence[Team]:
+    query = select(Team).where(Team.deleted_at.is_(None)).order_by(Team.id).limit(limit)
+    if after is not None:
+        query = query.where(Team.id > after)
+    return session.scalars(query).all()
+
+
+def update_team(session: Session, *, team: Team, **fields: Any) -> Team:
+    fields = _clean(fields)
+    if "name" in fields and fields["name"] != team.name and get_team_by_name(session, name=fields["name"]):
+        raise Conflict(f"a team named {fields['name']!r} exists already")
+    for name, value in fields.items():
+        setattr(team, name, value)
+    session.flush()
+    return team
+
+
+def delete_team(session: Session, *, team: Team) -> list[str]:
+    """Soft delete (usage history keeps its team id); revokes the team's keys. Returns their hashes."""
+    now = utcnow()
+    team.deleted_at = now
+    hashes = list(session.scalars(
+        select(ApiKey.key_hash).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None))))
+    session.execute(update(ApiKey).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None))
+                    .values(revoked_at=now))
+    session.flush()
+    return hashes
+
+
+# keys
+
+def create_key(session: Session, *, team: Team, name: str = "", **limits: Any) -> tuple[ApiKey, str]:
+    """Returns the row and the plaintext key; the plaintext exists nowhere else afterwards."""
+    plaintext = generate_key()
+    fields = _clean({"allowed_models": [], "budget_period": "month", **limits})
+    key = ApiKey(team_id=team.id, name=name, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext),
+                 created_at=utcnow(), **fields)
+    session.add(key)
+    session.flush()
+    return key, plaintext
+
+
+def get_key(session: Session, *, key_id: int) -> ApiKey | None:
+    return session.get(ApiKey, key_id)
+
+
+def find_key(session: Session, *, key_hash: str) -> tuple[ApiKey, Team] | None:
+    row = session.execute(
+        select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id).where(ApiKey.key_hash == key_hash)
+    ).first()
+    return (row[0], row[1]) if row else None
+
+
+def list_keys(session: Session, *, team_id: int | None = None, include_revoked: bool = False,
+              limit: int = 100, after: int | None = None) -> Sequence[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.id).limit(limit)
+    if team_id is not None:
+        query = query.where(ApiKey.team_id == team_id)
+    if not include_revoked:
+        query = query.where(ApiKey.revoked_at.is_(None))
+    if after is not None:
+        query = query.where(ApiKey.id > after)
+    return session.scalars(query).all()
+
+
+def update_key(session: Session, *, key: ApiKey, **fields: Any) -> ApiKey:
+    for name, value in _clean(fields).items():
+        setattr(key, name, value)
+    session.flush()
+    return key
+
+
+def revoke_key(session: Session, *, key: ApiKey) -> ApiKey:
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        session.flush()
+    return key
+
+
+def touch_last_used(session: Session, *, key_times: dict[int, datetime], team_times: dict[int, datetime]) -> None:
+    """One batched UPDATE per table per flush, however many requests came in between."""
+    if key_times:
+        session.execute(update(ApiKey), [{"id": k, "last_used_at": t} for k, t in sorted(key_times.items())])
+    if team_times:
+        session.execute(update(Team), [{"id": k, "last_used_at": t} for k, t in sorted(team_times.items())])

@@ -1,0 +1,125 @@
+"""Tables. Usage rows are thin (numbers and ids, no text blobs); money is integer nano-dollars."""
+from __future__ import annotations
+
+from datetime import date, datetime
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NANO = 1_000_000_000  # nano-dollars per dollar
+BigId = BigInteger().with_variant(Integer, "sqlite")  # SQLite autoincrements INTEGER PRIMARY KEY only
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Team(Base):
+    __tablename__ = "teams"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    allowed_models: Mapped[list[str]] = mapped_column(JSON, default=list)  # empty = all
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer)
+    max_budget_usd: Mapped[float | None] = mapped_column(Float)
+    budget_period: Mapped[str] = mapped_column(String(8), default="month")  # day | month
+    blocked: Mapped[bool] = mapped_column(Boolean, default=False)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime)
+    deleted_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    __table_args__ = (
+        Index(
+            "uq_teams_live_name", "name", unique=True,
+            sqlite_where=text("deleted_at IS NULL"), postgresql_where=text("deleted_at IS NULL"),
+        ),
+    )
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    team_id: Mapped[int] = mapped_column(ForeignKey("teams.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the plaintext
+    key_prefix: Mapped[str] = mapped_column(String(24))  # shown in lists: "sk-AbCd1234"
+    allowed_models: Mapped[list[str]] = mapped_column(JSON, default=list)
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(Integer)
+    max_budget_usd: Mapped[float | None] = mapped_column(Float)
+    budget_period: Mapped[str] = mapped_column(String(8), default="month")
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+
+class AdminCredential(Base):
+    __tablename__ = "admin_credentials"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(24))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class UsageRow(Base):
+    """One row per request. Times are naive UTC."""
+
+    __tablename__ = "usage"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)  # when the request arrived
+    team_id: Mapped[int] = mapped_column(Integer)
+    key_id: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(128))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    latency_ms: Mapped[int] = mapped_column(Integer, default=0)
+    ttft_ms: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))  # ok aborted error rejected rate_limited over_budget forbidden
+    cost_nano_usd: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (
+        Index("ix_usage_created_at", "created_at"),
+        Index("ix_usage_team_created", "team_id", "created_at"),
+        Index("ix_usage_key_created", "key_id", "created_at"),
+    )
+
+
+class UsageDaily(Base):
+    """Daily roll-up kept by the usage writer in the same transaction as the rows it sums."""
+
+    __tablename__ = "usage_daily"
+
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    key_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    team_id: Mapped[int] = mapped_column(Integer)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cost_nano_usd: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (
+        Index("ix_usage_daily_team_day", "team_id", "day"),
+        Index("ix_usage_daily_key_day", "key_id", "day"),
+    )

@@ -1,0 +1,226 @@
+"""rpm / tpm limits in fixed windows, per key and per team.
+
+A request is admitted when every scope is under its request count and token count for the current
+window; admitting counts it. Tokens are added when the request finishes (they are not known before),
+so the request that crosses a tpm limit completes and the next one is refused. Counters live in
+Redis when configured (one Lua script: check all scopes, then count, atomically; replicas share it),
+in process otherwise. If Redis is unreachable we admit and log: availability over strictness.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+log = logging.getLogger("tokenmill.gateway.ratelimit")
+
+REQUESTS, TOKENS = "requests", "tokens"
+
+
+@dataclass(frozen=True)
+class Scope:
+    name: str  # "key:12", "team:3"
+    rpm: int | None
+    tpm: int | None
+
+
+@dataclass(frozen=True)
+class Budget:  # one dimension (requests or tokens) of the binding scope
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    exceeded: str | None  # REQUESTS | TOKENS | None
+    requests: Budget | None
+    tokens: Budget | None
+    retry_after_s: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        out = {}
+        for kind, budget in ((REQUESTS, self.requests), (TOKENS, self.tokens)):
+            if budget is not None:
+                out[f"x-ratelimit-limit-{kind}"] = str(budget.limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(budget.remaining)
+                out[f"x-ratelimit-reset-{kind}"] = format_duration(budget.reset_s)
+        if not self.allowed:
+            out["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+        return out
+
+
+UNLIMITED = Decision(True, None, None, None)
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's style: "20ms", "1.5s", "6m0s"."""
+    if seconds < 1:
+        return f"{max(int(seconds * 1000), 1)}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(int(math.ceil(seconds)), 60)
+    return f"{minutes}m{rest}s"
+
+
+class Counters(Protocol):
+    async def acquire(self, window: int, ttl_s: float, scopes: Sequence[Scope]) -> tuple[int, list[tuple[int, int]]]:
+        """(0 admitted | 1 over requests | 2 over tokens, [(requests, tokens) per scope, this one included])."""
+
+    async def add_tokens(self, window: int, ttl_s: float, scopes: Sequence[Scope], tokens: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _over(scope: Scope, requests: int, tokens: int) -> int:
+    if scope.rpm is not None and requests >= scope.rpm:
+        return 1
+    if scope.tpm is not None and tokens >= scope.tpm:
+        return 2
+    return 0
+
+
+class InProcessCounters:
+    """One process's counters; the event loop is the lock."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, int], list[int]] = {}
+        self._window = -1
+
+    def _slot(self, name: str, window: int) -> list[int]:
+        if window > self._window:
+            self._counts = {k: v for k, v in self._counts.items() if k[1] >= window - 1}
+            self._window = window
+        return self._counts.setdefault((name, window), [0, 0])
+
+    async def acquire(self, window, ttl_s, scopes):
+        slots = [self._slot(scope.name, window) for scope in scopes]
+        rejected = next((code for scope, (r, t) in zip(scopes, slots) if (code := _over(scope, r, t))), 0)
+        if not rejected:
+            for slot in slots:
+                slot[0] += 1
+        return rejected, [(r, t) for r, t in slots]
+
+    async def add_tokens(self, window, ttl_s, scopes, tokens):
+        for scope in scopes:
+            self._slot(scope.name, window)[1] += tokens
+
+    async def close(self) -> None:
+        pass
+
+
+_ACQUIRE_LUA = """
+local ttl = tonumber(ARGV[1])
+local n = #KEYS / 2
+local out = {0}
+for i = 1, n do
+  local r = tonumber(redis.call('GET', KEYS[2*i-1]) or '0')
+  local t = tonumber(redis.call('GET', KEYS[2*i]) or '0')
+  local rpm = tonumber(ARGV[2*i])
+  local tpm = tonumber(ARGV[2*i+1])
+  if out[1] == 0 then
+    if rpm >= 0 and r >= rpm then out[1] = 1 elseif tpm >= 0 and t >= tpm then out[1] = 2 end
+  end
+  out[2*i] = r
+  out[2*i+1] = t
+end
+if out[1] == 0 then
+  for i = 1, n do
+    out[2*i] = redis.call('INCR', KEYS[2*i-1])
+    if out[2*i] == 1 then redis.call('PEXPIRE', KEYS[2*i-1], ttl) end
+  end
+end
+return out
+"""
+
+_ADD_TOKENS_LUA = """
+for i = 1, #KEYS do
+  if redis.call('INCRBY', KEYS[i], ARGV[1]) == tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+end
+return 0
+"""
+
+
+class RedisCounters:
+    def __init__(self, url: str, *, prefix: str = "tokenmill:rl:") -> None:
+        import redis.asyncio as redis
+
+        self._redis = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self._prefix = prefix
+        self._acquire = self._redis.register_script(_ACQUIRE_LUA)
+        self._add = self._redis.register_script(_ADD_TOKENS_LUA)
+
+    def _keys(self, scope: Scope, window: int) -> tuple[str, str]:
+        base = f"{self._prefix}{scope.name}:{window}"
+        return base + ":r", base + ":t"
+
+    async def acquire(self, window, ttl_s, scopes):
+        keys, args = [], [int(ttl_s * 1000)]
+        for scope in scopes:
+            keys.extend(self._keys(scope, window))
+            args.extend((-1 if scope.rpm is None else scope.rpm, -1 if scope.tpm is None else scope.tpm))
+        out = await self._acquire(keys=keys, args=args)
+        return int(out[0]), [(int(out[1 + 2 * i]), int(out[2 + 2 * i])) for i in range(len(scopes))]
+
+    async def add_tokens(self, window, ttl_s, scopes, tokens):
+        keys = [self._keys(scope, window)[1] for scope in scopes]
+        await self._add(keys=keys, args=[tokens, int(ttl_s * 1000)])
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+class RateLimiter:
+    def __init__(self, counters: Counters, *, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.counters = counters
+        self.window_s = window_s
+        self.clock = clock
+        self._last_error_log = 0.0
+
+    def _window(self) -> tuple[int, float]:
+        now = self.clock()
+        window = int(now // self.window_s)
+        return window, (window + 1) * self.window_s - now
+
+    async def acquire(self, scopes: Sequence[Scope]) -> Decision:
+        scopes = [s for s in scopes if s.rpm is not None or s.tpm is not None]
+        if not scopes:
+            return UNLIMITED
+        window, reset_s = self._window()
+        try:
+            rejected, counts = await self.counters.acquire(window, 2 * self.window_s, scopes)
+        except Exception as exc:  # noqa: BLE001 - a counter outage must not take the API down
+            self._log_outage(exc)
+            return UNLIMITED
+        requests = _binding([(s.rpm, r) for s, (r, _t) in zip(scopes, counts)], reset_s)
+        tokens = _binding([(s.tpm, t) for s, (_r, t) in zip(scopes, counts)], reset_s)
+        exceeded = {0: None, 1: REQUESTS, 2: TOKENS}[rejected]
+        return Decision(not rejected, exceeded, requests, tokens, retry_after_s=reset_s)
+
+    async def add_tokens(self, scopes: Sequence[Scope], tokens: int) -> None:
+        scopes = [s for s in scopes if s.tpm is not None]
+        if not scopes or tokens <= 0:
+            return
+        window, _ = self._window()
+        try:
+            await self.counters.add_tokens(window, 2 * self.window_s, scopes, tokens)
+        except Exception as exc:  # noqa: BLE001
+            self._log_outage(exc)
+
+    def _log_outage(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log > 10:
+            self._last_error_log = now
+            log.warning("rate-limit counters unavailable, admitting requests: %s", exc)
+
+    async def close(self) -> None:
+        await self.counters.close()
+
+
+def _binding(pairs: list[tuple[int | None, int]], reset_s: float) -> Budget | None:
+    budgets = [Budget(limit, max(limit - used, 0), reset_s) for limit, used in pairs if limit is not None]
+    return min(budgets, key=lambda b: b.remaining) if budgets else None

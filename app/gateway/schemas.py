@@ -1,0 +1,128 @@
+"""Admin API bodies and views. Views never carry a key's hash; only create returns the plaintext."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+
+from app.gateway.models import ApiKey, Team
+
+Period = Literal["day", "month"]
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    allowed_models: list[str] | None = Field(None, description="models this may use; empty = all")
+    rpm_limit: int | None = Field(None, ge=0)
+    tpm_limit: int | None = Field(None, ge=0)
+    max_budget_usd: float | None = Field(None, ge=0)
+    budget_period: Period | None = None
+    expires_at: datetime | None = None
+
+
+class TeamCreate(Limits):
+    name: str = Field(min_length=1, max_length=128)
+
+
+class TeamUpdate(Limits):
+    name: str | None = Field(None, min_length=1, max_length=128)
+    blocked: bool | None = None
+
+
+class KeyCreate(Limits):
+    team_id: int
+    name: str = Field("", max_length=128)
+
+
+class KeyUpdate(Limits):
+    name: str | None = Field(None, max_length=128)
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    @field_serializer("created_at", "last_used_at", "expires_at", check_fields=False)
+    def _utc(self, value: datetime | None) -> str | None:
+        return None if value is None else value.replace(tzinfo=timezone.utc).isoformat()
+
+
+class TeamView(_View):
+    object: Literal["team"] = "team"
+    id: int
+    name: str
+    allowed_models: list[str]
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_budget_usd: float | None
+    budget_period: str
+    blocked: bool
+    expires_at: datetime | None
+    created_at: datetime
+    last_used_at: datetime | None
+
+    @classmethod
+    def of(cls, team: Team) -> TeamView:
+        return cls.model_validate(team)
+
+
+class KeyView(_View):
+    object: Literal["api_key"] = "api_key"
+    id: int
+    team_id: int
+    name: str
+    key_prefix: str
+    allowed_models: list[str]
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_budget_usd: float | None
+    budget_period: str
+    expires_at: datetime | None
+    revoked: bool
+    created_at: datetime
+    last_used_at: datetime | None
+
+    @classmethod
+    def of(cls, key: ApiKey) -> KeyView:
+        return cls.model_validate({**{c: getattr(key, c) for c in cls.model_fields if hasattr(key, c)},
+                                   "revoked": key.revoked_at is not None})
+
+
+class KeyCreated(KeyView):
+    key: str = Field(description="the API key itself: shown this once, stored only as a hash")
+
+
+T = TypeVar("T")
+
+
+class Page(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    first_id: int | None = None
+    last_id: int | None = None
+
+
+class UsageReport(BaseModel):
+    object: Literal["list"] = "list"
+    group_by: list[str]
+    since: str | None
+    until: str | None
+    data: list[dict]
+    has_more: bool
+
+
+class UsageRequestView(_View):
+    id: int
+    created_at: datetime
+    team_id: int
+    key_id: int
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    latency_ms: int
+    ttft_ms: int | None
+    status: str
+    cost_usd: float

@@ -1,0 +1,192 @@
+"""The Gateway: one object per process holding the store, the key cache, the limiter, the budget
+tracker and the usage writer. It implements app.gateway_hooks.Gateway (authenticate, admit,
+request_finished); install_gateway() adds its routers and starts / stops it with the app."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Callable, TextIO
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from app.db import make_engine, migrate, session_factory
+from app.errors import OpenAIError, invalid_api_key, model_not_found
+from app.gateway.admin_identity import AdminIdentity, ensure_admin_identity
+from app.gateway.auth import KeyCache, Principal
+from app.gateway.budget import BudgetTracker
+from app.gateway.config import GatewayConfig
+from app.gateway.headers import offer_headers
+from app.gateway.keys import bearer_token
+from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters
+from app.gateway.usage import UsageEvent, UsageWriter
+from app.gateway_hooks import UsageRecord
+
+log = logging.getLogger("tokenmill.gateway")
+
+RATE_LIMITED, OVER_BUDGET, FORBIDDEN = "rate_limited", "over_budget", "forbidden"
+
+
+def naive_utc(unix: float) -> datetime:
+    return datetime.fromtimestamp(unix, timezone.utc).replace(tzinfo=None)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, *, clock: Callable[[], float] = time.time,
+                 announce: TextIO | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.announce = announce
+        self.engine = make_engine(config.database_url)
+        self.sessions = session_factory(self.engine)
+        self.keys = KeyCache(self.sessions, ttl_s=config.key_cache_ttl_s)
+        counters = RedisCounters(config.redis_url, prefix=config.redis_prefix) if config.redis_url else InProcessCounters()
+        self.limiter = RateLimiter(counters, window_s=config.rate_window_s, clock=clock)
+        self.budgets = BudgetTracker(self.sessions, cache_ttl_s=config.budget_cache_ttl_s, clock=clock)
+        self.writer = UsageWriter(
+            self.engine, spill_dir=config.spill_dir, flush_interval_s=config.usage_flush_interval_s,
+            batch_max=config.usage_batch_max, buffer_max=config.usage_buffer_max,
+            last_used_flush_s=config.last_used_flush_s, on_committed=self.budgets.committed)
+        self.admin: AdminIdentity | None = None
+        self._background: set[asyncio.Task] = set()
+        self.started = False
+
+    # lifecycle: blocking, so the async forms run them in a thread
+
+    def start(self, *, run_migrations: bool = True) -> None:
+        if self.started:
+            return
+        if run_migrations:
+            migrate(self.engine)
+        self.admin, created = ensure_admin_identity(self.sessions, configured_key=self.config.admin_key)
+        if created is not None:
+            announce_admin_key(created, self.announce)
+        self.writer.start()
+        self.started = True
+
+    def stop(self) -> None:
+        """Flush every queued usage row (spilled to disk if the database won't take them)."""
+        if self.started:
+            self.writer.close()
+            self.started = False
+
+    async def astart(self) -> None:
+        await run_in_threadpool(self.start)
+
+    async def astop(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)
+        await run_in_threadpool(self.stop)
+        await self.limiter.close()
+        self.engine.dispose()
+
+    def install(self, app) -> None:  # noqa: ANN001
+        """Routers, headers middleware, start / stop with the app's lifespan; once per app."""
+        from app.gateway.wiring import install_gateway
+
+        if getattr(app.state, "gateway", None) is not self:
+            install_gateway(app, self)
+
+    # the hooks the /v1 routes call (app.gateway_hooks.Gateway)
+
+    async def authenticate(self, request: Request) -> Principal:
+        token = bearer_token(request.headers.get("authorization"))
+        if not token:
+            raise OpenAIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer sk-...'.",
+                              code="invalid_api_key")
+        hit, principal = self.keys.cached(token)
+        if not hit:
+            principal = await run_in_threadpool(self.keys.load, token)
+        if principal is None or not principal.valid_at(self.clock()):
+            raise invalid_api_key()
+        return principal
+
+    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int,
+                    max_tokens: int | None) -> dict[str, str]:
+        """Model access, then budget, then rate limits. A refusal raises in OpenAI's shape and is
+        metered as a row of its own (status forbidden / over_budget / rate_limited)."""
+        if not isinstance(principal, Principal):
+            return {}
+        if not principal.allows(model):
+            self._refused(principal, model, FORBIDDEN)
+            raise model_not_found(model)
+        if principal.budget_scopes:
+            if any(self.budgets.needs_refresh(s) for s in principal.budget_scopes):
+                exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes)
+            else:
+                exhausted = self.budgets.first_exhausted(principal.budget_scopes)
+            if exhausted is not None:
+                self._refused(principal, model, OVER_BUDGET)
+                raise OpenAIError(
+                    429, f"You exceeded your current quota: the {exhausted.kind}'s budget of "
+                    f"${exhausted.max_budget_usd:g} per {exhausted.period} is spent.",
+                    type="insufficient_quota", code="insufficient_quota")
+        decision = await self.limiter.acquire(principal.rate_scopes)
+        headers = decision.headers()
+        offer_headers(headers)
+        if not decision.allowed:
+            self._refused(principal, model, RATE_LIMITED)
+            budget = decision.requests if decision.exceeded == "requests" else decision.tokens
+            raise OpenAIError(
+                429, f"Rate limit reached for {decision.exceeded} per {self.limiter.window_s:g}s: limit "
+                f"{budget.limit}. Try again in {headers['x-ratelimit-reset-' + decision.exceeded]}.",
+                type=decision.exceeded, code="rate_limit_exceeded", headers=headers)
+        return headers
+
+    def request_finished(self, record: UsageRecord) -> None:
+        """On the event loop, once per request that reached the engine: queue its row, never block."""
+        if not isinstance(record.key_id, int) or not isinstance(record.team_id, int):
+            return
+        price = self.config.price(record.model)
+        self._queue(UsageEvent(
+            created_at=naive_utc(record.finished_at - record.latency_seconds), team_id=record.team_id,
+            key_id=record.key_id, model=record.model, prompt_tokens=record.prompt_tokens,
+            cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
+            latency_ms=round(record.latency_seconds * 1000),
+            ttft_ms=None if record.time_to_first_token_seconds is None
+            else round(record.time_to_first_token_seconds * 1000),
+            status=record.status[:16],
+            cost_nano_usd=price.cost_nano_usd(record.prompt_tokens, record.cached_tokens,
+                                              record.completion_tokens)))
+        tokens = record.prompt_tokens + record.completion_tokens
+        scopes = [s for s in self._scopes_of(record) if s.tpm is not None]
+        if tokens and scopes:
+            try:
+                task = asyncio.get_running_loop().create_task(self.limiter.add_tokens(scopes, tokens))
+            except RuntimeError:  # no loop: called from a thread; tokens can't be counted there
+                return
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    # the rest
+
+    def _scopes_of(self, record: UsageRecord) -> tuple:
+        principal = self.keys.by_key_id.get(record.key_id)
+        return principal.rate_scopes if principal is not None else ()
+
+    def _refused(self, principal: Principal, model: str, status: str) -> None:
+        self._queue(UsageEvent(
+            created_at=naive_utc(self.clock()), team_id=principal.team_id, key_id=principal.key_id, model=model,
+            prompt_tokens=0, cached_tokens=0, completion_tokens=0, latency_ms=0, ttft_ms=None, status=status,
+            cost_nano_usd=0))
+
+    def _queue(self, event: UsageEvent) -> None:
+        self.budgets.queued(event)
+        self.writer.submit(event)
+        self.writer.touch(key_id=event.key_id, team_id=event.team_id, when=event.created_at)
+
+    def forget_keys(self, key_hashes: list[str] | None = None) -> None:
+        """Drop cached principals after an admin change (None: all of them, e.g. a team changed)."""
+        self.keys.invalidate(key_hashes)
+
+
+def announce_admin_key(plaintext: str, stream: TextIO | None = None) -> None:
+    """Straight to the console, once; never through logging (log lines get shipped and kept)."""
+    import sys
+
+    stream = stream or sys.stderr
+    stream.write("tokenmill: generated the admin key (shown once, stored hashed; set TOKENMILL_ADMIN_KEY "
+                 f"to choose one):\n  {plaintext}\n")
+    stream.flush()

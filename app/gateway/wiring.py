@@ -1,0 +1,30 @@
+"""Puts the gateway into a FastAPI app: app.state.gateway, the admin and team routers, the
+x-ratelimit-* headers middleware, and start / stop around the app's lifespan (stop flushes usage)."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app.gateway import admin_api, team_api
+from app.gateway.headers import RateLimitHeadersMiddleware
+from app.gateway.service import Gateway
+
+
+def install_gateway(app: FastAPI, gateway: Gateway) -> None:
+    app.state.gateway = gateway
+    app.include_router(admin_api.router)
+    app.include_router(team_api.router)
+    app.add_middleware(RateLimitHeadersMiddleware)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app_: FastAPI):
+        await gateway.astart()
+        try:
+            async with inner(app_) as state:
+                yield state
+        finally:
+            await gateway.astop()
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,151 @@
+"""Key lifecycle through the real /v1 routes (fake engine): create, use, revoke, expire; team isolation."""
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app.gateway.keys import hash_key
+from app.gateway.models import ApiKey
+from tests.gateway_support import (FAKE_MODEL, FakeClock, admin_headers, bearer, build_app, chat_body,  # noqa: F401
+                                   create_key, create_team, database_url, make_gateway, pg_databases,
+                                   pg_session_url)
+
+
+def client_for(gateway) -> TestClient:  # noqa: ANN001
+    return TestClient(build_app(gateway))
+
+
+def test_key_is_shown_once_and_stored_only_as_its_hash(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team = create_team(client)
+        created = create_key(client, team["id"], name="ci")
+        plaintext = created["key"]
+        assert plaintext.startswith("sk-") and len(plaintext) > 40
+        assert plaintext.startswith(created["key_prefix"])
+        listed = client.get("/admin/api/keys", headers=admin_headers()).json()
+        assert "key" not in listed["data"][0] and listed["data"][0]["key_prefix"] == created["key_prefix"]
+        assert plaintext not in client.get(f"/admin/api/keys/{created['id']}", headers=admin_headers()).text
+    with gateway.sessions() as session:
+        row = session.scalar(select(ApiKey))
+        assert row.key_hash == hash_key(plaintext)
+        assert plaintext not in repr([getattr(row, c.key) for c in ApiKey.__table__.columns])
+
+
+def test_key_lifecycle_create_use_revoke(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        key = create_key(client, create_team(client)["id"])
+        ok = client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"]))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 5
+        revoked = client.delete(f"/admin/api/keys/{key['id']}", headers=admin_headers())
+        assert revoked.status_code == 200 and revoked.json()["revoked"] is True
+        refused = client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"]))
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_missing_unknown_and_malformed_keys_get_401_in_openai_shape(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        for headers in ({}, bearer("sk-not-a-real-key"), {"Authorization": "Basic abc"}):
+            response = client.post("/v1/chat/completions", json=chat_body(), headers=headers)
+            assert response.status_code == 401
+            error = response.json()["error"]
+            assert error["code"] == "invalid_api_key" and set(error) == {"message", "type", "param", "code"}
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_expired_key_gets_401(make_gateway):
+    clock = FakeClock()
+    gateway = make_gateway(clock=clock)
+    expires = datetime.fromtimestamp(clock.now, timezone.utc) + timedelta(minutes=5)
+    with client_for(gateway) as client:
+        key = create_key(client, create_team(client)["id"], expires_at=expires.isoformat())
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 200
+        clock.advance(301)
+        response = client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"]))
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_expiry_given_in_the_past_refuses_at_once(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        key = create_key(client, create_team(client)["id"], expires_at="2020-01-01T00:00:00Z")
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 401
+
+
+def test_deleting_a_team_revokes_its_keys(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team = create_team(client)
+        key = create_key(client, team["id"])
+        assert client.delete(f"/admin/api/teams/{team['id']}", headers=admin_headers()).json()["deleted"]
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 401
+        assert client.get(f"/admin/api/teams/{team['id']}", headers=admin_headers()).status_code == 404
+
+
+def test_blocking_a_team_refuses_its_keys_until_unblocked(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team = create_team(client)
+        key = create_key(client, team["id"])
+        client.patch(f"/admin/api/teams/{team['id']}", json={"blocked": True}, headers=admin_headers())
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 401
+        client.patch(f"/admin/api/teams/{team['id']}", json={"blocked": False}, headers=admin_headers())
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 200
+
+
+def test_a_model_outside_the_keys_list_is_refused_and_hidden(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team = create_team(client)
+        limited = create_key(client, team["id"], allowed_models=["some-other-model"])
+        open_key = create_key(client, team["id"])
+        refused = client.post("/v1/chat/completions", json=chat_body(), headers=bearer(limited["key"]))
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+        assert client.get("/v1/models", headers=bearer(limited["key"])).json()["data"] == []
+        assert client.get(f"/v1/models/{FAKE_MODEL}", headers=bearer(limited["key"])).status_code == 404
+        assert [m["id"] for m in client.get("/v1/models", headers=bearer(open_key["key"])).json()["data"]] \
+            == [FAKE_MODEL]
+
+
+def test_a_teams_model_list_binds_all_its_keys(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team = create_team(client, allowed_models=["another-model"])
+        key = create_key(client, team["id"])
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 404
+        client.patch(f"/admin/api/teams/{team['id']}", json={"allowed_models": [FAKE_MODEL]}, headers=admin_headers())
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 200
+
+
+def test_team_key_reads_its_own_usage_and_nothing_of_other_teams(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team_a, team_b = create_team(client, "a"), create_team(client, "b")
+        key_a, key_b = create_key(client, team_a["id"]), create_key(client, team_b["id"])
+        client.post("/v1/chat/completions", json=chat_body(max_tokens=3), headers=bearer(key_a["key"]))
+        client.post("/v1/chat/completions", json=chat_body(max_tokens=7), headers=bearer(key_b["key"]))
+        gateway.writer.flush()
+        own = client.get("/v1/usage", params={"group_by": "team"}, headers=bearer(key_a["key"])).json()
+        assert [(row["team_id"], row["completion_tokens"]) for row in own["data"]] == [(team_a["id"], 3)]
+        asked_for_b = client.get("/v1/usage", params={"team_id": team_b["id"], "group_by": "team"},
+                                 headers=bearer(key_a["key"])).json()
+        assert [row["team_id"] for row in asked_for_b["data"]] == [team_a["id"]]
+        other_key = client.get("/v1/usage", params={"key_id": key_b["id"]}, headers=bearer(key_a["key"]))
+        assert other_key.status_code == 404
+        assert client.get("/admin/api/usage", headers=bearer(key_a["key"])).status_code == 401
+        assert client.get("/admin/api/teams", headers=bearer(key_a["key"])).status_code == 401
+
+
+def test_admin_api_needs_the_admin_key(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        for headers in ({}, bearer("sk-admin-wrong")):
+            response = client.get("/admin/api/teams", headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/admin/api/teams", headers=admin_headers()).status_code == 200
