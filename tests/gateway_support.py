@@ -155,10 +155,13 @@ class FakeEngine:
         self.max_model_len = 4096
         self.token_delay_s = token_delay_s
         self.aborted: list[str] = []
+        self.queue_full = False  # set to make it refuse after admission, as a full engine does
 
     def check_request(self, prompt_token_ids, params) -> None:  # noqa: ANN001
         if not prompt_token_ids:
             raise EngineRejected("invalid_prompt", "the prompt is empty", "prompt")
+        if self.queue_full:
+            raise EngineRejected("queue_full", "too many requests are waiting")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params):  # noqa: ANN001
         total = params.max_tokens or 16
