@@ -210,8 +210,8 @@ def serve_in_thread(app, **config) -> Iterator[str]:  # noqa: ANN001
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="on", **config))
+    config = {"log_level": "warning", "lifespan": "on", **config}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
