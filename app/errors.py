@@ -1,0 +1,104 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, whatever went wrong."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("tokenmill.errors")
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
+
+
+def invalid_api_key() -> OpenAIError:
+    return OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def server_error(message: str = "The server had an error while processing your request.") -> OpenAIError:
+    return OpenAIError(500, message, type="server_error")
+
+
+def param_from_loc(loc: tuple) -> str | None:
+    """("messages", 0, "content") -> "messages.[0].content", the way OpenAI names nested params."""
+    parts = [f"[{part}]" if isinstance(part, int) else str(part) for part in loc]
+    return ".".join(parts) or None
+
+
+def from_validation_error(errors: list[dict]) -> OpenAIError:
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return invalid_request(f"We could not parse the JSON body of your request: {first['msg']}",
+                               code="invalid_json")
+    loc = tuple(first["loc"])
+    if loc and loc[0] == "body":  # FastAPI prefixes where the value came from
+        loc = loc[1:]
+    param = param_from_loc(loc)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = f"Missing required parameter: '{param}'."
+    elif first["type"] == "model_type" and not loc:
+        message = "The request body must be a JSON object."
+    elif param:
+        message = f"Invalid value for '{param}': {message}"
+    return invalid_request(message, param=param)
+
+
+async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
+    return error.response()
+
+
+async def _validation_error(request: Request, error: RequestValidationError | ValidationError) -> JSONResponse:
+    return from_validation_error(list(error.errors())).response()
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    codes = {404: "unknown_url", 405: "method_not_allowed"}
+    message = f"Unknown request URL: {request.method} {request.url.path}." if error.status_code == 404 \
+        else str(error.detail)
+    kind = INVALID_REQUEST if error.status_code < 500 else "server_error"
+    return OpenAIError(error.status_code, message, type=kind, code=codes.get(error.status_code),
+                       headers=dict(error.headers or {})).response()
+
+
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return server_error().response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,161 @@
+"""Server settings: read once from CLI flags and TOKENMILL_* env vars, validated, passed down frozen.
+
+Precedence: a flag given on the command line, then its environment variable, then the default.
+Every flag `--some-name` has the variable `TOKENMILL_SOME_NAME`.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names the flag and its variable."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: str = ".tokenmill"
+    database_url: str = ""  # empty: a SQLite file in data_dir
+    redis_url: str | None = None
+    api_key: str | None = None  # single shared key until the gateway lands; None: no auth
+    admin_key: str | None = None
+    max_request_bytes: int = 2 * 1024 * 1024
+    max_tokens_cap: int = 4096  # upper bound for max_tokens, and the default when a request omits it
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise SettingsError("port must be between 0 and 65535")
+        if self.max_request_bytes < 1024:
+            raise SettingsError("max_request_bytes must be at least 1024")
+        if self.max_tokens_cap < 1:
+            raise SettingsError("max_tokens_cap must be at least 1")
+        if not self.database_url:
+            sqlite_path = Path(self.data_dir) / "tokenmill.db"
+            object.__setattr__(self, "database_url", f"sqlite:///{sqlite_path}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    field: str  # a Settings field, or an EngineConfig field when engine=True
+    parse: Callable[[str], Any]
+    help: str
+    engine: bool = False
+    switch: bool = False  # a flag without a value
+    invert: bool = False  # the flag turns the field off (--no-prefix-caching)
+    choices: tuple[str, ...] | None = None
+    fallback_env: str | None = None  # a conventional unprefixed variable, read after ours
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "TOKENMILL_" + self.dest.upper()
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() in ("", "none", "auto") else int(text)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("--host", "host", str, "address to bind"),
+    Option("--port", "port", int, "port to bind"),
+    Option("--data-dir", "data_dir", str, "folder for the SQLite file and converted weights"),
+    Option("--database-url", "database_url", str, "SQLAlchemy URL (default: SQLite in the data folder)",
+           fallback_env="DATABASE_URL"),
+    Option("--redis-url", "redis_url", str, "Redis for shared rate-limit counters", fallback_env="REDIS_URL"),
+    Option("--api-key", "api_key", str, "single API key required on /v1 (unset: no auth)"),
+    Option("--admin-key", "admin_key", str, "admin key (default: created on first start)"),
+    Option("--max-request-bytes", "max_request_bytes", int, "largest request body accepted"),
+    Option("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens a request may ask for"),
+    Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
+    Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
+    Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),
+    Option("--block-size", "block_size", int, "tokens per KV block", engine=True),
+    Option("--num-kv-blocks", "num_kv_blocks", _optional_int, "KV pool size in blocks (wins over --kv-cache-memory-gb)",
+           engine=True),
+    Option("--kv-cache-memory-gb", "kv_cache_memory_gb", float, "KV pool size in GiB", engine=True),
+    Option("--max-num-seqs", "max_num_seqs", int, "most sequences in one step", engine=True),
+    Option("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step", engine=True),
+    Option("--max-model-len", "max_model_len", _optional_int, "context length (default: the model's)", engine=True),
+    Option("--max-waiting", "max_waiting", int, "waiting requests before new ones get 503", engine=True),
+    Option("--preemption-mode", "preemption_mode", str, "how to make room when KV blocks run out", engine=True,
+           choices=("recompute", "swap")),
+    Option("--no-prefix-caching", "enable_prefix_caching", parse_bool, "turn off prefix caching", engine=True,
+           switch=True, invert=True),
+    Option("--num-threads", "num_threads", _optional_int, "torch threads (default: torch's choice)", engine=True),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags default to None so that an unset flag falls through to its variable."""
+    for option in OPTIONS:
+        help_text = f"{option.help} [env {option.env}]"
+        if option.switch:
+            parser.add_argument(option.flag, dest=option.dest, action="store_const", const=True, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(option.flag, dest=option.dest, default=None, choices=option.choices,
+                                type=option.parse, help=help_text)
+
+
+def settings_from(args: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+    server_values: dict[str, Any] = {}
+    engine_values: dict[str, Any] = {}
+    for option in OPTIONS:
+        value = _resolve(option, args, env)
+        if value is None:
+            continue
+        (engine_values if option.engine else server_values)[option.field] = (not value) if option.invert else value
+    try:
+        data_dir = server_values.get("data_dir", Settings.data_dir)
+        engine_config = EngineConfig(data_dir=data_dir, **engine_values)
+        return Settings(engine=engine_config, **server_values)
+    except (ValueError, TypeError) as error:
+        raise SettingsError(str(error)) from error
+
+
+def _env_value(option: Option, env: Mapping[str, str]) -> str | None:
+    for name in (option.env, option.fallback_env):
+        if name and env.get(name) not in (None, ""):
+            return env[name]
+    return None
+
+
+def _resolve(option: Option, args: Mapping[str, Any], env: Mapping[str, str]) -> Any:
+    if args.get(option.dest) is not None:
+        return args[option.dest]
+    text = _env_value(option, env)
+    if text is None:
+        return None
+    try:
+        value = option.parse(text)
+    except ValueError as error:
+        raise SettingsError(f"{option.env}={text!r} is not valid for {option.flag}: {error}") from error
+    if option.choices and value not in option.choices:
+        raise SettingsError(f"{option.env} must be one of {', '.join(option.choices)}, got {text!r}")
+    return value

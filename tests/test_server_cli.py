@@ -1,0 +1,62 @@
+"""`tokenmill serve` as a user runs it: a real process on a port, found through its printed URL, with a
+key made by `tokenmill keys create` against the same database."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from app.cli import main
+from tests.server_helpers import MODEL
+
+pytestmark = pytest.mark.real_model
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_models(client: openai.OpenAI, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.models.list()
+        except openai.APIConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, capsys):
+    database = ("--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}")
+    assert main(["teams", "create", "cli-team", *database]) == 0
+    assert main(["keys", "create", "--team", "cli-team", *database]) == 0
+    key = capsys.readouterr().out.strip().splitlines()[-1]
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--num-kv-blocks", "128",
+         "--data-dir", str(smollm2.folder.parents[1]),  # where the converted weights are cached already
+         *database, "--log-level", "warning"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in process.stdout.readline()
+        assert "admin key" in process.stdout.readline()  # first start on this database
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        assert [model.id for model in wait_for_models(client)] == [MODEL]
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3)
+        assert reply.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-nope", max_retries=0).models.list()
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
