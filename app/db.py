@@ -6,6 +6,8 @@ Python API, so `tokenmill serve` brings an empty database to head without an ale
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, text
@@ -73,7 +75,7 @@ def migrate(engine: Engine, revision: str = "head") -> None:
     from alembic import command
 
     config = alembic_config(engine)
-    with engine.connect() as connection:
+    with _sqlite_file_lock(engine), engine.connect() as connection:
         if engine.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_lock(:k)"), {"k": PG_MIGRATION_LOCK})
             connection.commit()
@@ -85,6 +87,23 @@ def migrate(engine: Engine, revision: str = "head") -> None:
             if engine.dialect.name == "postgresql":
                 connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": PG_MIGRATION_LOCK})
                 connection.commit()
+
+
+@contextmanager
+def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
+    """SQLite DDL isn't transactional under pysqlite: processes sharing the file take turns."""
+    database = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not database or database == ":memory:":
+        yield
+        return
+    import fcntl
+
+    with open(database + ".migrate.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -52,6 +52,8 @@ class Gateway:
         self.admin: AdminIdentity | None = None
         self._background: set[asyncio.Task] = set()
         self.started = False
+        self.admitted = 0  # requests let through to the engine ...
+        self.finished = 0  # ... and those that reported back
 
     # lifecycle: blocking, so the async forms run them in a thread
 
@@ -75,7 +77,11 @@ class Gateway:
     async def astart(self) -> None:
         await run_in_threadpool(self.start)
 
-    async def astop(self) -> None:
+    async def astop(self, drain_s: float = 5.0) -> None:
+        # Requests cancelled by the server's shutdown report their usage on their way out: let them.
+        deadline = time.monotonic() + drain_s
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         if self._background:
             await asyncio.wait(self._background, timeout=5)
         await run_in_threadpool(self.stop)
@@ -133,12 +139,18 @@ class Gateway:
                 429, f"Rate limit reached for {decision.exceeded} per {self.limiter.window_s:g}s: limit "
                 f"{budget.limit}. Try again in {headers['x-ratelimit-reset-' + decision.exceeded]}.",
                 type=decision.exceeded, code="rate_limit_exceeded", headers=headers)
+        self.admitted += 1
         return headers
+
+    @property
+    def in_flight(self) -> int:
+        return self.admitted - self.finished
 
     def request_finished(self, record: UsageRecord) -> None:
         """On the event loop, once per request that reached the engine: queue its row, never block."""
         if not isinstance(record.key_id, int) or not isinstance(record.team_id, int):
             return
+        self.finished += 1
         price = self.config.price(record.model)
         self._queue(UsageEvent(
             created_at=naive_utc(record.finished_at - record.latency_seconds), team_id=record.team_id,

@@ -130,10 +130,12 @@ class UsageWriter:
     def submit(self, event: UsageEvent) -> None:
         with self._count_lock:
             self.submitted += 1
-        if self._closed or len(self._buffer) >= self.buffer_max:
+            queued = not self._closed and len(self._buffer) < self.buffer_max
+            if queued:
+                self._buffer.append(event)
+        if not queued:
             self._spill([event])  # after shutdown, or the DB has been down for a very long time
             return
-        self._buffer.append(event)
         if len(self._buffer) >= self.batch_max:
             with self._wake:
                 self._wake.notify()
@@ -180,7 +182,10 @@ class UsageWriter:
         while self._buffer and time.monotonic() < deadline:
             if not self._write_some(force_last_used=True):
                 time.sleep(0.2)
-        self._closed = True
+        with self._count_lock:
+            self._closed = True  # from here on submit() spills straight to disk
+        while self._buffer and self._write_some(force_last_used=True):
+            pass
         if self._buffer:
             remaining = list(self._buffer)
             self._buffer.clear()

@@ -28,3 +28,24 @@ def install_gateway(app: FastAPI, gateway: Gateway) -> None:
             await gateway.astop()
 
     app.router.lifespan_context = lifespan
+
+
+def gateway_from_settings(settings) -> Gateway:  # noqa: ANN001 - app.settings.Settings
+    from app.gateway.config import GatewayConfig
+
+    return Gateway(GatewayConfig.from_settings(settings))
+
+
+def provision_admin_key(settings) -> str | None:  # noqa: ANN001
+    """For `tokenmill serve`: migrate, and create the admin key on first start. Returns the plaintext
+    once (the caller prints it), None when it exists already or TOKENMILL_ADMIN_KEY names it."""
+    from app.db import make_engine, migrate, session_factory
+    from app.gateway.admin_identity import ensure_admin_identity
+
+    engine = make_engine(settings.database_url)
+    try:
+        migrate(engine)
+        _, created = ensure_admin_identity(session_factory(engine), configured_key=settings.admin_key)
+    finally:
+        engine.dispose()
+    return created
