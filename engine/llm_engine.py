@@ -204,16 +204,14 @@ class LLMEngine:
             if logprob is not None:
                 entry.logprobs.append(logprob)
 
-    def _finish_reason(self, seq: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
+    def _stops_on_token(self, seq: Request, token_id: int) -> bool:
         params = seq.params
-        if len(seq.output_token_ids) >= params.min_tokens:
-            if hit_stop_string or token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id == self.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        if len(seq.output_token_ids) < params.min_tokens:
+            return False
+        return token_id in params.stop_token_ids or (token_id == self.eos_token_id and not params.ignore_eos)
+
+    def _out_of_room(self, seq: Request) -> bool:
+        return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _collect(self, pending: dict[Request, _Pending], failed: list[tuple[Request, str]]) -> list[RequestOutput]:
         by_group: dict[str, list[SequenceDelta]] = {}
@@ -222,11 +220,16 @@ class LLMEngine:
             group = self.groups[seq.request_id]
             detok = group.detokenizers[seq.index]
             token_id = entry.token_ids[-1]
-            text, hit_stop = detok.add_token(token_id)
-            status = self._finish_reason(seq, token_id, hit_stop)
+            status = None
+            if self._stops_on_token(seq, token_id):  # like OpenAI, the stop token adds no text
+                text, status = detok.flush(), RequestStatus.FINISHED_STOPPED
+            else:
+                text, hit_stop_string = detok.add_token(token_id)
+                if hit_stop_string:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif self._out_of_room(seq):
+                    text, status = text + detok.flush(), RequestStatus.FINISHED_LENGTH
             if status is not None:
-                if not hit_stop:
-                    text += detok.flush()
                 self.scheduler.finish(seq, status)
             by_group.setdefault(seq.request_id, []).append(SequenceDelta(
                 seq.index, text, entry.token_ids, entry.logprobs if seq.params.logprobs is not None else None,

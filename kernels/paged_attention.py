@@ -213,18 +213,23 @@ def paged_attention_decode_reference(
 ) -> torch.Tensor:
     seqs, heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    max_len = int(context_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks].long()
-    keys = key_cache[tables].reshape(seqs, num_blocks * block_size, kv_heads, head_dim)[:, :max_len]
-    values = value_cache[tables].reshape(seqs, num_blocks * block_size, kv_heads, head_dim)[:, :max_len]
-    q = query.view(seqs, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale  # [seqs, kv_heads, group, len]
-    padding = torch.arange(max_len, device=query.device)[None, :] >= context_lens[:, None].long()
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [seqs, kv_heads, group, head_dim]
-    return out.reshape(seqs, heads, head_dim).to(query.dtype)
+    group = heads // kv_heads
+    num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
+    padded_len = num_blocks * block_size
+    # Whole blocks are gathered (large rows copy fastest on the CPU); the tail is masked instead of cut.
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    keys = key_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim)
+    values = value_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim)
+    padding = torch.arange(padded_len, device=query.device)[None, None, :] >= context_lens[:, None, None].long()
+    q = query.view(seqs, kv_heads, group, head_dim)
+    out = torch.empty(seqs, kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
+    # One kv head at a time: its keys are a strided view that bmm reads without another copy.
+    for head in range(kv_heads):
+        scores = torch.bmm(q[:, head], keys[:, :, head].transpose(1, 2)).float().mul_(scale)
+        scores.masked_fill_(padding, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out[:, head] = torch.bmm(probs, values[:, :, head]).to(query.dtype)
+    return out.view(seqs, heads, head_dim)
 
 
 def paged_attention_prefill_reference(
