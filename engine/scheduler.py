@@ -100,7 +100,7 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        while self.swapped and not preempted_any and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and not preempted_any and budget > 0 and self._seats_taken() < self.config.max_num_seqs:
             request = self.swapped[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.blocks.can_swap_in(request, num_new):
@@ -115,8 +115,7 @@ class Scheduler:
 
         while self.waiting and not self.swapped and not preempted_any and budget > 0:
             request = self.waiting[0]
-            seats = 1 + sum(1 for sibling in request.siblings if sibling.fork_parent is request)
-            if len(self.running) + seats > self.config.max_num_seqs:
+            if self._seats_taken() + 1 + self._unforked(request) > self.config.max_num_seqs:
                 break
             first_admission = request.num_computed_tokens == 0 and not request.output_token_ids
             cached = self.blocks.find_cached_prefix(request)
@@ -140,6 +139,14 @@ class Scheduler:
         batch.requests = list(scheduled)
         batch.num_new_tokens = list(scheduled.values())
         return batch
+
+    @staticmethod
+    def _unforked(request: Request) -> int:
+        return sum(1 for sibling in request.siblings if sibling.fork_parent is request)
+
+    def _seats_taken(self) -> int:
+        """Running sequences plus the siblings that will fork off them."""
+        return len(self.running) + sum(self._unforked(request) for request in self.running)
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)
