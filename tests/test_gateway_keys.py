@@ -149,3 +149,31 @@ def test_admin_api_needs_the_admin_key(make_gateway):
             response = client.get("/admin/api/teams", headers=headers)
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
         assert client.get("/admin/api/teams", headers=admin_headers()).status_code == 200
+
+
+def test_admin_and_usage_routes_are_in_the_openapi_schema(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        schema = client.get("/openapi.json").json()
+    paths = schema["paths"]
+    for path, methods in {"/admin/api/teams": {"get", "post"}, "/admin/api/teams/{team_id}": {"get", "patch", "delete"},
+                          "/admin/api/keys": {"get", "post"}, "/admin/api/keys/{key_id}": {"get", "patch", "delete"},
+                          "/admin/api/usage": {"get"}, "/admin/api/usage.csv": {"get"}, "/v1/usage": {"get"}}.items():
+        assert methods <= set(paths[path]), path
+    created = schema["components"]["schemas"]["KeyCreated"]["properties"]
+    assert "key" in created and "key_hash" not in created
+
+
+def test_admin_errors_are_in_openai_shape(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        missing = client.get("/admin/api/teams/999", headers=admin_headers())
+        invalid = client.post("/admin/api/teams", json={"name": ""}, headers=admin_headers())
+        create_team(client, "dup")
+        duplicate = client.post("/admin/api/teams", json={"name": "dup"}, headers=admin_headers())
+        no_team = client.post("/admin/api/keys", json={"team_id": 999}, headers=admin_headers())
+        bad_group = client.get("/admin/api/usage", params={"group_by": "colour"}, headers=admin_headers())
+    assert (missing.status_code, invalid.status_code, duplicate.status_code, no_team.status_code,
+            bad_group.status_code) == (404, 400, 409, 404, 400)
+    for response in (missing, invalid, duplicate, no_team, bad_group):
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
