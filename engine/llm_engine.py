@@ -185,7 +185,8 @@ class LLMEngine:
             logits = logits[torch.tensor(rows, dtype=torch.long)]
         states = [
             SamplingState(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
-                          None if seq.params.ignore_eos else self.eos_token_id)
+                          None if seq.params.ignore_eos else self.eos_token_id,
+                          seq.guide.allowed_tokens() if seq.guide is not None else None)
             for seq in sequences
         ]
         result = self.sampler(logits, states)
@@ -199,6 +200,8 @@ class LLMEngine:
                 seq.fork_parent = None
                 self.scheduler.add_running(seq)
             seq.output_token_ids.append(token_id)
+            if seq.guide is not None:
+                seq.guide.advance(token_id)
             entry = pending.setdefault(seq, _Pending())
             entry.token_ids.append(token_id)
             if logprob is not None:
@@ -225,7 +228,9 @@ class LLMEngine:
                 text, status = detok.flush(), RequestStatus.FINISHED_STOPPED
             else:
                 text, hit_stop_string = detok.add_token(token_id)
-                if hit_stop_string:
+                if hit_stop_string or (seq.guide is not None and seq.guide.done):
+                    if not hit_stop_string:
+                        text += detok.flush()
                     status = RequestStatus.FINISHED_STOPPED
                 elif self._out_of_room(seq):
                     text, status = text + detok.flush(), RequestStatus.FINISHED_LENGTH

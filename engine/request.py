@@ -44,6 +44,7 @@ class Request:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     cpu_block_ids: list[int] = field(default_factory=list)  # where the KV is while swapped out
     generator: torch.Generator | None = None
+    guide: object | None = None  # engine.guide.Guide, when the output is constrained
     # A sibling of an n > 1 request waits for its parent's prompt instead of prefilling it again.
     fork_parent: Request | None = None
     siblings: list[Request] = field(default_factory=list)
@@ -51,6 +52,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+        if self.params.guide_factory is not None and self.guide is None:
+            self.guide = self.params.guide_factory.new_guide()
 
     @property
     def key(self) -> tuple[str, int]:

@@ -18,6 +18,7 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # set when params.seed is set
     eos_token_id: int | None = None  # None when ignore_eos
+    allowed_tokens: torch.Tensor | None = None  # bool [<= vocab]: a guide's constraint on the next token
 
 
 @dataclass
@@ -67,7 +68,8 @@ def apply_logit_processors(logits: torch.Tensor, states: list[SamplingState]) ->
     repetition_rows = [row for row, state in enumerate(states) if state.params.repetition_penalty != 1.0]
     frequency_rows = [row for row, state in enumerate(states)
                       if state.params.presence_penalty != 0.0 or state.params.frequency_penalty != 0.0]
-    if not (bias or banned or repetition_rows or frequency_rows):
+    guided_rows = [row for row, state in enumerate(states) if state.allowed_tokens is not None]
+    if not (bias or banned or repetition_rows or frequency_rows or guided_rows):
         return logits
 
     logits = logits.clone()
@@ -90,6 +92,11 @@ def apply_logit_processors(logits: torch.Tensor, states: list[SamplingState]) ->
         presence = torch.tensor([states[r].params.presence_penalty for r in range(len(states))])[rows]
         frequency = torch.tensor([states[r].params.frequency_penalty for r in range(len(states))])[rows]
         logits[rows, tokens] -= frequency * counts + presence
+    # Last, so that no bias or penalty can lift a token the guide forbids.
+    for row in guided_rows:
+        allowed = states[row].allowed_tokens[:vocab]
+        logits[row, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+        logits[row, allowed.shape[0]:] = float("-inf")
     return logits
 
 

@@ -35,6 +35,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k >= 0: the chosen token plus k alternatives
     skip_special_tokens: bool = True
+    # Constrained decoding: makes one `engine.guide.Guide` per sequence (JSON schema, tool calls, ...).
+    guide_factory: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
