@@ -76,7 +76,7 @@ def test_aborted_stream_is_billed_for_what_was_produced(make_gateway):
             time.sleep(0.05)
     [row] = rows
     assert row.status == "aborted"
-    assert received <= row.completion_tokens <= received + 2  # what the engine made before it heard
+    assert received <= row.completion_tokens <= received + 10  # what the engine made before it heard
     assert row.prompt_tokens == prompt_tokens_of("say hello")
     assert engine.aborted  # and the engine was told to stop
 
