@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from app.dashboard.wiring import install_dashboard
 from app.deps import ServerContext
 from app.errors import install_error_handlers
 from app.gateway_hooks import Gateway, SingleKeyGateway
@@ -29,4 +30,5 @@ def create_app(settings: Settings, engine, *, gateway: Gateway | None = None) ->
     install = getattr(app.state.context.gateway, "install", None)
     if install is not None:  # the gateway's admin and usage routes, headers, start and flush with the lifespan
         install(app)
+    install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
     return app

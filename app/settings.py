@@ -29,6 +29,8 @@ class Settings:
     admin_key: str | None = None
     max_request_bytes: int = 2 * 1024 * 1024
     max_tokens_cap: int = 4096  # upper bound for max_tokens, and the default when a request omits it
+    hardware_cost_per_hour: float = 0.0  # USD per hour of this machine: the dashboard's real cost per token
+    session_secret: str | None = None  # signs admin dashboard sessions; None: random per process
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -38,6 +40,8 @@ class Settings:
             raise SettingsError("max_request_bytes must be at least 1024")
         if self.max_tokens_cap < 1:
             raise SettingsError("max_tokens_cap must be at least 1")
+        if self.hardware_cost_per_hour < 0:
+            raise SettingsError("hardware_cost_per_hour must not be negative")
         if not self.database_url:
             sqlite_path = Path(self.data_dir) / "tokenmill.db"
             object.__setattr__(self, "database_url", f"sqlite:///{sqlite_path}")
@@ -92,6 +96,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--admin-key", "admin_key", str, "admin key (default: created on first start)"),
     Option("--max-request-bytes", "max_request_bytes", int, "largest request body accepted"),
     Option("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens a request may ask for"),
+    Option("--hardware-cost-per-hour", "hardware_cost_per_hour", float,
+           "USD per hour this machine costs (the dashboard's real cost per token)"),
+    Option("--session-secret", "session_secret", str, "signs admin dashboard sessions (default: random per process)"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),

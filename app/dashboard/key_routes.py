@@ -1,0 +1,81 @@
+"""/admin/keys: every key (keyset pages, by team), create (the key is shown once), edit limits, revoke."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import RedirectResponse, Response
+from sqlalchemy import select
+
+from app.dashboard.deps import CheckedForm, DashboardDep, PageSession, safe_next
+from app.dashboard.limit_forms import FormError, body_from
+from app.dashboard.rendering import render
+from app.dashboard.team_routes import PAGE_SIZE, team_page
+from app.errors import OpenAIError
+from app.gateway import admin_api, crud
+from app.gateway.models import Team
+from app.gateway.schemas import KeyCreate, KeyUpdate
+
+router = APIRouter()
+
+
+def team_names(session, team_ids: set[int]) -> dict[int, str]:  # noqa: ANN001
+    if not team_ids:
+        return {}
+    return dict(session.execute(select(Team.id, Team.name).where(Team.id.in_(team_ids))).all())
+
+
+@router.get("/admin/keys", include_in_schema=False)
+def list_keys(request: Request, session: PageSession, dashboard: DashboardDep, after: int | None = None,
+              team_id: int | None = None, revoked: bool = False) -> Response:
+    with dashboard.gateway.sessions() as db:
+        keys = list(crud.list_keys(db, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1, after=after))
+        names = team_names(db, {key.team_id for key in keys})
+    return render(request, "keys.html", session, section="keys", keys=keys[:PAGE_SIZE], team_names=names,
+                  next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None, after=after,
+                  team_id=team_id, revoked=revoked, back=str(request.url.path))
+
+
+@router.post("/admin/keys", include_in_schema=False)
+def create_key(request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+    """Answers with the page that shows the key: once, never cached, never in a URL."""
+    team_id = int(form["team_id"]) if form.get("team_id", "").isdigit() else 0
+    try:
+        body = body_from(form, KeyCreate, team_id=team_id, name=form.get("name", "").strip())
+        with dashboard.gateway.sessions() as db:
+            created = admin_api.create_key(body, db)
+    except (FormError, OpenAIError) as error:
+        message = error.message if isinstance(error, OpenAIError) else str(error)
+        return team_page(request, session, dashboard, team_id, error=message, status_code=400)
+    return render(request, "key_created.html", session, section="keys", key=created)
+
+
+@router.get("/admin/keys/{key_id}", include_in_schema=False)
+def show_key(request: Request, key_id: int, session: PageSession, dashboard: DashboardDep,
+             done: str | None = None, error: str | None = None, status_code: int = 200) -> Response:
+    with dashboard.gateway.sessions() as db:
+        key = crud.get_key(db, key_id=key_id)
+        team = crud.get_team(db, team_id=key.team_id) if key is not None else None
+    if key is None:
+        return render(request, "error.html", session, status_code=404, message=f"No key with id {key_id}.")
+    return render(request, "key.html", session, section="keys", key=key, team=team, error=error,
+                  notice="Key saved." if done == "saved" else None, status_code=status_code)
+
+
+@router.post("/admin/keys/{key_id}", include_in_schema=False)
+def update_key(request: Request, key_id: int, session: PageSession, dashboard: DashboardDep,
+               form: CheckedForm) -> Response:
+    try:
+        body = body_from(form, KeyUpdate, name=form.get("name", "").strip())
+        with dashboard.gateway.sessions() as db:
+            admin_api.update_key(key_id, body, db, dashboard.gateway)
+    except (FormError, OpenAIError) as error:
+        message = error.message if isinstance(error, OpenAIError) else str(error)
+        return show_key(request, key_id, session, dashboard, error=message, status_code=400)
+    return RedirectResponse(f"/admin/keys/{key_id}?done=saved", status_code=303)
+
+
+@router.post("/admin/keys/{key_id}/revoke", include_in_schema=False)
+def revoke_key(key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+    with dashboard.gateway.sessions() as db:
+        key = admin_api.revoke_key(key_id, db, dashboard.gateway)
+    back = safe_next(form.get("back") or f"/admin/teams/{key.team_id}")
+    return RedirectResponse(back + ("&" if "?" in back else "?") + "done=revoked", status_code=303)

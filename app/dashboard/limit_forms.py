@@ -1,0 +1,40 @@
+"""Team and key forms -> the admin API's bodies. An empty field means "no limit"; pydantic validates."""
+from __future__ import annotations
+
+import re
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from app.gateway.schemas import Limits
+
+Body = TypeVar("Body", bound=BaseModel)
+LIMIT_NAMES = tuple(Limits.model_fields)
+
+
+class FormError(ValueError):
+    pass
+
+
+def limits_from(form: dict[str, str]) -> dict:
+    values: dict = {}
+    for name in LIMIT_NAMES:
+        if name not in form:
+            continue
+        text = form[name].strip()
+        if name == "allowed_models":
+            values[name] = [m for m in re.split(r"[,\s]+", text) if m]
+        else:
+            values[name] = text or None
+    return values
+
+
+def body_from(form: dict[str, str], model: type[Body], **fields) -> Body:  # noqa: ANN003
+    """The form's limits (and `fields`) as `model`, or FormError with a message for the page."""
+    values = {**limits_from(form), **fields}
+    try:
+        return model.model_validate(values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise FormError(f"{where}: {first['msg']}") from None

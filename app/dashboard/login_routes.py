@@ -1,0 +1,64 @@
+"""/admin/login and /admin/logout. The admin key buys a signed, HttpOnly, SameSite=Strict session
+cookie that expires; the login form carries its own CSRF token (double submit) before a session exists."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from app.dashboard.deps import CheckedForm, DashboardDep, PageSession, current_session, read_form, safe_next
+from app.dashboard.rendering import render
+from app.dashboard.sessions import LOGIN_COOKIE, SESSION_COOKIE, AdminSession
+
+router = APIRouter()
+
+
+def _secure(request: Request) -> bool:
+    return request.url.scheme == "https"
+
+
+def login_page(request: Request, dashboard, *, next_path: str, error: str | None = None,  # noqa: ANN001
+               status_code: int = 200) -> Response:
+    token, cookie = dashboard.signer.login_token()
+    response = render(request, "login.html", None, status_code=status_code, login_token=token,
+                      next_path=safe_next(next_path), error=error)
+    response.set_cookie(LOGIN_COOKIE, cookie, max_age=3600, path="/admin/login", httponly=True, samesite="strict",
+                        secure=_secure(request))
+    return response
+
+
+@router.get("/admin/login", include_in_schema=False)
+def show_login(request: Request, dashboard: DashboardDep,
+               session: Annotated[AdminSession | None, Depends(current_session)], next: str = "/admin") -> Response:
+    if session is not None:
+        return RedirectResponse(safe_next(next), status_code=303)
+    return login_page(request, dashboard, next_path=next)
+
+
+@router.post("/admin/login", include_in_schema=False)
+async def log_in(request: Request, dashboard: DashboardDep) -> Response:
+    form = await read_form(request)
+    next_path = safe_next(form.get("next"))
+    if not dashboard.signer.login_token_ok(request.cookies.get(LOGIN_COOKIE), form.get("csrf_token")):
+        return login_page(request, dashboard, next_path=next_path, status_code=403,
+                          error="The form expired or was not ours. Please try again.")
+    admin = dashboard.gateway.admin
+    if admin is None or not admin.matches(form.get("admin_key", "").strip()):
+        return login_page(request, dashboard, next_path=next_path, status_code=401, error="That is not the admin key.")
+    session, cookie = dashboard.signer.issue()
+    response = RedirectResponse(next_path, status_code=303)
+    response.set_cookie(SESSION_COOKIE, cookie, max_age=int(dashboard.signer.lifetime_s), path="/admin",
+                        httponly=True, samesite="strict", secure=_secure(request))
+    response.delete_cookie(LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict")
+    return response
+
+
+@router.post("/admin/logout", include_in_schema=False)
+async def log_out(request: Request, dashboard: DashboardDep, session: PageSession, form: CheckedForm) -> Response:
+    dashboard.signer.end(session)
+    await run_in_threadpool(dashboard.playground.forget, session.session_id)
+    response = RedirectResponse("/admin/login", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict")
+    return response

@@ -1,0 +1,30 @@
+"""/admin: the live overview (the page polls /admin/data/live every second) and the models page."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.dashboard.deps import DashboardDep, DataSession, PageSession
+from app.dashboard.rendering import NO_STORE, render
+from app.dashboard.sources import model_cards
+
+router = APIRouter()
+
+
+@router.get("/admin", include_in_schema=False)
+def overview(request: Request, session: PageSession, dashboard: DashboardDep) -> Response:
+    return render(request, "overview.html", session, section="overview",
+                  hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour,
+                  interval_ms=int(dashboard.sampler.interval_s * 1000))
+
+
+@router.get("/admin/data/live", include_in_schema=False)
+async def live_data(session: DataSession, dashboard: DashboardDep, after: float | None = None) -> Response:
+    """The latest numbers per model, and the chart points newer than `after` (all 15 minutes without it)."""
+    return JSONResponse(dashboard.sampler.live(after=after), headers=NO_STORE)
+
+
+@router.get("/admin/models", include_in_schema=False)
+def models(request: Request, session: PageSession, dashboard: DashboardDep) -> Response:
+    return render(request, "models.html", session, section="models", models=model_cards(request.app),
+                  hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour)

@@ -1,0 +1,76 @@
+"""Short-lived API keys for the playground. The playground calls the real /v1 route with a real key of
+the `playground` team, so its requests are authenticated, rate-limited and metered like any other.
+One key per admin session, expiring within the hour, revoked at logout; the plaintext lives only in
+this process's memory and the page's."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from sqlalchemy.exc import IntegrityError
+
+from app.errors import OpenAIError
+from app.gateway import admin_api, crud
+from app.gateway.schemas import KeyCreate, TeamCreate
+
+PLAYGROUND_TEAM = "playground"
+KEY_LIFETIME_S = 3600
+REUSE_MARGIN_S = 300  # mint a fresh key rather than hand out one about to expire
+
+
+@dataclass(frozen=True)
+class PlaygroundKey:
+    key: str
+    key_id: int
+    team_id: int
+    expires_at: float  # unix seconds
+
+
+class PlaygroundKeys:
+    def __init__(self, gateway, *, clock: Callable[[], float] = time.time) -> None:  # noqa: ANN001
+        self.gateway = gateway
+        self.clock = clock
+        self._by_session: dict[str, PlaygroundKey] = {}
+        self._lock = threading.Lock()
+
+    def key_for(self, session_id: str) -> PlaygroundKey:
+        """Blocking (database): run it in a thread."""
+        with self._lock:
+            existing = self._by_session.get(session_id)
+            if existing is not None and existing.expires_at - self.clock() > REUSE_MARGIN_S:
+                return existing
+            minted = self._mint()
+            self._by_session[session_id] = minted
+            return minted
+
+    def _mint(self) -> PlaygroundKey:
+        expires_at = int(self.clock() + KEY_LIFETIME_S)
+        expires = datetime.fromtimestamp(expires_at, timezone.utc)
+        with self.gateway.sessions() as session:
+            team_id = self._team_id(session)
+            created = admin_api.create_key(KeyCreate(team_id=team_id, name="dashboard playground",
+                                                     expires_at=expires), session)
+        return PlaygroundKey(created.key, created.id, team_id, expires_at)
+
+    @staticmethod
+    def _team_id(session) -> int:  # noqa: ANN001
+        team = crud.get_team_by_name(session, name=PLAYGROUND_TEAM)
+        if team is not None:
+            return team.id
+        try:
+            return admin_api.create_team(TeamCreate(name=PLAYGROUND_TEAM), session).id
+        except (OpenAIError, IntegrityError):  # another replica made it first
+            session.rollback()
+            return crud.get_team_by_name(session, name=PLAYGROUND_TEAM).id
+
+    def forget(self, session_id: str) -> None:
+        """At logout: revoke the session's key. Blocking (database)."""
+        with self._lock:
+            minted = self._by_session.pop(session_id, None)
+        if minted is None:
+            return
+        with self.gateway.sessions() as session:
+            admin_api.revoke_key(minted.key_id, session, self.gateway)

@@ -1,0 +1,85 @@
+"""Admin dashboard sessions: a signed cookie (HMAC-SHA256) carrying a random id and an expiry, and
+CSRF tokens derived from that id. Logging out ends the id in this process until it would expire."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SESSION_COOKIE = "tokenmill_admin"
+LOGIN_COOKIE = "tokenmill_login"  # the login form's CSRF token, before there is a session
+SESSION_LIFETIME_S = 8 * 3600
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+@dataclass(frozen=True)
+class AdminSession:
+    session_id: str
+    expires_at: float  # unix seconds
+
+
+class SessionSigner:
+    def __init__(self, secret: str | bytes | None = None, *, lifetime_s: float = SESSION_LIFETIME_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if secret is None:
+            secret = secrets.token_bytes(32)
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self.lifetime_s = lifetime_s
+        self.clock = clock
+        self._ended: dict[str, float] = {}  # session id -> when it would have expired
+
+    def _sign(self, purpose: str, text: str) -> str:
+        return _b64(hmac.new(self._secret, f"{purpose}:{text}".encode(), hashlib.sha256).digest())
+
+    def _signed_ok(self, purpose: str, text: str, signature: str) -> bool:
+        return hmac.compare_digest(self._sign(purpose, text).encode(), signature.encode())
+
+    # sessions
+
+    def issue(self) -> tuple[AdminSession, str]:
+        """A new session and its cookie value."""
+        session = AdminSession(secrets.token_urlsafe(18), int(self.clock() + self.lifetime_s))
+        body = f"{session.session_id}.{int(session.expires_at)}"
+        return session, f"{body}.{self._sign('session', body)}"
+
+    def read(self, cookie: str | None) -> AdminSession | None:
+        """The session a cookie carries, if it is signed by us, unexpired and not logged out."""
+        if not cookie or cookie.count(".") != 2:
+            return None
+        session_id, expires, signature = cookie.split(".")
+        if not self._signed_ok("session", f"{session_id}.{expires}", signature) or not expires.isdigit():
+            return None
+        if int(expires) <= self.clock() or session_id in self._ended:
+            return None
+        return AdminSession(session_id, int(expires))
+
+    def end(self, session: AdminSession) -> None:
+        now = self.clock()
+        self._ended = {sid: until for sid, until in self._ended.items() if until > now}
+        self._ended[session.session_id] = session.expires_at
+
+    # CSRF
+
+    def csrf_token(self, session: AdminSession) -> str:
+        return self._sign("csrf", session.session_id)
+
+    def csrf_ok(self, session: AdminSession, token: str | None) -> bool:
+        return bool(token) and self._signed_ok("csrf", session.session_id, token)
+
+    def login_token(self) -> tuple[str, str]:
+        """For the login form (double submit): the hidden field's token and the cookie that vouches for it."""
+        token = secrets.token_urlsafe(18)
+        return token, f"{token}.{self._sign('login', token)}"
+
+    def login_token_ok(self, cookie: str | None, token: str | None) -> bool:
+        if not cookie or not token or cookie.count(".") != 1:
+            return False
+        cookie_token, signature = cookie.split(".")
+        return self._signed_ok("login", cookie_token, signature) and hmac.compare_digest(cookie_token, token)

@@ -1,0 +1,97 @@
+"""/admin/teams: list (keyset pages), create, edit limits, delete; a team's page lists its keys.
+Changes go through the admin API's functions, so the key cache is invalidated exactly as there."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import RedirectResponse, Response
+from sqlalchemy import func, select
+
+from app.dashboard.deps import CheckedForm, DashboardDep, PageSession
+from app.dashboard.limit_forms import FormError, body_from
+from app.dashboard.rendering import render
+from app.errors import OpenAIError
+from app.gateway import admin_api, crud
+from app.gateway.models import ApiKey
+from app.gateway.schemas import TeamCreate, TeamUpdate
+
+router = APIRouter()
+PAGE_SIZE = 50
+NOTICES = {"created": "Team created.", "saved": "Limits saved.", "revoked": "Key revoked.",
+           "deleted": "Team deleted; its keys are revoked.", "key_saved": "Key saved."}
+
+
+def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:  # noqa: ANN001
+    if not team_ids:
+        return {}
+    query = (select(ApiKey.team_id, func.count()).where(ApiKey.team_id.in_(team_ids), ApiKey.revoked_at.is_(None))
+             .group_by(ApiKey.team_id))
+    return dict(session.execute(query).all())
+
+
+def teams_page(request: Request, session_, dashboard, *, after: int | None, error: str | None = None,  # noqa: ANN001
+               form: dict | None = None, status_code: int = 200) -> Response:
+    with dashboard.gateway.sessions() as session:
+        teams = list(crud.list_teams(session, limit=PAGE_SIZE + 1, after=after))
+        counts = live_key_counts(session, [team.id for team in teams[:PAGE_SIZE]])
+    return render(request, "teams.html", session_, section="teams", teams=teams[:PAGE_SIZE], key_counts=counts,
+                  next_after=teams[PAGE_SIZE - 1].id if len(teams) > PAGE_SIZE else None, after=after, error=error,
+                  form=form or {}, status_code=status_code)
+
+
+@router.get("/admin/teams", include_in_schema=False)
+def list_teams(request: Request, session: PageSession, dashboard: DashboardDep, after: int | None = None) -> Response:
+    return teams_page(request, session, dashboard, after=after)
+
+
+@router.post("/admin/teams", include_in_schema=False)
+def create_team(request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+    try:
+        body = body_from(form, TeamCreate, name=form.get("name", "").strip())
+        with dashboard.gateway.sessions() as db:
+            team = admin_api.create_team(body, db)
+    except (FormError, OpenAIError) as error:
+        message = error.message if isinstance(error, OpenAIError) else str(error)
+        return teams_page(request, session, dashboard, after=None, error=message, form=form, status_code=400)
+    return RedirectResponse(f"/admin/teams/{team.id}?done=created", status_code=303)
+
+
+def team_page(request: Request, session_, dashboard, team_id: int, *, after: int | None = None,  # noqa: ANN001
+              revoked: bool = False, done: str | None = None, error: str | None = None,
+              status_code: int = 200) -> Response:
+    with dashboard.gateway.sessions() as session:
+        team = crud.get_team(session, team_id=team_id)
+        if team is None:
+            return render(request, "error.html", session_, status_code=404, message=f"No team with id {team_id}.")
+        keys = list(crud.list_keys(session, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1,
+                                   after=after))
+    return render(request, "team.html", session_, section="teams", team=team, keys=keys[:PAGE_SIZE],
+                  next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None, after=after,
+                  revoked=revoked, notice=NOTICES.get(done or ""), error=error, status_code=status_code,
+                  back=str(request.url.path))
+
+
+@router.get("/admin/teams/{team_id}", include_in_schema=False)
+def show_team(request: Request, team_id: int, session: PageSession, dashboard: DashboardDep,
+              after: int | None = None, revoked: bool = False, done: str | None = None) -> Response:
+    return team_page(request, session, dashboard, team_id, after=after, revoked=revoked, done=done)
+
+
+@router.post("/admin/teams/{team_id}", include_in_schema=False)
+def update_team(request: Request, team_id: int, session: PageSession, dashboard: DashboardDep,
+                form: CheckedForm) -> Response:
+    try:
+        name = form.get("name", "").strip()
+        body = body_from(form, TeamUpdate, blocked=form.get("blocked") == "on", **({"name": name} if name else {}))
+        with dashboard.gateway.sessions() as db:
+            admin_api.update_team(team_id, body, db, dashboard.gateway)
+    except (FormError, OpenAIError) as error:
+        message = error.message if isinstance(error, OpenAIError) else str(error)
+        return team_page(request, session, dashboard, team_id, error=message, status_code=400)
+    return RedirectResponse(f"/admin/teams/{team_id}?done=saved", status_code=303)
+
+
+@router.post("/admin/teams/{team_id}/delete", include_in_schema=False)
+def delete_team(team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+    with dashboard.gateway.sessions() as db:
+        admin_api.delete_team(team_id, db, dashboard.gateway)
+    return RedirectResponse("/admin/teams", status_code=303)

@@ -1,0 +1,64 @@
+"""Puts the dashboard into the app: its routers under /admin, static files, security headers, the
+login redirect, and the live sampler started and stopped with the app's lifespan. The dashboard needs
+the gateway (the admin key, teams, keys, usage); an app without one gets no dashboard."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from app.dashboard import key_routes, login_routes, overview_routes, playground_routes, team_routes, usage_routes
+from app.dashboard.deps import CsrfRejected, Dashboard, LoginRequired, login_url
+from app.dashboard.headers import DashboardHeadersMiddleware
+from app.dashboard.live import LiveSampler
+from app.dashboard.playground_keys import PlaygroundKeys
+from app.dashboard.rendering import WEB_DIR, render
+from app.dashboard.sessions import SessionSigner
+from app.dashboard.sources import model_sources
+
+ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, playground_routes)
+
+
+async def _to_login(request: Request, error: LoginRequired) -> Response:
+    return RedirectResponse(login_url(error.next_path), status_code=303)
+
+
+async def _csrf_rejected(request: Request, error: CsrfRejected) -> Response:
+    return render(request, "error.html", None, status_code=403,
+                  message="This form is stale or did not come from this dashboard (CSRF check). Reload the page.")
+
+
+def install_dashboard(app: FastAPI, *, sample_interval_s: float = 1.0) -> Dashboard | None:
+    gateway = getattr(app.state, "gateway", None)
+    if gateway is None:
+        return None
+    existing = getattr(app.state, "dashboard", None)
+    if existing is not None:
+        return existing
+    settings = app.state.context.settings
+    sampler = LiveSampler(lambda: model_sources(app), hardware_cost_per_hour=settings.hardware_cost_per_hour,
+                          interval_s=sample_interval_s)
+    dashboard = Dashboard(settings=settings, gateway=gateway, signer=SessionSigner(settings.session_secret),
+                          sampler=sampler, playground=PlaygroundKeys(gateway))
+    app.state.dashboard = dashboard
+    for module in ROUTERS:
+        app.include_router(module.router)
+    app.mount("/admin/static", StaticFiles(directory=WEB_DIR / "static"), name="dashboard-static")
+    app.add_middleware(DashboardHeadersMiddleware)
+    app.add_exception_handler(LoginRequired, _to_login)
+    app.add_exception_handler(CsrfRejected, _csrf_rejected)
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app_: FastAPI):
+        async with inner(app_) as state:
+            sampler.start()
+            try:
+                yield state
+            finally:
+                await sampler.stop()
+
+    app.router.lifespan_context = lifespan
+    return dashboard

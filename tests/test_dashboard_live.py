@@ -1,0 +1,191 @@
+"""The live sampler: occupancy and KV use averaged over engine steps, token rates, percentiles over the
+last minute, real cost per token (hardware cost over tokens produced), 15 minutes of history."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pytest
+
+from app.dashboard.histograms import HistogramCounts, quantile
+from app.dashboard.live import LiveSampler, ModelSource, cost_per_million
+from app.prometheus import Histogram
+from engine.stats import EngineStats
+
+START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc).timestamp()
+
+
+class FakeModel:
+    """Engine stats and latency histograms that a test moves by hand, and a clock."""
+
+    def __init__(self) -> None:
+        self.now = START
+        self.stats = EngineStats(max_num_seqs=8, max_num_batched_tokens=100, kv_blocks_total=200)
+        self.ttft = Histogram("ttft", "", (0.1, 0.2, 0.5, 1.0))
+        self.itl = Histogram("itl", "", (0.01, 0.02, 0.05))
+
+    def source(self) -> ModelSource:
+        return ModelSource("m", self.stats.snapshot, lambda: HistogramCounts.of(self.ttft),
+                           lambda: HistogramCounts.of(self.itl))
+
+    def steps(self, count: int, *, seqs: int, tokens: int, kv_blocks: int) -> None:
+        s = self.stats
+        s.steps_total += count
+        s.scheduled_seqs_total += count * seqs
+        s.scheduled_tokens_total += count * tokens
+        s.kv_blocks_used = kv_blocks
+        s.kv_blocks_used_step_sum += count * kv_blocks
+        s.scheduled_seqs_last_step, s.scheduled_tokens_last_step = seqs, tokens
+
+
+@pytest.fixture
+def model():
+    return FakeModel()
+
+
+def sampler_for(model: FakeModel, **options) -> LiveSampler:  # noqa: ANN003
+    return LiveSampler(lambda: [model.source()], clock=lambda: model.now, **options)
+
+
+def tick(sampler: LiveSampler, model: FakeModel, seconds: float = 1.0) -> None:
+    model.now += seconds
+    sampler.sample()
+
+
+def test_quantile_interpolates_inside_its_bucket():
+    counts = HistogramCounts((0.1, 0.2, 0.5), (0, 10, 0, 0))
+    assert quantile(0.5, counts) == pytest.approx(0.15)
+    assert quantile(0.99, counts) == pytest.approx(0.199)
+
+
+def test_quantile_of_nothing_is_none_and_of_the_overflow_bucket_is_the_last_bound():
+    assert quantile(0.5, HistogramCounts((0.1,), (0, 0))) is None
+    assert quantile(0.5, HistogramCounts((0.1, 0.2), (0, 0, 5))) == 0.2
+
+
+def test_occupancy_and_kv_use_are_means_over_the_steps_in_the_window(model):
+    sampler = sampler_for(model)
+    sampler.sample()
+    model.steps(10, seqs=2, tokens=50, kv_blocks=20)
+    model.steps(10, seqs=6, tokens=10, kv_blocks=60)
+    tick(sampler, model)
+    current = sampler.current("m")
+    assert current["seq_occupancy"] == pytest.approx(4 / 8)
+    assert current["token_occupancy"] == pytest.approx(30 / 100)
+    assert current["kv_usage"] == pytest.approx(40 / 200)
+    assert (current["seqs_last_step"], current["tokens_last_step"], current["kv_usage_now"]) == (6, 10, 0.3)
+
+
+def test_an_idle_engine_has_an_empty_batch(model):
+    sampler = sampler_for(model)
+    sampler.sample()
+    tick(sampler, model)
+    current = sampler.current("m")
+    assert current["seq_occupancy"] == 0 and current["token_occupancy"] == 0
+    assert current["tokens_out_per_s"] == 0 and current["cost_per_1m_out"] is None
+
+
+def test_token_rates_are_per_second_over_the_last_ten_seconds(model):
+    sampler = sampler_for(model)
+    sampler.sample()
+    for _ in range(20):
+        model.stats.prompt_tokens_total += 30
+        model.stats.generation_tokens_total += 10
+        tick(sampler, model)
+    current = sampler.current("m")
+    assert current["tokens_in_per_s"] == pytest.approx(30)
+    assert current["tokens_out_per_s"] == pytest.approx(10)
+
+
+def test_real_cost_is_the_hardware_cost_over_the_tokens_produced(model):
+    assert cost_per_million(3.6, 60, 60_000) == pytest.approx(1.0)  # $0.06 a minute over 60k tokens
+    sampler = sampler_for(model, hardware_cost_per_hour=3.6)
+    sampler.sample()
+    for _ in range(60):
+        model.stats.generation_tokens_total += 1000
+        tick(sampler, model)
+    current = sampler.current("m")
+    assert current["cost_per_1m_out"] == pytest.approx(1.0)
+    assert current["today_cost_per_1m_out"] == pytest.approx(1.0)
+    assert current["today_cost_usd"] == pytest.approx(0.06)
+    assert current["today_tokens_out"] == 60_000
+
+
+def test_a_fuller_batch_makes_tokens_cheaper(model):
+    sampler = sampler_for(model, hardware_cost_per_hour=3.6)
+    sampler.sample()
+    for _ in range(60):
+        model.stats.generation_tokens_total += 100
+        tick(sampler, model)
+    sparse = sampler.current("m")["cost_per_1m_out"]
+    for _ in range(60):
+        model.stats.generation_tokens_total += 800
+        tick(sampler, model)
+    assert sampler.current("m")["cost_per_1m_out"] == pytest.approx(sparse / 8)
+
+
+def test_percentiles_cover_the_last_minute_only(model):
+    sampler = sampler_for(model)
+    for _ in range(100):
+        model.ttft.observe(0.9)
+    sampler.sample()
+    for _ in range(70):
+        tick(sampler, model)
+    for _ in range(100):
+        model.ttft.observe(0.15)
+        model.itl.observe(0.015)
+    tick(sampler, model)
+    current = sampler.current("m")
+    assert 0.1 <= current["ttft_p50"] <= 0.2 and current["ttft_p99"] <= 0.2
+    assert 0.01 <= current["itl_p50"] <= 0.02
+
+
+def test_prefix_hit_rate_is_over_the_last_minute(model):
+    sampler = sampler_for(model)
+    sampler.sample()
+    model.stats.prefix_cache_queries += 400
+    model.stats.prefix_cache_hits += 100
+    tick(sampler, model)
+    assert sampler.current("m")["prefix_hit_rate"] == pytest.approx(0.25)
+
+
+def test_history_keeps_fifteen_minutes(model):
+    sampler = sampler_for(model)
+    for _ in range(1200):
+        tick(sampler, model)
+    series = sampler.series("m")
+    assert 899 <= len(series["t"]) <= 900
+    assert series["t"][-1] - series["t"][0] <= 900
+
+
+def test_series_after_a_time_holds_only_newer_points(model):
+    sampler = sampler_for(model)
+    for _ in range(5):
+        tick(sampler, model)
+    seen = sampler.series("m")["t"][-1]
+    tick(sampler, model)
+    tick(sampler, model)
+    newer = sampler.series("m", after=seen)
+    assert newer["t"] == [seen + 1, seen + 2]
+    assert set(newer) >= {"tokens_out_per_s", "seq_occupancy", "kv_usage", "ttft_p99", "cost_per_1m_out", "running"}
+
+
+def test_today_starts_again_at_utc_midnight(model):
+    model.now = datetime(2026, 11, 29, 23, 59, 58, tzinfo=timezone.utc).timestamp()
+    sampler = sampler_for(model, hardware_cost_per_hour=1.0)
+    sampler.sample()
+    model.stats.generation_tokens_total += 500
+    tick(sampler, model)
+    assert sampler.current("m")["today_tokens_out"] == 500
+    tick(sampler, model, 2)  # 00:00:01
+    model.stats.generation_tokens_total += 70
+    tick(sampler, model)
+    current = sampler.current("m")
+    assert current["today_tokens_out"] == 70
+    assert datetime.fromtimestamp(current["today_since"], timezone.utc).day == 30
+
+
+def test_the_live_payload_samples_on_first_use(model):
+    sampler = sampler_for(model)
+    payload = sampler.live()
+    assert [entry["current"]["name"] for entry in payload["models"]] == ["m"]
+    assert payload["history_s"] == 900 and payload["interval_s"] == 1.0
