@@ -138,7 +138,11 @@ async def load(url: str, keys: list[str], total: int, concurrency: int) -> tuple
         for i in counter:
             headers = {"Authorization": f"Bearer {keys[i % len(keys)]}"} if keys else {}
             start = time.perf_counter()
-            response = await client.post("/v1/chat/completions", json=body, headers=headers)
+            try:
+                response = await client.post("/v1/chat/completions", json=body, headers=headers)
+            except httpx.HTTPError:
+                failures += 1
+                continue
             latencies.append(time.perf_counter() - start)
             if response.status_code != 200:
                 failures += 1
@@ -167,14 +171,21 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         database_url = PG_SERVER.rsplit("/", 1)[0] + "/" + pg_name
     port = free_port()
     timings = workdir / f"timings-{mode}.json"
+    server_log = open(workdir / f"server-{mode}.log", "w")  # noqa: SIM115
     process = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(port), mode, database_url,
-         REDIS_URL if mode == "pg+redis" else "", str(timings)], cwd=ROOT)
+         REDIS_URL if mode == "pg+redis" else "", str(timings)], cwd=ROOT, stdout=server_log,
+        stderr=subprocess.STDOUT)
+    server_log.close()
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_up(url, process)
+        try:
+            wait_until_up(url, process)
+        except RuntimeError:
+            print((workdir / f"server-{mode}.log").read_text(), file=sys.stderr)
+            raise
         keys = asyncio.run(setup_keys(url)) if mode != "none" else []
-        asyncio.run(load(url, keys, args.warmup, args.concurrency))
+        _, _, warmup_failures = asyncio.run(load(url, keys, args.warmup, args.concurrency))
         latencies, elapsed, failures = asyncio.run(load(url, keys, args.requests, args.concurrency))
     finally:
         process.send_signal(signal.SIGTERM)
@@ -192,8 +203,9 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         with engine.connect() as c:
             rows = c.scalar(select(func.count()).select_from(UsageRow))
         engine.dispose()
-        expected = args.warmup + args.requests
-        result.update(rows_expected=expected, rows_written=rows, rows_lost=expected - rows - server["rows_spilled"])
+        answered = args.warmup + args.requests - warmup_failures - failures  # each 200 must have its row
+        result.update(rows_expected=answered, rows_written=rows,
+                      rows_lost=max(0, answered - rows - server["rows_spilled"]))
     if pg_name:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)'))
