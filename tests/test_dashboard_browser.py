@@ -61,7 +61,7 @@ def browser(playwright_api):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2, browser, tmp_path_factory):
+def server(browser, smollm2, tmp_path_factory):  # no model load when there is no browser
     gateway = make_dashboard_gateway(tmp_path_factory.mktemp("dashboard-db"))
     with running_server(smollm2, gateway=gateway, hardware_cost_per_hour=2.0) as running:
         running.gateway = gateway

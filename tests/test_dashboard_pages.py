@@ -6,9 +6,11 @@ from __future__ import annotations
 import csv
 import io
 import random
+import re
 import time
 from datetime import datetime, timedelta, timezone
 from datetime import time as dt_time
+from pathlib import Path
 
 from sqlalchemy import insert, select
 
@@ -147,6 +149,14 @@ def test_the_playground_key_is_a_short_lived_metered_key(admin):
         assert session.get(Team, row.team_id).name == "playground"
     admin.post("/admin/logout")
     assert chat(admin.client, minted["key"]).status_code == 401
+
+
+def test_the_web_files_load_nothing_from_elsewhere():
+    web = Path(__file__).resolve().parent.parent / "web"
+    for path in web.rglob("*"):
+        if path.suffix in (".html", ".js", ".css"):
+            text = path.read_text().replace("http://www.w3.org/2000/svg", "")  # a namespace name, not a request
+            assert not re.search(r"https?://|(src|href)=\"//|@import|url\(", text), path
 
 
 def test_the_overview_data_reports_the_fake_engine(admin):

@@ -105,6 +105,10 @@
     try {
       const data = await tm.getJSON("/admin/data/live" + (after === null ? "" : `?after=${after}`));
       historyS = data.history_s;
+      if (after !== null && data.now < after) {  // the server restarted with a clock behind ours: start over
+        after = null;
+        for (const model of models.values()) model.series = null;
+      }
       const seen = new Set();
       for (const {current, series} of data.models) {
         seen.add(current.name);

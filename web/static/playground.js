@@ -103,4 +103,10 @@
 
   form.addEventListener("submit", send);
   stopButton.addEventListener("click", () => controller && controller.abort());
+  document.getElementById("clear").addEventListener("click", () => {
+    if (controller) controller.abort();
+    history.length = 0;
+    transcript.replaceChildren();
+    stats.textContent = "";
+  });
 })();
