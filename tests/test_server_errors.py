@@ -93,6 +93,12 @@ def test_bad_messages_are_named(client, messages, param):
     assert_bad_request(lambda: client.chat.completions.create(model=MODEL, messages=messages), param=param)
 
 
+def test_bad_streamed_request_fails_before_any_chunk(client):
+    assert_bad_request(lambda: client.chat.completions.create(model=MODEL, messages=HELLO, stream=True,
+                                                              temperature=9), param="temperature")
+    assert_bad_request(lambda: client.completions.create(model=MODEL, prompt="hi", stream=True, n=99), param="n")
+
+
 def test_missing_messages_is_named(client):
     assert_bad_request(lambda: client.post("/chat/completions", body={"model": MODEL}, cast_to=object),
                        param="messages")
