@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from kernels.cpu_attention import heads_major_cache
 from engine.loader import LoadedModel
 from engine.models.llama import AttentionMetadata
 from engine.request import Request
@@ -32,9 +33,10 @@ class ModelRunner:
         layout = (shape.num_kv_heads, shape.head_dim)
 
         def pool(blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            # Heads-major memory: the CPU attention path gathers whole blocks of a head without copies.
             return [
-                (torch.zeros(blocks, config.block_size, *layout, dtype=loaded.dtype),
-                 torch.zeros(blocks, config.block_size, *layout, dtype=loaded.dtype))
+                (heads_major_cache(blocks, config.block_size, *layout, dtype=loaded.dtype),
+                 heads_major_cache(blocks, config.block_size, *layout, dtype=loaded.dtype))
                 for _ in range(shape.num_layers)
             ]
 

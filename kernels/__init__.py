@@ -1,5 +1,6 @@
 """The one door the engine uses into kernels: CUDA tensors go to Triton, CPU tensors to the references.
 
+CPU caches stored heads-major get a faster CPU attention (kernels/cpu_attention.py).
 `force_reference(True)` sends everything to the references (for checking the fast path). Tests run
 the `*_triton` launchers directly on CPU tensors under `TRITON_INTERPRET=1`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import HAS_TRITON
+from kernels.cpu_attention import is_heads_major, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.paged_attention import (
     paged_attention_decode_reference,
@@ -36,13 +38,27 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     op(key, value, key_cache, value_cache, slot_mapping)
 
 
+def _cpu_fast_path(cache: torch.Tensor) -> bool:
+    return not cache.is_cuda and not _force_reference and is_heads_major(cache)
+
+
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale):
-    op = paged_attention_decode_triton if _use_triton(query) else paged_attention_decode_reference
+    if _use_triton(query):
+        op = paged_attention_decode_triton
+    elif _cpu_fast_path(key_cache):
+        op = paged_attention_decode_cpu
+    else:
+        op = paged_attention_decode_reference
     return op(query, key_cache, value_cache, block_tables, context_lens, scale)
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale):
-    op = paged_attention_prefill_triton if _use_triton(query) else paged_attention_prefill_reference
+    if _use_triton(query):
+        op = paged_attention_prefill_triton
+    elif _cpu_fast_path(key_cache):
+        op = paged_attention_prefill_cpu
+    else:
+        op = paged_attention_prefill_reference
     return op(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
 
 

@@ -60,6 +60,8 @@ def store_kv_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [tokens] int64
 ) -> None:
-    kv_heads, head_dim = key_cache.shape[2:]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    block_size = key_cache.shape[1]
+    # Indexing by (block, offset) rather than a flat view works whatever the cache's memory order.
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)

@@ -1,0 +1,63 @@
+"""Faster CPU paths for paged attention, for a cache stored heads-major.
+
+The runner keeps the CPU cache as [kv_heads, blocks, block_size, head_dim] memory behind the usual
+[blocks, block_size, kv_heads, head_dim] view. Whole blocks of one head are then contiguous, so one
+gather yields [kv_heads * seqs, len, head_dim] keys that bmm reads directly; in the token-major layout
+bmm has to copy strided keys again, which costs more than the matmul (measured: bench/engine_bench.py).
+The references in paged_attention.py stay the definition; tests hold these to them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def is_heads_major(cache: torch.Tensor) -> bool:
+    return cache.permute(2, 0, 1, 3).is_contiguous()
+
+
+def heads_major_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> torch.Tensor:
+    """A zeroed cache in the usual [blocks, block_size, kv_heads, head_dim] view, stored heads-major."""
+    return torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3)
+
+
+def paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, context_lens, scale):
+    seqs, heads, head_dim = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = heads // kv_heads
+    num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
+    padded_len = num_blocks * block_size
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    keys = key_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads * seqs, padded_len, head_dim)
+    values = value_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads * seqs, padded_len, head_dim)
+    q = query.view(seqs, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * seqs, group, head_dim)
+    scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)
+    padding = torch.arange(padded_len)[None, :] >= context_lens[:, None].long()  # [seqs, len]
+    scores.view(kv_heads, seqs, group, padded_len).masked_fill_(padding[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.bmm(probs, values).view(kv_heads, seqs, group, head_dim)
+    return out.transpose(0, 1).reshape(seqs, heads, head_dim).to(query.dtype)
+
+
+def paged_attention_prefill_cpu(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale):
+    out = torch.empty_like(query)
+    block_size = key_cache.shape[1]
+    key_store, value_store = key_cache.permute(2, 0, 1, 3), value_cache.permute(2, 0, 1, 3)
+    starts = query_start_loc.tolist()
+    for i, length in enumerate(context_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        num_queries = end - start
+        if num_queries == 0:
+            continue
+        blocks = block_tables[i, : (length + block_size - 1) // block_size].long()
+        keys = key_store.index_select(1, blocks).flatten(1, 2)[:, :length]  # [kv_heads, length, head_dim]
+        values = value_store.index_select(1, blocks).flatten(1, 2)[:, :length]
+        q = query[start:end].transpose(0, 1)
+        mask = None
+        if num_queries != length:
+            query_pos = torch.arange(length - num_queries, length)
+            mask = torch.arange(length)[None, :] <= query_pos[:, None]
+        attended = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[start:end] = attended.transpose(0, 1)
+    return out

@@ -1,0 +1,1 @@
+"""Templates and static files of the admin dashboard (a package so that installs carry them)."""
