@@ -7,7 +7,7 @@ admin API is dropped from it at once, a key changed elsewhere (CLI, another repl
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
@@ -106,3 +106,48 @@ class KeyCache:
             self._entries.clear()
         for key_hash in key_hashes or ():
             self._entries.pop(key_hash, None)
+
+
+class FailedAuthLimiter:
+    """Failed authentications per client address in a sliding window. Past `limit` the address is
+    refused (429) before any key it sends is looked at, so keys can't be guessed at speed."""
+
+    def __init__(self, limit: int = 10, *, window_s: float = 60.0, max_clients: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self.clock = clock
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def retry_after(self, client: str) -> float | None:
+        """Seconds until `client` may try again, or None when it may try now."""
+        if self.limit <= 0:
+            return None
+        failures = self._recent(client)
+        if failures is None or len(failures) < self.limit:
+            return None
+        return max(failures[0] + self.window_s - self.clock(), 0.0)
+
+    def failed(self, client: str) -> None:
+        if self.limit <= 0:
+            return
+        failures = self._recent(client)
+        if failures is None:
+            failures = self._failures[client] = deque()
+        failures.append(self.clock())
+        self._failures.move_to_end(client)
+        while len(self._failures) > self.max_clients:
+            self._failures.popitem(last=False)
+
+    def _recent(self, client: str) -> deque[float] | None:
+        failures = self._failures.get(client)
+        if failures is None:
+            return None
+        horizon = self.clock() - self.window_s
+        while failures and failures[0] <= horizon:
+            failures.popleft()
+        if not failures:
+            del self._failures[client]
+            return None
+        return failures

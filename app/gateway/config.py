@@ -62,6 +62,7 @@ class GatewayConfig:
     usage_buffer_max: int = 2_000_000  # rows held in memory while the DB is down
     last_used_flush_s: float = 10.0
     spill_dir: str = ".tokenmill"  # where rows go if the DB is still down at shutdown
+    auth_failures_per_minute: int = 10  # per client address, then 429 until the minute is over; 0: no limit
 
     def __post_init__(self) -> None:
         if self.rate_window_s <= 0:
@@ -84,7 +85,7 @@ class GatewayConfig:
             "spill_dir": data_dir,
         }
         for name, kind in (("rate_window_s", float), ("key_cache_ttl_s", float),
-                           ("usage_flush_interval_s", float)):
+                           ("usage_flush_interval_s", float), ("auth_failures_per_minute", int)):
             raw = env.get("TOKENMILL_" + name.upper())
             if raw:
                 values[name] = kind(raw)
@@ -108,5 +109,5 @@ class GatewayConfig:
             values["prices"] = parse_prices(prices)
         env_values = cls.from_env()
         base = {name: getattr(env_values, name) for name in (
-            "prices", "rate_window_s", "key_cache_ttl_s", "usage_flush_interval_s")}
+            "prices", "rate_window_s", "key_cache_ttl_s", "usage_flush_interval_s", "auth_failures_per_minute")}
         return cls(**{**base, **values, **{k: v for k, v in overrides.items() if v is not None}})

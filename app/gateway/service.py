@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from typing import Callable, TextIO
@@ -15,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from app.db import make_engine, migrate, session_factory
 from app.errors import OpenAIError, invalid_api_key, model_not_found
 from app.gateway.admin_identity import AdminIdentity, ensure_admin_identity
-from app.gateway.auth import KeyCache, Principal
+from app.gateway.auth import FailedAuthLimiter, KeyCache, Principal
 from app.gateway.budget import BudgetTracker
 from app.gateway.config import GatewayConfig
 from app.gateway.headers import offer_headers
@@ -42,6 +43,7 @@ class Gateway:
         self.engine = make_engine(config.database_url)
         self.sessions = session_factory(self.engine)
         self.keys = KeyCache(self.sessions, ttl_s=config.key_cache_ttl_s)
+        self.auth_failures = FailedAuthLimiter(config.auth_failures_per_minute)
         counters = RedisCounters(config.redis_url, prefix=config.redis_prefix) if config.redis_url else InProcessCounters()
         self.limiter = RateLimiter(counters, window_s=config.rate_window_s, clock=clock)
         self.budgets = BudgetTracker(self.sessions, cache_ttl_s=config.budget_cache_ttl_s, clock=clock)
@@ -98,16 +100,30 @@ class Gateway:
     # the hooks the /v1 routes call (app.gateway_hooks.Gateway)
 
     async def authenticate(self, request: Request) -> Principal:
+        client = self.check_auth_attempts(request)
         token = bearer_token(request.headers.get("authorization"))
         if not token:
+            self.auth_failures.failed(client)
             raise OpenAIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer sk-...'.",
                               code="invalid_api_key")
         hit, principal = self.keys.cached(token)
         if not hit:
             principal = await run_in_threadpool(self.keys.load, token)
         if principal is None or not principal.valid_at(self.clock()):
+            self.auth_failures.failed(client)
             raise invalid_api_key()
         return principal
+
+    def check_auth_attempts(self, request: Request) -> str:
+        """Refuse (429) an address with too many failed authentications; return the address, so a
+        failure can be counted against it."""
+        client = request.client.host if request.client else "unknown"
+        wait = self.auth_failures.retry_after(client)
+        if wait is not None:
+            raise OpenAIError(429, "Too many failed authentication attempts from your address. "
+                              f"Try again in {math.ceil(wait)}s.", type="requests", code="too_many_auth_failures",
+                              headers={"Retry-After": str(max(math.ceil(wait), 1))})
+        return client
 
     async def admit(self, principal: Principal, *, model: str, prompt_tokens: int,
                     max_tokens: int | None) -> dict[str, str]:

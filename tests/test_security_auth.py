@@ -1,0 +1,152 @@
+"""Who gets in: failed authentications are rate limited per address, keys are compared in constant time
+and stored hashed, team keys never reach admin routes, no foreign origin is let in by CORS."""
+from __future__ import annotations
+
+import csv
+import hmac
+import io
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from app.gateway.auth import FailedAuthLimiter
+from app.gateway.models import ApiKey
+from tests.gateway_support import (FakeClock, admin_headers, bearer, build_app, chat_body, create_key, create_team,
+                                   make_gateway)  # noqa: F401
+
+FOREIGN_ORIGIN = "https://evil.example"
+
+
+@pytest.fixture
+def database_url(tmp_path):
+    """These claims don't depend on the back end: SQLite only, to keep the suite short."""
+    return f"sqlite:///{tmp_path / 'tokenmill.db'}"
+
+
+def client_for(gateway, address: str = "203.0.113.7") -> TestClient:  # noqa: ANN001
+    return TestClient(build_app(gateway), client=(address, 50000))
+
+
+def test_ten_failed_keys_from_one_address_then_429_with_retry_after(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        good = create_key(client, create_team(client)["id"])["key"]
+        for _ in range(10):
+            assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer("sk-guess")).status_code == 401
+        refused = client.post("/v1/chat/completions", json=chat_body(), headers=bearer("sk-guess"))
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "too_many_auth_failures"
+        assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+        # refused before the key is looked at: a right guess now tells the guesser nothing
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(good)).status_code == 429
+    with client_for(gateway, "198.51.100.9") as other:  # another address is not affected
+        assert other.post("/v1/chat/completions", json=chat_body(), headers=bearer(good)).status_code == 200
+
+
+def test_missing_keys_count_as_failures_too(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        statuses = [client.get("/v1/models").status_code for _ in range(11)]
+    assert statuses == [401] * 10 + [429]
+
+
+def test_wrong_admin_keys_are_limited_too(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        statuses = [client.get("/admin/api/teams", headers=bearer("sk-admin-guess")).status_code for _ in range(11)]
+        assert statuses == [401] * 10 + [429]
+        assert client.get("/admin/api/teams", headers=admin_headers()).status_code == 429
+
+
+def test_successful_requests_are_not_counted(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        key = create_key(client, create_team(client)["id"])["key"]
+        for _ in range(30):
+            assert client.get("/v1/models", headers=bearer(key)).status_code == 200
+            assert client.get("/admin/api/teams", headers=admin_headers()).status_code == 200
+
+
+def test_failures_expire_after_the_window():
+    clock = FakeClock(0.0)
+    limiter = FailedAuthLimiter(3, window_s=60, clock=clock)
+    for _ in range(3):
+        assert limiter.retry_after("a") is None
+        limiter.failed("a")
+    assert limiter.retry_after("a") == pytest.approx(60)
+    clock.advance(30)
+    assert limiter.retry_after("a") == pytest.approx(30)
+    clock.advance(30.1)
+    assert limiter.retry_after("a") is None
+
+
+def test_the_limiter_keeps_a_bounded_number_of_addresses():
+    limiter = FailedAuthLimiter(1, max_clients=100)
+    for n in range(1000):
+        limiter.failed(f"10.0.{n // 256}.{n % 256}")
+    assert len(limiter._failures) == 100
+
+
+def test_keys_are_stored_hashed_and_compared_in_constant_time(make_gateway, monkeypatch):
+    gateway = make_gateway()
+    compared = []
+    real_compare = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append(1) or real_compare(a, b))
+    with client_for(gateway) as client:
+        key = create_key(client, create_team(client)["id"])
+        assert compared  # the admin key was checked with compare_digest
+        with gateway.sessions() as session:
+            stored = session.scalar(select(ApiKey))
+        assert key["key"] not in {stored.key_hash, stored.key_prefix}
+        assert len(stored.key_hash) == 64 and stored.key_prefix == key["key_prefix"]
+    # team keys are found by the SHA-256 of the key: the database compares digests, never the key
+
+
+def test_team_keys_open_no_admin_route(make_gateway):
+    gateway = make_gateway(auth_failures_per_minute=0)
+    with client_for(gateway) as client:
+        team_key = create_key(client, create_team(client)["id"])["key"]
+        paths = client.get("/openapi.json").json()["paths"]
+        admin_routes = [(method, path.replace("{team_id}", "1").replace("{key_id}", "1"))
+                        for path, item in paths.items() if path.startswith("/admin/api")
+                        for method in item]
+        assert len(admin_routes) >= 8
+        for method, path in admin_routes:
+            response = client.request(method, path, headers=bearer(team_key), json={})
+            assert response.status_code in (401, 403), (method, path, response.status_code)
+        # and the admin key is no team key: it can't spend tokens or read a team's usage
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=admin_headers()).status_code == 401
+        assert client.get("/v1/usage", headers=admin_headers()).status_code == 401
+
+
+def test_team_a_reads_nothing_of_team_b(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        team_a, team_b = create_team(client, "a"), create_team(client, "b")
+        key_a, key_b = create_key(client, team_a["id"]), create_key(client, team_b["id"])
+        client.post("/v1/chat/completions", json=chat_body(max_tokens=7), headers=bearer(key_b["key"]))
+        gateway.writer.flush()
+        exported = client.get("/v1/usage", params={"format": "csv", "team_id": team_b["id"], "group_by": "team"},
+                              headers=bearer(key_a["key"]))
+        assert exported.status_code == 200
+        rows = list(csv.DictReader(io.StringIO(exported.text)))
+        assert all(row["team_id"] != str(team_b["id"]) and row["completion_tokens"] in ("0", "") for row in rows)
+        by_key = client.get("/v1/usage", params={"group_by": "key"}, headers=bearer(key_a["key"])).json()
+        assert all(row.get("key_id") != key_b["id"] for row in by_key["data"])
+        assert sum(row["completion_tokens"] for row in by_key["data"]) == 0
+
+
+def test_cors_is_off_by_default(make_gateway):
+    gateway = make_gateway()
+    with client_for(gateway) as client:
+        key = create_key(client, create_team(client)["id"])["key"]
+        preflight = client.options("/v1/chat/completions", headers={
+            "Origin": FOREIGN_ORIGIN, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        simple = client.get("/v1/models", headers={"Origin": FOREIGN_ORIGIN, **bearer(key)})
+        admin = client.get("/admin/api/teams", headers={"Origin": FOREIGN_ORIGIN, **admin_headers()})
+    for response in (preflight, simple, admin):
+        assert not any(name.lower().startswith("access-control-") for name in response.headers), response.headers
+    assert preflight.status_code in (404, 405)
