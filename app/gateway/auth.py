@@ -87,6 +87,11 @@ class KeyCache:
             return False, None
         return True, entry[0]
 
+    def last_known(self, key: str) -> tuple[bool, Principal | None]:
+        """The entry however old, for when the database can't be asked."""
+        entry = self._entries.get(hash_key(key))
+        return (False, None) if entry is None else (True, entry[0])
+
     def load(self, key: str) -> Principal | None:
         """Blocking: reads the database. Run it off the event loop."""
         key_hash = hash_key(key)

@@ -14,6 +14,7 @@ from datetime import date, datetime, timezone
 from typing import Callable, Sequence
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.gateway.models import NANO, UsageDaily
@@ -55,7 +56,13 @@ class BudgetTracker:
         start = period_start(scope.period, self.today())
         committed = self._cached(scope, start)
         if committed is None:
-            committed = self._refresh(scope, start)
+            try:
+                committed = self._refresh(scope, start)
+            except SQLAlchemyError:
+                stale = self._committed.get((scope.name, start))
+                if stale is None:
+                    raise
+                committed = stale[0]  # the store is away: the last spend we saw plus what we queued since
         with self._lock:
             pending = sum(v for (name, day), v in self._pending.items() if name == scope.name and day >= start)
         return committed + pending

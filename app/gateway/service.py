@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Callable, TextIO
 
 from fastapi import Request
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from app.db import make_engine, migrate, session_factory
@@ -108,7 +109,12 @@ class Gateway:
                               code="invalid_api_key")
         hit, principal = self.keys.cached(token)
         if not hit:
-            principal = await run_in_threadpool(self.keys.load, token)
+            try:
+                principal = await run_in_threadpool(self.keys.load, token)
+            except SQLAlchemyError as error:  # the store is away: serve keys we know, refuse the rest for now
+                known, principal = self.keys.last_known(token)
+                if not known:
+                    raise store_unavailable(error) from None
         if principal is None or not principal.valid_at(self.clock()):
             self.auth_failures.failed(client)
             raise invalid_api_key()
@@ -136,7 +142,10 @@ class Gateway:
             raise model_not_found(model)
         if principal.budget_scopes:
             if any(self.budgets.needs_refresh(s) for s in principal.budget_scopes):
-                exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes)
+                try:
+                    exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes)
+                except SQLAlchemyError as error:
+                    raise store_unavailable(error) from None
             else:
                 exhausted = self.budgets.first_exhausted(principal.budget_scopes)
             if exhausted is not None:
@@ -208,6 +217,12 @@ class Gateway:
     def forget_keys(self, key_hashes: list[str] | None = None) -> None:
         """Drop cached principals after an admin change (None: all of them, e.g. a team changed)."""
         self.keys.invalidate(key_hashes)
+
+
+def store_unavailable(error: Exception) -> OpenAIError:
+    log.warning("database unavailable: %s", str(error).splitlines()[0] if str(error) else type(error).__name__)
+    return OpenAIError(503, "The key store is unavailable; please retry shortly.", type="server_error",
+                       code="service_unavailable", headers={"Retry-After": "2"})
 
 
 def announce_admin_key(plaintext: str, stream: TextIO | None = None) -> None:
