@@ -7,6 +7,7 @@ spill file that the next start replays. Nothing queued is dropped.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ log = logging.getLogger("tokenmill.gateway.usage")
 OK, ABORTED = "ok", "aborted"  # anything else counts as an error in the roll-up
 ROLLUP_SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nano_usd")
 SPILL_GLOB = "usage-spill-*.jsonl"
+CLAIMED_GLOB = "usage-spill-*.replaying"  # being replayed, or left by a process that died replaying
 
 
 @dataclass(slots=True)
@@ -258,25 +260,38 @@ class UsageWriter:
             self.rows_spilled += len(events)
 
     def replay_spills(self) -> int:
-        """Write rows a previous process spilled; each file is removed only after its rows committed."""
-        count = 0
-        for path in sorted(self.spill_dir.glob(SPILL_GLOB)) if self.spill_dir.is_dir() else []:
-            if path == self._spill_path:
-                continue
-            claimed = path.with_suffix(".replaying")
+        """Write rows a previous process spilled; each file is removed only after its rows committed.
+        A file claimed by a process that died while replaying it (its lock went with it) is taken over."""
+        if not self.spill_dir.is_dir():
+            return 0
+        paths = sorted({*self.spill_dir.glob(SPILL_GLOB), *self.spill_dir.glob(CLAIMED_GLOB)})
+        return sum(self._replay(path) for path in paths if path != self._spill_path)
+
+    def _replay(self, path: Path) -> int:
+        claimed = path if path.suffix == ".replaying" else path.with_suffix(".replaying")
+        if path != claimed:
             try:
                 path.rename(claimed)  # one replica claims each file
             except OSError:
-                continue
-            events = [UsageEvent.from_json(line) for line in claimed.read_text().splitlines() if line.strip()]
+                return 0
+        try:
+            handle = open(claimed, encoding="utf-8")  # noqa: SIM115 - held locked while its rows are written
+        except OSError:  # another replica replayed it meanwhile
+            return 0
+        with handle:
             try:
-                write_batch(self.engine, events)  # one transaction: all or none, so a retry can't double-bill
-            except Exception:
-                claimed.rename(path)
-                raise
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a live replica is replaying it
+                return 0
+            try:
+                if os.stat(claimed).st_ino != os.fstat(handle.fileno()).st_ino:
+                    return 0
+            except FileNotFoundError:  # replayed and removed while we waited for the lock
+                return 0
+            events = [UsageEvent.from_json(line) for line in handle.read().splitlines() if line.strip()]
+            write_batch(self.engine, events)  # one transaction: all or none, so a retry can't double-bill
             claimed.unlink()
-            if self.on_committed is not None:
-                self.on_committed(events)
-            count += len(events)
-            log.info("replayed %d spilled usage rows from %s", len(events), path.name)
-        return count
+        if self.on_committed is not None:
+            self.on_committed(events)
+        log.info("replayed %d spilled usage rows from %s", len(events), path.name)
+        return len(events)
