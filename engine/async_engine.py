@@ -107,8 +107,10 @@ class AsyncEngine:
             _, request_id, prompt_token_ids, params = command
             try:
                 self.core.add_request(request_id, prompt_token_ids, params)
-            except EngineRejected as rejected:
-                self._deliver(request_id, rejected)
+            except Exception as error:  # noqa: BLE001 - refused to its caller; the loop must live on
+                if not isinstance(error, EngineRejected):
+                    log.exception("could not add request %s", request_id)
+                self._deliver(request_id, error)
         elif kind == "abort":
             output = self.core.abort(command[1])
             if output is not None:

@@ -14,6 +14,7 @@ class InvalidParameter(ValueError):
 
 
 MAX_LOGPROBS = 20
+MAX_N = 16
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SamplingParams:
         def finite(value: float) -> bool:
             return isinstance(value, (int, float)) and math.isfinite(value)
 
-        check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", "n must be an integer between 1 and 16")
+        check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer between 1 and {MAX_N}")
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
               "max_tokens", "max_tokens must be a positive integer")
         check(finite(self.temperature) and 0.0 <= self.temperature <= 2.0,
@@ -62,7 +63,8 @@ class SamplingParams:
               "repetition_penalty", "repetition_penalty must be in (0, 2]")
         check(all(isinstance(t, int) and finite(b) and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
               "logit_bias", "logit_bias maps token ids to values between -100 and 100")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer")
+        check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+              "seed", "seed must be a 64-bit integer")
         check(len(self.stop) <= 4 and all(isinstance(s, str) and s for s in self.stop),
               "stop", "stop takes up to 4 non-empty strings")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
