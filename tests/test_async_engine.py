@@ -135,3 +135,23 @@ def test_a_request_that_breaks_the_model_step_fails_alone(smollm2):
         assert after[1][0] == healthy[1][0]
     finally:
         engine.shutdown()
+
+
+def test_a_request_that_cannot_be_added_fails_alone(smollm2):
+    engine = AsyncEngine.start(EngineConfig(num_kv_blocks=64), loaded=smollm2)
+    real_add = engine.core.add_request
+
+    def faulty_add(request_id, prompt, params):
+        if request_id == "broken":
+            raise OverflowError("injected")
+        return real_add(request_id, prompt, params)
+
+    engine.core.add_request = faulty_add
+    prompt = chat_prompt(smollm2.tokenizer, "Hello")
+    try:
+        with pytest.raises(OverflowError):
+            asyncio.run(collect(engine, "broken", prompt, SamplingParams(max_tokens=4)))
+        after = asyncio.run(collect(engine, "fine", prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+        assert after[1][0]
+    finally:
+        engine.shutdown()
