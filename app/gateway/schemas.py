@@ -4,7 +4,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from app.gateway.models import ApiKey, Team
 
@@ -22,6 +22,14 @@ class Limits(BaseModel):
     expires_at: datetime | None = None
 
 
+def _refuse_null(body: BaseModel, *names: str) -> BaseModel:
+    """Fields that may be left out of an update but not set to null (the columns hold a value)."""
+    for name in names:
+        if name in body.model_fields_set and getattr(body, name) is None:
+            raise ValueError(f"{name} can't be null; leave it out to keep it")
+    return body
+
+
 class TeamCreate(Limits):
     name: str = Field(min_length=1, max_length=128)
 
@@ -29,6 +37,8 @@ class TeamCreate(Limits):
 class TeamUpdate(Limits):
     name: str | None = Field(None, min_length=1, max_length=128)
     blocked: bool | None = None
+
+    _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name", "blocked"))
 
 
 class KeyCreate(Limits):
@@ -38,6 +48,8 @@ class KeyCreate(Limits):
 
 class KeyUpdate(Limits):
     name: str | None = Field(None, max_length=128)
+
+    _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name"))
 
 
 class _View(BaseModel):

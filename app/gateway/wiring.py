@@ -4,15 +4,26 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
+
+from app.errors import invalid_request
 
 from app.gateway import admin_api, team_api
 from app.gateway.headers import RateLimitHeadersMiddleware
 from app.gateway.service import Gateway
 
 
+async def _out_of_range(request: Request, error: Exception) -> JSONResponse:
+    """An id or limit beyond what the database stores (SQLite: int64) is the caller's error, not ours."""
+    return invalid_request("A number in the request is out of range.", code="out_of_range").response()
+
+
 def install_gateway(app: FastAPI, gateway: Gateway) -> None:
     app.state.gateway = gateway
+    app.add_exception_handler(OverflowError, _out_of_range)
+    app.add_exception_handler(DataError, _out_of_range)
     app.include_router(admin_api.router)
     app.include_router(team_api.router)
     app.add_middleware(RateLimitHeadersMiddleware)
