@@ -150,3 +150,18 @@ def test_cors_is_off_by_default(make_gateway):
     for response in (preflight, simple, admin):
         assert not any(name.lower().startswith("access-control-") for name in response.headers), response.headers
     assert preflight.status_code in (404, 405)
+
+
+def test_wrong_admin_keys_on_the_dashboard_login_are_limited_too(make_gateway):
+    from tests.dashboard_support import login_token
+
+    gateway = make_gateway()
+    with TestClient(build_app(gateway), base_url="https://testserver", client=("203.0.113.8", 50000)) as client:
+        def attempt(admin_key: str) -> int:
+            page = client.get("/admin/login")
+            return client.post("/admin/login", data={"admin_key": admin_key, "csrf_token": login_token(page.text)},
+                               follow_redirects=False).status_code
+
+        statuses = [attempt("sk-admin-guess") for _ in range(11)]
+        assert statuses == [401] * 10 + [429]
+        assert attempt(gateway.config.admin_key) == 429  # refused before the key is looked at

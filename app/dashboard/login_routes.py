@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.dashboard.deps import CheckedForm, DashboardDep, PageSession, current_session, read_form, safe_next
 from app.dashboard.rendering import render
+from app.errors import OpenAIError
 from app.dashboard.sessions import LOGIN_COOKIE, SESSION_COOKIE, AdminSession
 
 router = APIRouter()
@@ -44,8 +45,15 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
     if not dashboard.signer.login_token_ok(request.cookies.get(LOGIN_COOKIE), form.get("csrf_token")):
         return login_page(request, dashboard, next_path=next_path, status_code=403,
                           error="The form expired or was not ours. Please try again.")
+    try:
+        client = dashboard.gateway.check_auth_attempts(request)  # the same per-address limit as the API's keys
+    except OpenAIError as refused:
+        response = login_page(request, dashboard, next_path=next_path, status_code=429, error=refused.message)
+        response.headers.update(refused.headers)
+        return response
     admin = dashboard.gateway.admin
     if admin is None or not admin.matches(form.get("admin_key", "").strip()):
+        dashboard.gateway.auth_failures.failed(client)
         return login_page(request, dashboard, next_path=next_path, status_code=401, error="That is not the admin key.")
     session, cookie = dashboard.signer.issue()
     response = RedirectResponse(next_path, status_code=303)
