@@ -9,9 +9,9 @@ import argparse
 import asyncio
 import json
 import sys
-import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,6 +46,9 @@ class TokenQueue(BaseStreamer):
 def create_app(model, tokenizer, model_name: str) -> FastAPI:
     app = FastAPI()
     one_at_a_time = asyncio.Lock()
+    # one long-lived generate thread, as a real single-worker server has (a fresh thread per request
+    # would also start a fresh OpenMP team each time)
+    generate_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
 
     @app.get("/health")
     async def health() -> dict:
@@ -70,16 +73,17 @@ def create_app(model, tokenizer, model_name: str) -> FastAPI:
         async def events():
             async with one_at_a_time:
                 queue: asyncio.Queue = asyncio.Queue()
-                streamer = TokenQueue(asyncio.get_running_loop(), queue)
-                worker = threading.Thread(target=lambda: model.generate(prompt, streamer=streamer, **options))
-                worker.start()
+                loop = asyncio.get_running_loop()
+                streamer = TokenQueue(loop, queue)
+                generation = loop.run_in_executor(generate_thread,
+                                                  lambda: model.generate(prompt, streamer=streamer, **options))
                 yield "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
                 count = 0
                 while (token_id := await queue.get()) is not None:
                     count += 1
                     delta = {"content": tokenizer.decode([token_id], skip_special_tokens=True)}
                     yield "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta}]}) + "\n\n"
-                await asyncio.to_thread(worker.join)
+                await generation
             usage = {"prompt_tokens": prompt.shape[1], "completion_tokens": count,
                      "total_tokens": prompt.shape[1] + count}
             finish = "length" if count >= max_tokens else "stop"
