@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Idle OpenMP threads sleep instead of spinning: the test process also runs servers, HF and the engine
+# thread on 2 cores, and spinning workers starve them (a prefill step measured 10x slower).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
