@@ -8,7 +8,6 @@ from app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.sampling_params import InvalidParameter, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a torch generator takes (a bigger one broke the engine loop)
 
 
 @dataclass(frozen=True)
@@ -43,9 +42,6 @@ def _sampling_params(body: SamplingFields, prompt_len: int, budget: TokenBudget,
     elif isinstance(max_tokens, int) and max_tokens > budget.max_tokens_cap:
         raise invalid_request(f"{max_tokens_param} is too large: {max_tokens}. This server allows at most "
                               f"{budget.max_tokens_cap} completion tokens.", param=max_tokens_param)
-    if body.seed is not None and not SEED_MIN <= body.seed <= SEED_MAX:
-        raise invalid_request(f"seed must be a 64-bit signed integer, between {SEED_MIN} and {SEED_MAX}.",
-                              param="seed")
     try:
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
     except ValueError:
