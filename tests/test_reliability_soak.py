@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from bench import soak
+from tests.conftest import MODEL_CACHE
 
 pytestmark = pytest.mark.real_model
 
@@ -16,7 +17,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak") / "soak.json"
     return soak.run(argparse.Namespace(
         duration=20.0, warmup=3.0, concurrency=16, num_kv_blocks=48, max_num_seqs=8, max_waiting=4,
-        max_rss_growth_mb=64.0, data_dir=str(soak.ROOT / ".tokenmill"), database_url=None, port=0, url=None,
+        max_rss_growth_mb=64.0, data_dir=str(MODEL_CACHE), database_url=None, port=0, url=None,
         admin_key=None, seed=0, out=str(out)))
 
 
