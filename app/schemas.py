@@ -53,9 +53,11 @@ class SamplingFields(Body):
 
 
 class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns; checked in app/structured
+    tool_call_id: str | None = None  # tool turns
 
     @field_validator("content", mode="before")
     @classmethod
@@ -78,6 +80,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Structured output and tools: read and enforced by app/structured.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("messages")
     @classmethod

@@ -14,11 +14,11 @@ from app.deps import ContextDep, PrincipalDep, ServerContext
 from app.errors import invalid_request, server_error
 from app.generation import (Choice, EngineFailure, RequestTracker, abort_on_disconnect, check_fits,
                             engine_outputs, rejection_error)
-from app.prompts import chat_prompt_ids
 from app.routes.models import check_model
 from app.sampling import chat_sampling_params
 from app.schemas import ChatCompletionRequest
 from app.streaming import finished_stream, sse, sse_response
+from app.structured.plan import StructuredPlan, prepare_chat
 from app.token_text import TokenTexts
 from engine.async_engine import EngineRejected
 from engine.outputs import TokenLogprob
@@ -42,8 +42,8 @@ async def create_chat_completion(request: Request, context: ContextDep, principa
     check_model(context, body.model)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
-    prompt_ids = await run_in_threadpool(chat_prompt_ids, context.engine.tokenizer, body.messages)
-    params = chat_sampling_params(body, len(prompt_ids), context.token_budget)
+    plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
+    params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.token_budget))
     headers = await context.gateway.admit(principal, model=context.model_name, prompt_tokens=len(prompt_ids),
                                           max_tokens=params.max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -56,17 +56,17 @@ async def create_chat_completion(request: Request, context: ContextDep, principa
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = chat_events(context, tracker, prompt_ids, params, include_usage)
+        events = chat_events(context, tracker, prompt_ids, params, include_usage, plan)
         return sse_response(finished_stream(tracker, events, prompt_param="messages",
                                             max_tokens_param=max_tokens_param), headers)
     response = await chat_response(request, context, tracker, prompt_ids, params, bool(body.logprobs),
-                                   max_tokens_param)
+                                   max_tokens_param, plan)
     return JSONResponse(response, headers=headers)
 
 
 async def chat_response(request: Request, context: ServerContext, tracker: RequestTracker,
                         prompt_ids: list[int], params: SamplingParams, with_logprobs: bool,
-                        max_tokens_param: str) -> dict:
+                        max_tokens_param: str, plan: StructuredPlan) -> dict:
     choices = [Choice() for _ in range(params.n)]
     status = "error"
     try:
@@ -82,6 +82,7 @@ async def chat_response(request: Request, context: ServerContext, tracker: Reque
         raise server_error(f"The engine failed this request: {error}") from None
     finally:
         tracker.finish(status)
+    messages = [plan.message(choice.text, choice.finish_reason) for choice in choices]
     return {
         "id": tracker.request_id,
         "object": "chat.completion",
@@ -90,17 +91,17 @@ async def chat_response(request: Request, context: ServerContext, tracker: Reque
         "system_fingerprint": None,
         "choices": [{
             "index": index,
-            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "message": message,
             "logprobs": {"content": chat_logprobs(context.token_texts, choice.logprobs), "refusal": None}
             if with_logprobs else None,
-            "finish_reason": choice.finish_reason,
-        } for index, choice in enumerate(choices)],
+            "finish_reason": finish_reason,
+        } for index, (choice, (message, finish_reason)) in enumerate(zip(choices, messages))],
         "usage": tracker.usage(),
     }
 
 
 async def chat_events(context: ServerContext, tracker: RequestTracker, prompt_ids: list[int],
-                      params: SamplingParams, include_usage: bool) -> AsyncIterator[str]:
+                      params: SamplingParams, include_usage: bool, plan: StructuredPlan) -> AsyncIterator[str]:
     base = {"id": tracker.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": context.model_name, "system_fingerprint": None}
 
@@ -113,11 +114,12 @@ async def chat_events(context: ServerContext, tracker: RequestTracker, prompt_id
 
     for index in range(params.n):
         yield chunk(index, {"role": "assistant", "content": ""})
+    streams = plan.streams(params.n)
     async for output in engine_outputs(context, tracker, tracker.request_id, prompt_ids, params):
         for delta in output.deltas:
-            if delta.text or delta.finish_reason or delta.logprobs:
-                content = {"content": delta.text} if delta.text else {}
-                yield chunk(delta.index, content, delta.logprobs if params.logprobs is not None else None,
-                            delta.finish_reason)
+            logprobs = delta.logprobs if params.logprobs is not None else None
+            pieces = streams.pieces(delta.index, delta.text, delta.finish_reason, bool(delta.logprobs))
+            for number, (content, finish_reason) in enumerate(pieces):
+                yield chunk(delta.index, content, logprobs if number == 0 else None, finish_reason)
     if include_usage:
         yield sse({**base, "choices": [], "usage": tracker.usage()})

@@ -1,0 +1,1 @@
+"""Structured output: `response_format` and `tools` enforced by constrained decoding (see plan.py)."""
