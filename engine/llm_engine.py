@@ -73,7 +73,8 @@ class LLMEngine:
                                  kv_blocks_total=self.blocks.num_blocks)
 
     # ---- admission -------------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, capacity: bool = True) -> None:
+        """Raises EngineRejected for a request that can never run, or (with `capacity`) when the queue is full."""
         if not prompt_token_ids:
             raise EngineRejected("invalid_prompt", "the prompt is empty", "prompt")
         vocab = self.loaded.shape.vocab_size
@@ -98,13 +99,15 @@ class LLMEngine:
                 f"{self.blocks.num_blocks}. Please reduce the length of the messages or completion.",
                 "messages",
             )
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if capacity and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineRejected("queue_full", "the server is at capacity; retry shortly")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.groups:
             raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
-        self.check_request(prompt_token_ids, params)
+        # Capacity was checked where the request came in: one already accepted there is not turned
+        # away here, after its caller may have started answering.
+        self.check_request(prompt_token_ids, params, capacity=False)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         sequences = [Request(request_id, index, list(prompt_token_ids), params) for index in range(params.n)]

@@ -41,7 +41,5 @@ def test_usage_rows_equal_the_requests_sent(result):
     assert result["usage_rows"] == result["requests_sent_incl_warmup"]
 
 
-@pytest.mark.xfail(reason="engine: a stream the engine thread refuses as queue_full after the route's check "
-                          "gets 200 + an error event, not 503 + Retry-After (see the soak report)", strict=False)
 def test_streams_are_refused_before_the_headers(result):
     assert result["checks"]["refused_before_the_headers"], result["outcomes"]
