@@ -147,7 +147,7 @@ def test_team_key_api_call_overview_usage_and_revocation(visit, server):
     key = page.inner_text("[data-new-key]").strip()
     assert key.startswith("sk-")
     page.click("button[data-copy]")
-    assert page.locator(".copied").is_visible()
+    page.locator(".copied").wait_for(state="visible", timeout=5000)  # the copy handler awaits the clipboard
 
     page.goto(f"/admin/usage?team_id={team_id}&group=team&group=key")
     assert "No usage in this range." in page.inner_text("table[data-table=usage]")
