@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 
 
@@ -51,7 +52,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+            self.generator = make_generator(self.params.seed + self.index)
         if self.params.guide_factory is not None and self.guide is None:
             self.guide = self.params.guide_factory.new_guide()
 
