@@ -17,7 +17,7 @@ from app.gateway.models import Base
 from tests.gateway_support import database_url, pg_databases, pg_session_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
-TABLES = {"teams", "api_keys", "admin_credentials", "usage", "usage_daily", "alembic_version"}
+TABLES = {"teams", "api_keys", "admin_credentials", "usage", "usage_daily", "models", "alembic_version"}
 
 
 def drop_everything(engine) -> None:  # noqa: ANN001
@@ -101,4 +101,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
                             cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0001_gateway"
+    assert result.stdout.strip() == "0002_models"

@@ -1,4 +1,5 @@
-"""Tables. Usage rows are thin (numbers and ids, no text blobs); money is integer nano-dollars."""
+"""Tables. Usage rows are thin (numbers and ids, no text blobs); money is integer nano-dollars.
+The model registry's table is here too: one metadata, one migration chain."""
 from __future__ import annotations
 
 from datetime import date, datetime
@@ -123,3 +124,26 @@ class UsageDaily(Base):
         Index("ix_usage_daily_team_day", "team_id", "day"),
         Index("ix_usage_daily_key_day", "key_id", "day"),
     )
+
+
+class RegisteredModel(Base):
+    """A model the operator registered: where its weights are, how to run it, what it is called and what
+    it costs. Loading is a property of a running process, not of this row (see app.registry.pool)."""
+
+    __tablename__ = "models"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))  # chat | embedding
+    source: Mapped[str] = mapped_column(String(1024))  # a safetensors folder, a .gguf file, or "default"
+    architecture: Mapped[str] = mapped_column(String(64))  # as checked at registration (config model_type)
+    dtype: Mapped[str] = mapped_column(String(16))
+    max_model_len: Mapped[int | None] = mapped_column(Integer)  # None: the checkpoint's
+    engine_settings: Mapped[dict] = mapped_column(JSON, default=dict)  # EngineConfig overrides
+    aliases: Mapped[list[str]] = mapped_column(JSON, default=list)
+    price_input_per_1m: Mapped[float | None] = mapped_column(Float)  # USD; all None: no price sheet
+    price_cached_input_per_1m: Mapped[float | None] = mapped_column(Float)
+    price_output_per_1m: Mapped[float | None] = mapped_column(Float)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    updated_at: Mapped[datetime] = mapped_column(DateTime)
