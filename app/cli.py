@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import app.offline  # noqa: F401  (before anything imports huggingface_hub or transformers)
+
 # Before torch loads: idle OpenMP workers sleep instead of spinning, so they don't starve the event loop
 # and the engine thread on small machines (set OMP_WAIT_POLICY=ACTIVE to override on a dedicated box).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
