@@ -8,7 +8,7 @@ from app.deps import ServerContext
 from app.errors import install_error_handlers
 from app.gateway_hooks import Gateway, SingleKeyGateway
 from app.metrics import ServerMetrics
-from app.routes import chat, completions, models, operations
+from app.routes import chat, completions, embeddings, models, operations
 from app.settings import Settings
 from app.token_text import TokenTexts
 
@@ -25,7 +25,7 @@ def create_app(settings: Settings, engine, *, gateway: Gateway | None = None) ->
         token_texts=TokenTexts(engine.tokenizer),
     )
     install_error_handlers(app)
-    for module in (models, chat, completions, operations):
+    for module in (models, chat, completions, embeddings, operations):
         app.include_router(module.router)
     install = getattr(app.state.context.gateway, "install", None)
     if install is not None:  # the gateway's admin and usage routes, headers, start and flush with the lifespan

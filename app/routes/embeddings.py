@@ -1,0 +1,215 @@
+"""POST /v1/embeddings: strings or token ids in, vectors out as floats or base64 (little-endian float32,
+which the official openai client asks for unless told otherwise). Admitted and metered through the
+gateway like the other /v1 routes; the encoder runs on one worker thread, a batch at a time."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import field_validator
+
+from app.body import read_body
+from app.deps import ContextDep, PrincipalDep, ServerContext
+from app.errors import OpenAIError, invalid_request, model_not_found
+from app.gateway_hooks import Principal, UsageRecord
+from app.generation import abort_on_disconnect
+from app.schemas import Body
+from engine.embeddings import EmbeddingModel, length_sorted_batches
+
+log = logging.getLogger("tokenmill.embeddings")
+router = APIRouter()
+
+MAX_INPUTS = 2048  # OpenAI's limits per request
+MAX_TOTAL_TOKENS = 300_000
+# One worker for every embedding request: concurrent requests queue batch by batch instead of each
+# starting its own torch threads on the same two cores, and a small request waits for one batch of a
+# big one, not for all of it.
+ENCODER_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-embeddings")
+
+EmbeddingInput = str | list[int]
+
+
+def _is_token_ids(item: Any) -> bool:
+    return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+
+class EmbeddingRequest(Body):
+    model: str
+    input: list[EmbeddingInput]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _inputs(cls, value: Any) -> list[EmbeddingInput]:
+        """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+        if isinstance(value, str) or (_is_token_ids(value) and value):
+            value = [value]
+        if not isinstance(value, list) or not value or \
+                not all(isinstance(item, str) or _is_token_ids(item) for item in value):
+            raise ValueError("input must be a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists, and not empty")
+        if len(value) > MAX_INPUTS:
+            raise ValueError(f"input may hold at most {MAX_INPUTS} items, got {len(value)}")
+        if any(len(item) == 0 for item in value):
+            raise ValueError("input must not contain an empty string or an empty token list")
+        return value
+
+
+@dataclass
+class StandaloneEmbedder:
+    """An embedder given to the app directly (app.state.embedder), shaped like the registry's ServedModel."""
+    embedder: EmbeddingModel
+    kind: str = "embedding"
+    spec: object = None
+
+    @property
+    def name(self) -> str:
+        return self.embedder.name
+
+    def release(self) -> None:
+        pass
+
+
+def resolve_embedding_model(context: ServerContext, name: str, fallback: EmbeddingModel | None = None):
+    """The served embedding model `name` refers to (name or alias), held until its release(): from the
+    model registry when the context has one, else the one embedder the app was given."""
+    models = getattr(context, "models", None)
+    if models is None:
+        if fallback is None or name != fallback.name:
+            raise model_not_found(name)
+        return StandaloneEmbedder(fallback)
+    served = models.acquire(name)  # 404 model_not_found / 503 model_not_loaded; unloading waits for release()
+    if served.kind != "embedding" or served.embedder is None:
+        served.release()
+        raise invalid_request(f"`{name}` is not an embedding model; /v1/embeddings needs one.", param="model")
+    return served
+
+
+def check_dimensions(name: str, model: EmbeddingModel, dimensions: int | None) -> None:
+    if dimensions is not None and dimensions != model.dimensions:
+        raise invalid_request(f"`{name}` makes {model.dimensions}-dimensional embeddings and cannot shorten them: "
+                              f"omit dimensions or set it to {model.dimensions}.", param="dimensions")
+
+
+def input_token_ids(model: EmbeddingModel, inputs: list[EmbeddingInput]) -> list[list[int]]:
+    """Texts tokenized (with the encoder's special tokens); token ids checked against its vocabulary."""
+    texts = [(i, text) for i, text in enumerate(inputs) if isinstance(text, str)]
+    token_ids: list[list[int]] = [item if not isinstance(item, str) else [] for item in inputs]
+    for (index, _), ids in zip(texts, model.token_ids([text for _, text in texts]) if texts else []):
+        token_ids[index] = ids
+    for index, item in enumerate(inputs):
+        if not isinstance(item, str) and any(t < 0 or t >= model.vocab_size for t in item):
+            raise invalid_request(f"Input {index} holds token ids outside this model's vocabulary "
+                                  f"(0 to {model.vocab_size - 1}).", param="input")
+    return token_ids
+
+
+def check_lengths(name: str, model: EmbeddingModel, token_ids: list[list[int]]) -> None:
+    """Over-long input is refused, as OpenAI refuses it, rather than silently embedded in part."""
+    for index, ids in enumerate(token_ids):
+        if len(ids) > model.max_input_tokens:
+            raise invalid_request(
+                f"Input {index} is {len(ids)} tokens long; `{name}` accepts at most {model.max_input_tokens} "
+                "tokens per input. Shorten it or split it into several inputs.",
+                param="input", code="context_length_exceeded")
+    total = sum(len(ids) for ids in token_ids)
+    if total > MAX_TOTAL_TOKENS:
+        raise invalid_request(f"The inputs add up to {total} tokens; at most {MAX_TOTAL_TOKENS} per request.",
+                              param="input", code="context_length_exceeded")
+
+
+async def on_encoder_worker(function, *args):
+    return await asyncio.get_running_loop().run_in_executor(ENCODER_WORKER, function, *args)
+
+
+async def embed(request: Request, model: EmbeddingModel, token_ids: list[list[int]]) -> torch.Tensor | None:
+    """Vectors in input order, or None when the client went away (the remaining batches are skipped)."""
+    vectors = torch.empty(len(token_ids), model.dimensions, dtype=torch.float32)
+    gone = asyncio.Event()
+    async with abort_on_disconnect(request, gone.set):
+        for batch in length_sorted_batches(token_ids):
+            if gone.is_set():
+                return None
+            vectors[batch], _ = await on_encoder_worker(model.encode_token_ids, [token_ids[i] for i in batch])
+    return vectors
+
+
+def encoded(vector: torch.Tensor, encoding_format: str | None) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4", copy=False).tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def usage_record(principal: Principal, served, *, request_id: str, prompt_tokens: int, started_at: float,
+                 status: str) -> UsageRecord:
+    fields = {"price": getattr(served.spec, "price", None)} if "price" in UsageRecord.__dataclass_fields__ else {}
+    return UsageRecord(
+        request_id=request_id, team_id=principal.team_id, key_id=principal.key_id, model=served.name,
+        endpoint="embeddings", prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0,
+        latency_seconds=time.monotonic() - started_at, time_to_first_token_seconds=None, status=status,
+        finished_at=time.time(), **fields)
+
+
+def report_usage(context: ServerContext, record: UsageRecord) -> None:
+    try:
+        context.gateway.request_finished(record)
+    except Exception:  # metering must never break a response that is already on its way
+        log.exception("usage hook failed for %s", record.request_id)
+    meter = getattr(context, "cost_meter", None)  # the real-cost view (app/costs.py), where it is wired in
+    if meter is not None and record.status == "ok":
+        meter.record(record.prompt_tokens, record.model)
+
+
+@router.post("/v1/embeddings")
+async def create_embeddings(request: Request, context: ContextDep, principal: PrincipalDep):
+    body = await read_body(request, EmbeddingRequest, context.settings.max_request_bytes)
+    served = resolve_embedding_model(context, body.model, getattr(request.app.state, "embedder", None))
+    try:
+        return await serve_embeddings(request, context, principal, served, body)
+    finally:
+        served.release()
+
+
+async def serve_embeddings(request: Request, context: ServerContext, principal: Principal, served,
+                           body: EmbeddingRequest) -> JSONResponse:
+    name, model = served.name, served.embedder
+    check_dimensions(name, model, body.dimensions)
+    request_id = f"embd-{uuid.uuid4().hex}"
+    started_at = time.monotonic()
+    token_ids = await on_encoder_worker(input_token_ids, model, body.input)
+    prompt_tokens = sum(len(ids) for ids in token_ids)
+    # Access is checked against the name the caller used when its key lists that alias.
+    access_name = body.model if body.model != name and principal.allows(body.model) else name
+    headers = await context.gateway.admit(principal, model=access_name, prompt_tokens=prompt_tokens, max_tokens=0)
+    status, metered_tokens, vectors = "error", prompt_tokens, None
+    try:
+        try:
+            check_lengths(name, model, token_ids)
+        except OpenAIError:
+            status, metered_tokens = "rejected", 0
+            raise
+        vectors = await embed(request, model, token_ids)
+        status = "ok" if vectors is not None else "aborted"
+    except asyncio.CancelledError:
+        status = "aborted"
+        raise
+    finally:
+        report_usage(context, usage_record(principal, served, request_id=request_id, prompt_tokens=metered_tokens,
+                                           started_at=started_at, status=status))
+    if vectors is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening any more
+    data = [{"object": "embedding", "index": index, "embedding": encoded(vector, body.encoding_format)}
+            for index, vector in enumerate(vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": name,
+                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}, headers=headers)
