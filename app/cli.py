@@ -45,8 +45,14 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine.start(settings.engine)
     try:
         from app.gateway.wiring import gateway_from_settings
+        from app.registry.pool import ModelPool, embedded_defaults
+        from app.registry.store import RegistryStore
 
-        app = create_app(settings, engine, gateway=gateway_from_settings(settings))
+        gateway = gateway_from_settings(settings)
+        # --model is served as before; every other enabled model of the registry loads in the background.
+        pool = ModelPool(settings.engine, store=RegistryStore(gateway.sessions), load_enabled_at_start=True,
+                         first_start=embedded_defaults())
+        app = create_app(settings, engine, gateway=gateway, pool=pool)
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
         admin_key = settings.admin_key or provision_admin_key(settings)
         if admin_key and not settings.admin_key:

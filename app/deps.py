@@ -1,35 +1,87 @@
-"""What a route needs, as FastAPI dependencies: the server context and the caller."""
+"""What a route needs, as FastAPI dependencies: the server context, the model a request names, and the
+caller."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 
 from app.gateway_hooks import Gateway, Principal
-from app.metrics import ServerMetrics
+from app.registry.pool import ModelPool
+from app.registry.served import ServedModel
 from app.sampling import TokenBudget
 from app.settings import Settings
-from app.token_text import TokenTexts
 
 
 @dataclass(frozen=True)
 class ServerContext:
     settings: Settings
-    engine: object  # engine.async_engine.AsyncEngine
+    models: ModelPool
     gateway: Gateway
-    metrics: ServerMetrics
-    token_texts: TokenTexts
+
+    def bind(self, requested_model: str) -> ModelContext:
+        """The loaded model a request names (name or alias), counted in flight until release()."""
+        return ModelContext(self.settings, self.gateway, self.models.acquire(requested_model))
+
+    async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]]
+                         ) -> Response:
+        """handle(context) for the model a request names; the model counts it in flight until the
+        response is complete (a streamed one: until its tracker finishes)."""
+        context = self.bind(requested_model)
+        try:
+            return await handle(context)
+        finally:
+            if not context.streaming:
+                context.release()
+
+
+@dataclass
+class ModelContext:
+    """One request's view of the server: its model's engine, metrics and token texts. release() once
+    the request is over (RequestTracker.finish does), so an unload can drain."""
+    settings: Settings
+    gateway: Gateway
+    served: ServedModel
+    streaming: bool = False  # the response outlives the route: its tracker releases the model
+    released: bool = field(default=False)
+
+    @property
+    def engine(self):
+        return self.served.engine
+
+    @property
+    def metrics(self):
+        return self.served.metrics
+
+    @property
+    def token_texts(self):
+        return self.served.token_texts
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.served.name
+
+    @property
+    def price(self):
+        return self.served.spec.price
 
     @property
     def token_budget(self) -> TokenBudget:
         """A default max_tokens must fit the context and the KV pool, or the engine refuses it."""
         pool_tokens = self.engine.stats().kv_blocks_total * self.engine.config.block_size
         return TokenBudget(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap)
+
+    def access_name(self, principal: Principal, requested: str) -> str:
+        """What the gateway checks access against: the name the caller used if its key lists it (an
+        alias), else the registered name."""
+        return requested if requested != self.model_name and principal.allows(requested) else self.model_name
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.served.release()
 
 
 def server_context(request: Request) -> ServerContext:

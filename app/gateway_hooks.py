@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fastapi import Request
 
 from app.errors import invalid_api_key
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.gateway.config import ModelPrice
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class UsageRecord:
     time_to_first_token_seconds: float | None  # None when no token came out
     status: str  # "ok" | "aborted" (client went away) | "error" | "rejected" (context length, queue full)
     finished_at: float  # unix time
+    price: ModelPrice | None = None  # the model's price sheet in the registry, if it has one
 
 
 class Gateway(Protocol):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from app.deps import ServerContext
+from app.deps import ModelContext
 from app.errors import OpenAIError, invalid_request
 from app.gateway_hooks import Principal, UsageRecord
 from engine.async_engine import EngineRejected
@@ -59,7 +59,7 @@ class RequestTracker:
     """Counts what the engine reports for one HTTP request (one or more engine requests) and reports it
     once at the end, to /metrics and to the gateway's usage hook."""
 
-    def __init__(self, context: ServerContext, principal: Principal, *, request_id: str, endpoint: str) -> None:
+    def __init__(self, context: ModelContext, principal: Principal, *, request_id: str, endpoint: str) -> None:
         self.context = context
         self.principal = principal
         self.request_id = request_id
@@ -118,7 +118,8 @@ class RequestTracker:
             request_id=self.request_id, team_id=self.principal.team_id, key_id=self.principal.key_id,
             model=self.context.model_name, endpoint=self.endpoint, prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens, latency_seconds=latency,
-            time_to_first_token_seconds=ttft, status=status, finished_at=time.time())
+            time_to_first_token_seconds=ttft, status=status, finished_at=time.time(), price=self.context.price)
+        self.context.release()
         try:
             self.context.gateway.request_finished(record)
         except Exception:  # metering must never break a response that is already on its way
@@ -128,7 +129,7 @@ class RequestTracker:
         return "aborted" if "abort" in self.finish_reasons else "ok"
 
 
-def check_fits(context: ServerContext, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
+def check_fits(context: ModelContext, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
                max_tokens_param: str) -> None:
     try:
         context.engine.check_request(prompt_ids, params)
@@ -136,7 +137,7 @@ def check_fits(context: ServerContext, prompt_ids: list[int], params: SamplingPa
         raise rejection_error(error, prompt_param=prompt_param, max_tokens_param=max_tokens_param) from None
 
 
-async def engine_outputs(context: ServerContext, tracker: RequestTracker, engine_request_id: str,
+async def engine_outputs(context: ModelContext, tracker: RequestTracker, engine_request_id: str,
                          prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request; stopping early (disconnect, error) aborts it in the engine."""
     finished = False

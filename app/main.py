@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes over an engine that the caller started (and will shut down)."""
+"""The FastAPI app: OpenAI routes over a pool of loaded models (app.registry.pool)."""
 from __future__ import annotations
 
 from fastapi import FastAPI
@@ -7,28 +7,37 @@ from app.dashboard.wiring import install_dashboard
 from app.deps import ServerContext
 from app.errors import install_error_handlers
 from app.gateway_hooks import Gateway, SingleKeyGateway
-from app.metrics import ServerMetrics
+from app.lifespan import around_lifespan
+from app.registry.pool import ModelPool
+from app.registry.store import RegistryStore
 from app.routes import chat, completions, embeddings, models, operations
 from app.settings import Settings
-from app.token_text import TokenTexts
 
 
-def create_app(settings: Settings, engine, *, gateway: Gateway | None = None) -> FastAPI:
-    """`engine` is an engine.async_engine.AsyncEngine. `gateway` authenticates, admits and meters
-    requests (see app.gateway_hooks); by default a single key from settings.api_key, or none."""
+def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = None,
+               pool: ModelPool | None = None) -> FastAPI:
+    """Serves the models in `pool`, or a pool of one: `engine`, an engine.async_engine.AsyncEngine the
+    caller started (and will shut down). `gateway` authenticates, admits and meters requests (see
+    app.gateway_hooks); by default a single key from settings.api_key, or none. With the real gateway
+    the registry lives in its database and /admin/api/models manages it."""
+    gateway = gateway if gateway is not None else SingleKeyGateway(settings.api_key)
+    if pool is None:
+        sessions = getattr(gateway, "sessions", None)
+        pool = ModelPool(settings.engine, store=RegistryStore(sessions) if sessions is not None else None)
+    if engine is not None:
+        pool.add_loaded(engine)
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine")
-    app.state.context = ServerContext(
-        settings=settings,
-        engine=engine,
-        gateway=gateway if gateway is not None else SingleKeyGateway(settings.api_key),
-        metrics=ServerMetrics(engine.model_name),
-        token_texts=TokenTexts(engine.tokenizer),
-    )
+    app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway)
     install_error_handlers(app)
     for module in (models, chat, completions, embeddings, operations):
         app.include_router(module.router)
-    install = getattr(app.state.context.gateway, "install", None)
+    around_lifespan(app, pool.start, pool.stop)  # inside the gateway's: the registry's tables exist by then
+    install = getattr(gateway, "install", None)
     if install is not None:  # the gateway's admin and usage routes, headers, start and flush with the lifespan
         install(app)
+        from app.registry import admin_routes
+
+        app.include_router(admin_routes.router)
     install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
     return app
+

@@ -71,3 +71,23 @@ class ServerMetrics:
         for collect in self._collectors:
             lines.extend(collect())
         return "\n".join(lines) + "\n"
+
+
+def merge_expositions(texts: list[str]) -> str:
+    """Several models' /metrics text as one: each family's HELP and TYPE once, then every model's
+    samples of it (Prometheus refuses a family declared twice)."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    family = ""
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split(" ", 3)[2]
+                known = headers.setdefault(family, [])
+                samples.setdefault(family, [])
+                if line not in known:
+                    known.append(line)
+            elif line:
+                samples.setdefault(family, []).append(line)
+                headers.setdefault(family, [])
+    return "".join(line + "\n" for name in headers for line in (*headers[name], *samples[name]))

@@ -1,23 +1,26 @@
-"""What the app serves, as the dashboard sees it: one `ModelSource` (live numbers) and one model card
-(settings, prices) per loaded model. Today that is the one engine in app.state.context; a model registry
-extends these two functions and the pages follow."""
+"""What the app serves, as the dashboard sees it: one `ModelSource` (live numbers) per loaded chat
+model, and one model card (registry entry, state, settings, prices) per registered model."""
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from app.dashboard.histograms import HistogramCounts
 from app.dashboard.live import ModelSource
+from app.registry.served import ServedModel
+
+
+def _source(served: ServedModel) -> ModelSource:
+    engine, metrics = served.engine, served.metrics
+    return ModelSource(
+        name=served.name,
+        stats=engine.stats,
+        ttft=lambda: HistogramCounts.of(metrics.time_to_first_token),
+        inter_token=lambda: HistogramCounts.of(metrics.inter_token_latency),
+    )
 
 
 def model_sources(app) -> list[ModelSource]:  # noqa: ANN001 - FastAPI
-    context = app.state.context
-    metrics = context.metrics
-    return [ModelSource(
-        name=context.model_name,
-        stats=context.engine.stats,
-        ttft=lambda: HistogramCounts.of(metrics.time_to_first_token),
-        inter_token=lambda: HistogramCounts.of(metrics.inter_token_latency),
-    )]
+    return [_source(served) for served in app.state.context.models.loaded() if served.engine is not None]
 
 
 ENGINE_SETTING_NOTES = {
@@ -30,19 +33,28 @@ ENGINE_SETTING_NOTES = {
 
 
 def model_cards(app) -> list[dict]:  # noqa: ANN001
-    context = app.state.context
-    engine = context.engine
-    stats = engine.stats()
-    config = asdict(engine.config)
+    """Every registered model; the engine's numbers for those loaded here."""
+    pool = app.state.context.models
     gateway = getattr(app.state, "gateway", None)
-    price = gateway.config.price(context.model_name) if gateway is not None else None
-    return [{
-        "name": context.model_name,
-        "max_model_len": engine.max_model_len,
-        "kv_blocks_total": stats.kv_blocks_total,
-        "kv_tokens_total": stats.kv_blocks_total * engine.config.block_size,
-        "max_num_seqs": stats.max_num_seqs,
-        "max_num_batched_tokens": stats.max_num_batched_tokens,
-        "settings": [(name, value, ENGINE_SETTING_NOTES.get(name, "")) for name, value in config.items()],
-        "price": None if price is None else asdict(price),
-    }]
+    cards = []
+    for spec in list(pool.specs.values()):
+        served = pool.served.get(spec.name)
+        engine = served.engine if served is not None else None
+        price = spec.price or (gateway.config.price(spec.name) if gateway is not None else None)
+        card = {"name": spec.name, "kind": spec.kind, "state": pool.state(spec.name), "aliases": list(spec.aliases),
+                "source": spec.source, "architecture": spec.architecture, "enabled": spec.enabled,
+                "in_flight": served.in_flight if served is not None else 0,
+                "max_model_len": spec.max_model_len, "price": None if price is None else asdict(price),
+                "settings": [(name, value, ENGINE_SETTING_NOTES.get(name, ""))
+                             for name, value in spec.engine_settings.items()], "engine": None}
+        if engine is not None:
+            stats = engine.stats()
+            card["max_model_len"] = engine.max_model_len
+            card["engine"] = {"kv_blocks_total": stats.kv_blocks_total,
+                              "kv_tokens_total": stats.kv_blocks_total * engine.config.block_size,
+                              "max_num_seqs": stats.max_num_seqs,
+                              "max_num_batched_tokens": stats.max_num_batched_tokens}
+            card["settings"] = [(name, value, ENGINE_SETTING_NOTES.get(name, ""))
+                                for name, value in asdict(engine.config).items()]
+        cards.append(card)
+    return cards

@@ -9,7 +9,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from app.dashboard import key_routes, login_routes, overview_routes, playground_routes, team_routes, usage_routes
+from app.dashboard import (key_routes, login_routes, model_routes, overview_routes, playground_routes, team_routes,
+                           usage_routes)
 from app.dashboard.deps import CsrfRejected, Dashboard, LoginRequired, login_url
 from app.dashboard.headers import DashboardHeadersMiddleware
 from app.dashboard.live import LiveSampler
@@ -18,7 +19,7 @@ from app.dashboard.rendering import WEB_DIR, render
 from app.dashboard.sessions import SessionSigner
 from app.dashboard.sources import model_sources
 
-ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, playground_routes)
+ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, playground_routes, model_routes)
 
 
 async def _to_login(request: Request, error: LoginRequired) -> Response:

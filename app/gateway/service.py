@@ -176,7 +176,7 @@ class Gateway:
         if not isinstance(record.key_id, int) or not isinstance(record.team_id, int):
             return
         self.finished += 1
-        price = self.config.price(record.model)
+        price = record.price or self.config.price(record.model)  # the registry's sheet, else the env's
         self._queue(UsageEvent(
             created_at=naive_utc(record.finished_at - record.latency_seconds), team_id=record.team_id,
             key_id=record.key_id, model=record.model, prompt_tokens=record.prompt_tokens,

@@ -2,13 +2,12 @@
 x-ratelimit-* headers middleware, and start / stop around the app's lifespan (stop flushes usage)."""
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 
 from app.errors import invalid_request
+from app.lifespan import around_lifespan
 
 from app.gateway import admin_api, team_api
 from app.gateway.headers import RateLimitHeadersMiddleware
@@ -27,18 +26,7 @@ def install_gateway(app: FastAPI, gateway: Gateway) -> None:
     app.include_router(admin_api.router)
     app.include_router(team_api.router)
     app.add_middleware(RateLimitHeadersMiddleware)
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(app_: FastAPI):
-        await gateway.astart()
-        try:
-            async with inner(app_) as state:
-                yield state
-        finally:
-            await gateway.astop()
-
-    app.router.lifespan_context = lifespan
+    around_lifespan(app, gateway.astart, gateway.astop)
 
 
 def gateway_from_settings(settings) -> Gateway:  # noqa: ANN001 - app.settings.Settings

@@ -10,11 +10,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.body import read_body
-from app.deps import ContextDep, PrincipalDep, ServerContext
+from app.deps import ContextDep, ModelContext, PrincipalDep
 from app.errors import invalid_request, server_error
+from app.gateway_hooks import Principal
 from app.generation import (Choice, EngineFailure, RequestTracker, abort_on_disconnect, check_fits,
                             engine_outputs, rejection_error)
-from app.routes.models import check_model
 from app.sampling import chat_sampling_params
 from app.schemas import ChatCompletionRequest
 from app.streaming import finished_stream, sse, sse_response
@@ -37,15 +37,19 @@ def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request, context: ContextDep, principal: PrincipalDep):
-    body = await read_body(request, ChatCompletionRequest, context.settings.max_request_bytes)
-    check_model(context, body.model)
+async def create_chat_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+    body = await read_body(request, ChatCompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
+    return await server.with_model(body.model, lambda context: chat_completion(request, context, principal, body))
+
+
+async def chat_completion(request: Request, context: ModelContext, principal: Principal,
+                          body: ChatCompletionRequest):
     plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
     params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.token_budget))
-    headers = await context.gateway.admit(principal, model=context.model_name, prompt_tokens=len(prompt_ids),
-                                          max_tokens=params.max_tokens)
+    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
+                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="chat.completions")
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -57,6 +61,7 @@ async def create_chat_completion(request: Request, context: ContextDep, principa
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = chat_events(context, tracker, prompt_ids, params, include_usage, plan)
+        context.streaming = True
         return sse_response(finished_stream(tracker, events, prompt_param="messages",
                                             max_tokens_param=max_tokens_param), headers)
     response = await chat_response(request, context, tracker, prompt_ids, params, bool(body.logprobs),
@@ -64,7 +69,7 @@ async def create_chat_completion(request: Request, context: ContextDep, principa
     return JSONResponse(response, headers=headers)
 
 
-async def chat_response(request: Request, context: ServerContext, tracker: RequestTracker,
+async def chat_response(request: Request, context: ModelContext, tracker: RequestTracker,
                         prompt_ids: list[int], params: SamplingParams, with_logprobs: bool,
                         max_tokens_param: str, plan: StructuredPlan) -> dict:
     choices = [Choice() for _ in range(params.n)]
@@ -100,7 +105,7 @@ async def chat_response(request: Request, context: ServerContext, tracker: Reque
     }
 
 
-async def chat_events(context: ServerContext, tracker: RequestTracker, prompt_ids: list[int],
+async def chat_events(context: ModelContext, tracker: RequestTracker, prompt_ids: list[int],
                       params: SamplingParams, include_usage: bool, plan: StructuredPlan) -> AsyncIterator[str]:
     base = {"id": tracker.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
             "model": context.model_name, "system_fingerprint": None}

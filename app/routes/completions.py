@@ -10,12 +10,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from app.body import read_body
-from app.deps import ContextDep, PrincipalDep, ServerContext
+from app.deps import ContextDep, ModelContext, PrincipalDep
 from app.errors import invalid_request, server_error
+from app.gateway_hooks import Principal
 from app.generation import (Choice, EngineFailure, RequestTracker, abort_on_disconnect, check_fits,
                             engine_outputs, rejection_error)
 from app.prompts import completion_prompt_ids
-from app.routes.models import check_model
 from app.sampling import completion_sampling_params
 from app.schemas import CompletionRequest
 from app.streaming import finished_stream, merge, sse, sse_response
@@ -51,18 +51,21 @@ class PreparedPrompt:
 
 
 @router.post("/v1/completions")
-async def create_completion(request: Request, context: ContextDep, principal: PrincipalDep):
-    body = await read_body(request, CompletionRequest, context.settings.max_request_bytes)
-    check_model(context, body.model)
+async def create_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+    body = await read_body(request, CompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
     if body.echo and body.logprobs is not None:
         raise invalid_request("echo with logprobs (prompt logprobs) is not supported.", param="echo")
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
+    return await server.with_model(body.model, lambda context: completion(request, context, principal, body))
+
+
+async def completion(request: Request, context: ModelContext, principal: Principal, body: CompletionRequest):
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
-    headers = await context.gateway.admit(principal, model=context.model_name,
+    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
                                           prompt_tokens=sum(len(p.ids) for p in prompts),
                                           max_tokens=prompts[0].params.max_tokens)
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions")
@@ -75,13 +78,14 @@ async def create_completion(request: Request, context: ContextDep, principal: Pr
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = completion_events(context, tracker, prompts, bool(body.echo), include_usage)
+        context.streaming = True
         return sse_response(finished_stream(tracker, events, prompt_param="prompt", max_tokens_param="max_tokens"),
                             headers)
     return JSONResponse(await completion_response(request, context, tracker, prompts, bool(body.echo)),
                         headers=headers)
 
 
-def prepare_prompts(context: ServerContext, body: CompletionRequest, request_id: str) -> list[PreparedPrompt]:
+def prepare_prompts(context: ModelContext, body: CompletionRequest, request_id: str) -> list[PreparedPrompt]:
     tokenizer = context.engine.tokenizer
     many = len(body.prompt) > 1
     prepared = []
@@ -93,11 +97,11 @@ def prepare_prompts(context: ServerContext, body: CompletionRequest, request_id:
     return prepared
 
 
-def _engine_streams(context: ServerContext, tracker: RequestTracker, prompts: list[PreparedPrompt]):
+def _engine_streams(context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt]):
     return [engine_outputs(context, tracker, p.engine_request_id, p.ids, p.params) for p in prompts]
 
 
-async def completion_response(request: Request, context: ServerContext, tracker: RequestTracker,
+async def completion_response(request: Request, context: ModelContext, tracker: RequestTracker,
                               prompts: list[PreparedPrompt], echo: bool) -> dict:
     n = prompts[0].params.n
     choices = [Choice() for _ in range(len(prompts) * n)]
@@ -135,7 +139,7 @@ async def completion_response(request: Request, context: ServerContext, tracker:
             "model": context.model_name, "system_fingerprint": None, "choices": results, "usage": tracker.usage()}
 
 
-async def completion_events(context: ServerContext, tracker: RequestTracker, prompts: list[PreparedPrompt],
+async def completion_events(context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt],
                             echo: bool, include_usage: bool) -> AsyncIterator[str]:
     base = {"id": tracker.request_id, "object": "text_completion", "created": int(time.time()),
             "model": context.model_name, "system_fingerprint": None}

@@ -5,17 +5,21 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
 from app.deps import ContextDep
-from app.metrics import PROMETHEUS_CONTENT_TYPE
+from app.metrics import PROMETHEUS_CONTENT_TYPE, merge_expositions
 
 router = APIRouter()
 
 
 @router.get("/health")
 async def health(context: ContextDep) -> dict:
-    return {"status": "ok", "model": context.model_name}
+    pool = context.models
+    default = pool.default
+    return {"status": "ok", "model": default.name if default is not None else None,
+            "models": {name: pool.state(name) for name in pool.specs}}
 
 
 @router.get("/metrics")
 async def metrics(context: ContextDep) -> PlainTextResponse:
-    text = context.metrics.render(context.engine.stats())
-    return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+    texts = [served.metrics.render(served.engine.stats()) for served in list(context.models.served.values())
+             if served.engine is not None]
+    return PlainTextResponse(merge_expositions(texts), media_type=PROMETHEUS_CONTENT_TYPE)

@@ -1,0 +1,168 @@
+"""Checks a model source before it is registered: the path exists, it is a checkpoint we can read, and
+its architecture is one the engine runs. Reads config and headers only, never the weights, so a bad
+registration fails in a second with a message that says what to fix."""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from app.registry.spec import DEFAULT_SOURCE, RegistryError
+
+# What kind="embedding" runs: the BERT-family encoders sentence-transformers ships (all-MiniLM-L6-v2).
+EMBEDDING_ARCHITECTURES = frozenset({"bert"})
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    architecture: str
+    max_context: int | None
+
+
+def inspect_source(kind: str, source: str) -> SourceFacts:
+    if kind == "chat":
+        return _chat_facts(source)
+    return _embedding_facts(source)
+
+
+def default_source_path(kind: str) -> Path:
+    """The embedded model of a kind, from its wheel; FileNotFoundError when the wheel is missing."""
+    if kind == "chat":
+        from engine.loader import default_model_path
+
+        return default_model_path()
+    from engine.embeddings import default_embedding_model_path
+
+    return default_embedding_model_path()
+
+
+def _existing_path(kind: str, source: str) -> Path:
+    if source == DEFAULT_SOURCE:
+        try:
+            return default_source_path(kind)
+        except (FileNotFoundError, ImportError) as error:
+            raise RegistryError(f"the embedded {kind} model is not installed: {error}", param="path",
+                                code="model_source_not_found") from None
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        raise RegistryError(f"path must be absolute (the server resolves it, not your shell): {source!r}.",
+                            param="path", code="model_source_not_found")
+    if not path.exists():
+        raise RegistryError(f"no file or folder at {source!r}.", param="path", code="model_source_not_found")
+    return path
+
+
+def _chat_facts(source: str) -> SourceFacts:
+    from engine.models.llama import SUPPORTED_ARCHITECTURES
+
+    path = _existing_path("chat", source)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise RegistryError(f"{path} is neither a .gguf file nor a checkpoint folder.", param="path",
+                                code="unsupported_model")
+        architecture, max_context = _gguf_facts(path)
+    else:
+        config = _folder_config(path)
+        _require_weights(path)
+        architecture, max_context = str(config.get("model_type")), config.get("max_position_embeddings")
+        activation = config.get("hidden_act", "silu")
+        if architecture in SUPPORTED_ARCHITECTURES and activation != "silu":
+            raise RegistryError(f"activation {activation!r} is not supported (only silu).", param="path",
+                                code="unsupported_model")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise RegistryError(f"architecture {architecture!r} is not supported for chat; tokenmill runs "
+                            f"{sorted(SUPPORTED_ARCHITECTURES)}.", param="path", code="unsupported_model")
+    return SourceFacts(architecture, max_context)
+
+
+def _embedding_facts(source: str) -> SourceFacts:
+    path = _existing_path("embedding", source)
+    if path.is_file():
+        raise RegistryError(f"an embedding model must be a checkpoint folder, not {path.name}.", param="path",
+                            code="unsupported_model")
+    config = _folder_config(path)
+    _require_weights(path)
+    architecture = str(config.get("model_type"))
+    if architecture not in EMBEDDING_ARCHITECTURES:
+        raise RegistryError(f"architecture {architecture!r} is not supported for embeddings; tokenmill runs "
+                            f"{sorted(EMBEDDING_ARCHITECTURES)}.", param="path", code="unsupported_model")
+    return SourceFacts(architecture, config.get("max_position_embeddings"))
+
+
+def _folder_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise RegistryError(f"{path} has no config.json: not a transformers checkpoint folder.", param="path",
+                            code="unsupported_model") from None
+    except (OSError, ValueError) as error:
+        raise RegistryError(f"{path}/config.json is unreadable: {error}", param="path",
+                            code="unsupported_model") from None
+    if not isinstance(config, dict):
+        raise RegistryError(f"{path}/config.json is not a JSON object.", param="path", code="unsupported_model")
+    return config
+
+
+def _require_weights(path: Path) -> None:
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        raise RegistryError(f"{path} holds no *.safetensors or pytorch_model*.bin weights.", param="path",
+                            code="unsupported_model")
+
+
+def _gguf_facts(path: Path) -> tuple[str, int | None]:
+    try:
+        header = gguf_header(path, wanted=("general.architecture",), stop_prefix="tokenizer.")
+        architecture = str(header["general.architecture"])
+        header.update(gguf_header(path, wanted=(f"{architecture}.context_length",), stop_prefix="tokenizer."))
+    except (OSError, ValueError, KeyError, struct.error) as error:
+        raise RegistryError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}", param="path",
+                            code="unsupported_model") from None
+    context = header.get(f"{architecture}.context_length")
+    return architecture, None if context is None else int(context)
+
+
+# GGUF metadata value types: struct formats of the scalars; 8 = string, 9 = array.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dict:
+    """The wanted metadata of a GGUF file, read from its header without touching tensors (gguf's reader
+    maps the whole file: seconds for a 100 MB model). Stops at the first key starting with stop_prefix
+    (the tokenizer's big arrays come last), or when every wanted key is found."""
+    found: dict = {}
+    with open(path, "rb") as file:
+        magic, version = struct.unpack("<4sI", file.read(8))
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"not a GGUF v2+ file (magic {magic!r}, version {version})")
+        _tensors, kv_count = struct.unpack("<QQ", file.read(16))
+        for _ in range(kv_count):
+            key = _read_string(file)
+            if key.startswith(stop_prefix):
+                break
+            value = _read_value(file, struct.unpack("<I", file.read(4))[0])
+            if key in wanted:
+                found[key] = value
+                if len(found) == len(wanted):
+                    break
+    return found
+
+
+def _read_string(file: BinaryIO) -> str:
+    (length,) = struct.unpack("<Q", file.read(8))
+    if length > 1 << 20:
+        raise ValueError(f"implausible string length {length}")
+    return file.read(length).decode("utf-8", errors="replace")
+
+
+def _read_value(file: BinaryIO, kind: int) -> object:
+    if kind in _SCALARS:
+        fmt = "<" + _SCALARS[kind]
+        return struct.unpack(fmt, file.read(struct.calcsize(fmt)))[0]
+    if kind == 8:
+        return _read_string(file)
+    if kind == 9:
+        item_kind, count = struct.unpack("<IQ", file.read(12))
+        return [_read_value(file, item_kind) for _ in range(count)]
+    raise ValueError(f"unknown GGUF value type {kind}")

@@ -1,0 +1,298 @@
+"""The models this process serves: the registry's specs (from the store when there is one, else only in
+memory) and, for those loaded, a ServedModel each. Routes call `resolve(name_or_alias)`; the admin API
+registers, changes, loads and unloads without a restart.
+
+Unloading drains: the model stops taking requests at once (503 model_not_loaded), the ones already in
+flight finish, then its engine stops and the pool drops its last reference, so the memory goes back.
+All methods run on the event loop; loading, inspecting and the store run in threads."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from starlette.concurrency import run_in_threadpool
+
+from app.errors import OpenAIError, model_not_found
+from app.registry.inspection import default_source_path, inspect_source
+from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
+from app.registry.served import DRAINING, LOADED, ServedModel
+from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
+from app.registry.store import RegistryStore
+from engine.config import DTYPES, EngineConfig
+
+log = logging.getLogger("tokenmill.registry")
+
+LOADING, UNLOADED, DISABLED = "loading", "unloaded", "disabled"
+
+
+def model_not_loaded(name: str, state: str) -> OpenAIError:
+    why = {DRAINING: "is being unloaded", LOADING: "is still loading", DISABLED: "is disabled"}.get(
+        state, "is not loaded")
+    return OpenAIError(503, f"The model `{name}` {why}; an administrator can load it with "
+                       f"POST /admin/api/models/{name}/load.", type="server_error", param="model",
+                       code="model_not_loaded", headers={"Retry-After": "5"})
+
+
+class ModelPool:
+    def __init__(self, base: EngineConfig, *, store: RegistryStore | None = None,
+                 load_enabled_at_start: bool = False, drain_timeout_s: float = 600.0,
+                 first_start: tuple[Mapping[str, Any], ...] = ()) -> None:
+        self.base = base  # server-wide engine settings; a spec overrides its own part
+        self.store = store
+        self.load_enabled_at_start = load_enabled_at_start
+        self.drain_timeout_s = drain_timeout_s  # then the engine stops anyway (a request that never ended)
+        self.first_start = first_start  # registered on start unless their names are taken
+        self.specs: dict[str, ModelSpec] = {}
+        self.served: dict[str, ServedModel] = {}  # loaded or draining
+        self._loading: dict[str, asyncio.Task] = {}
+        self._draining: dict[str, asyncio.Task] = {}
+        self._changes = asyncio.Lock()  # registry changes one at a time: names and aliases stay unique
+
+    # ---- what routes use ---------------------------------------------------------------------
+    def spec(self, requested: str) -> ModelSpec | None:
+        """The spec a model name or alias refers to."""
+        spec = self.specs.get(requested)
+        if spec is not None:
+            return spec
+        return next((s for s in self.specs.values() if requested in s.aliases), None)
+
+    def state(self, name: str) -> str:
+        served = self.served.get(name)
+        if served is not None:
+            return served.state
+        if name in self._loading:
+            return LOADING
+        spec = self.specs.get(name)
+        return DISABLED if spec is not None and not spec.enabled else UNLOADED
+
+    def resolve(self, requested: str) -> ServedModel:
+        """The loaded model `requested` names; 404 model_not_found, or 503 model_not_loaded."""
+        spec = self.spec(requested)
+        if spec is None:
+            raise model_not_found(requested)
+        served = self.served.get(spec.name)
+        if served is None or served.state != LOADED or not spec.enabled:
+            raise model_not_loaded(spec.name, self.state(spec.name))
+        return served
+
+    def acquire(self, requested: str) -> ServedModel:
+        """resolve() and count the caller in flight until it calls release(): unloading waits for it."""
+        served = self.resolve(requested)
+        served.acquire()
+        return served
+
+    def loaded(self) -> list[ServedModel]:
+        return [served for served in self.served.values() if served.state == LOADED]
+
+    @property
+    def default(self) -> ServedModel | None:
+        """The first loaded chat model (what /health names)."""
+        return next((s for s in self.loaded() if s.kind == "chat"), None)
+
+    # ---- start and stop ----------------------------------------------------------------------
+    def add_loaded(self, engine, *, spec: ModelSpec | None = None, owned: bool = False) -> ServedModel:
+        """An engine someone else started (`tokenmill serve --model`, tests); registered on start()."""
+        spec = spec or preloaded_spec(engine)
+        self.specs.setdefault(spec.name, spec)
+        served = self.served[spec.name] = ServedModel(self.specs[spec.name], engine=engine, owned=owned)
+        return served
+
+    async def start(self) -> None:
+        """Read the registry; register what is loaded but not registered yet (the embedded default on
+        first start); then, when asked to, load every enabled model in the background."""
+        if self.store is not None:
+            stored = {spec.name: spec for spec in await run_in_threadpool(self.store.all)}
+            for name, served in self.served.items():
+                if name not in stored:
+                    stored[name] = await run_in_threadpool(self.store.insert, spec=served.spec)
+                served.spec = stored[name]
+            self.specs = stored
+        for fields in self.first_start:
+            await self.ensure_registered(fields)
+        if self.load_enabled_at_start:
+            for spec in self.specs.values():
+                if spec.enabled and spec.name not in self.served:
+                    self._start_loading(spec)
+
+    async def stop(self) -> None:
+        for task in [*self._loading.values(), *self._draining.values()]:
+            task.cancel()
+        for served in list(self.served.values()):
+            if served.owned:
+                await run_in_threadpool(served.shutdown)
+        self.served = {name: served for name, served in self.served.items() if not served.owned}
+
+    async def ensure_registered(self, fields: Mapping[str, Any]) -> ModelSpec | None:
+        """Register a default model unless its name is taken already (first start); None if skipped."""
+        if fields["name"] in self.specs:
+            return None
+        try:
+            return await self.register(fields)
+        except RegistryError as error:
+            log.warning("not registering %s: %s", fields["name"], error)
+            return None
+
+    # ---- registry changes (admin API) --------------------------------------------------------
+    async def refresh(self) -> None:
+        """Specs as the store has them now (another replica or the CLI may have changed them)."""
+        if self.store is None:
+            return
+        stored = {spec.name: spec for spec in await run_in_threadpool(self.store.all)}
+        for name, served in self.served.items():
+            stored.setdefault(name, served.spec)
+            served.spec = stored[name]
+        self.specs = stored
+
+    async def register(self, fields: Mapping[str, Any], *, load: bool = False) -> ModelSpec:
+        async with self._changes:
+            await self.refresh()
+            spec = await run_in_threadpool(new_spec, fields, base=self.base, others=list(self.specs.values()))
+            if self.store is not None:
+                spec = await run_in_threadpool(self.store.insert, spec=spec)
+            self.specs[spec.name] = spec
+        if load:
+            await self.load(spec.name)
+        return spec
+
+    async def update(self, name: str, changes: Mapping[str, Any]) -> ModelSpec:
+        async with self._changes:
+            await self.refresh()
+            spec = self._known(name)
+            updated = await run_in_threadpool(changed_spec, spec, changes, base=self.base,
+                                              others=list(self.specs.values()))
+            if self.store is not None:
+                updated = await run_in_threadpool(self.store.replace, name=name, spec=updated)
+            self.specs[name] = updated
+            served = self.served.get(name)
+            if served is not None:
+                served.spec = updated
+        if not updated.enabled:
+            await self.unload(name)
+        if set(changes) - set(LIVE_FIELDS) and name in self.served:
+            log.info("%s: engine changes take effect at its next load", name)
+        return updated
+
+    async def remove(self, name: str) -> None:
+        """Unload (drain, waiting for it) and delete the registry row."""
+        self._known(name)
+        await self.unload(name, wait=True)
+        async with self._changes:
+            if self.store is not None:
+                await run_in_threadpool(self.store.remove, name=name)
+            self.specs.pop(name, None)
+
+    # ---- load and unload ---------------------------------------------------------------------
+    async def load(self, name: str) -> ServedModel:
+        spec = self._known(name)
+        if not spec.enabled:
+            raise RegistryError(f"model {name!r} is disabled; enable it first.", param="enabled",
+                                code="model_disabled")
+        draining = self._draining.get(name)
+        if draining is not None:  # load after unload: the old engine goes first
+            await asyncio.shield(draining)
+        served = self.served.get(name)
+        if served is not None:
+            return served
+        task = self._loading.get(name) or self._start_loading(spec)
+        return await asyncio.shield(task)
+
+    async def unload(self, name: str, *, wait: bool = False) -> None:
+        """Stop taking requests for `name` now; stop its engine once those in flight are done."""
+        loading = self._loading.get(name)
+        if loading is not None:
+            await asyncio.gather(asyncio.shield(loading), return_exceptions=True)
+        served = self.served.get(name)
+        if served is not None and served.state == LOADED:
+            served.state = DRAINING
+            task = asyncio.get_running_loop().create_task(self._drain(served))
+            self._draining[name] = task
+            task.add_done_callback(lambda _: self._draining.pop(name, None))
+        drain = self._draining.get(name)
+        if wait and drain is not None:
+            await asyncio.shield(drain)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _known(self, name: str) -> ModelSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise OpenAIError(404, f"No model named {name!r} is registered.", param="model", code="not_found")
+        return spec
+
+    def _start_loading(self, spec: ModelSpec) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._load(spec))
+        self._loading[spec.name] = task
+        task.add_done_callback(lambda _: self._loading.pop(spec.name, None))
+        task.add_done_callback(_log_failure)
+        return task
+
+    async def _load(self, spec: ModelSpec) -> ServedModel:
+        started = time.monotonic()
+        try:
+            loaded = await run_in_threadpool(load_model, spec, self.base)
+        except Exception as error:
+            raise RegistryError(f"could not load {spec.name!r}: {type(error).__name__}: {error}",
+                                param="path", code="model_load_failed") from error
+        served = ServedModel(self.specs.get(spec.name, spec), **loaded)
+        self.served[spec.name] = served
+        log.info("loaded %s in %.1fs", spec.name, time.monotonic() - started)
+        return served
+
+    async def _drain(self, served: ServedModel) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while served.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if served.in_flight > 0:
+            log.warning("%s: %d requests still running after %.0fs; stopping anyway", served.name,
+                        served.in_flight, self.drain_timeout_s)
+        await run_in_threadpool(served.shutdown)
+        if self.served.get(served.name) is served:
+            del self.served[served.name]
+        served.forget()
+        gc.collect()  # the weights and the KV pool go now, not at some later collection
+        log.info("unloaded %s", served.name)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s", task.exception())
+
+
+def load_model(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
+    """Blocking: start a chat engine, or load an embedding model; ServedModel's keyword arguments."""
+    if spec.kind == "chat":
+        from engine.async_engine import AsyncEngine
+
+        return {"engine": AsyncEngine.start(spec.engine_config(base))}
+    from engine.embeddings import EmbeddingModel
+
+    path = default_source_path("embedding") if spec.source == DEFAULT_SOURCE else spec.source
+    return {"embedder": EmbeddingModel.load(path, dtype=DTYPES.get(spec.dtype, torch.float32))}
+
+
+def preloaded_spec(engine) -> ModelSpec:
+    """The registry entry for an engine started outside the pool, from its own settings."""
+    config = engine.config
+    source = config.model if config.model == DEFAULT_SOURCE else str(Path(config.model).expanduser().resolve())
+    try:
+        architecture = inspect_source("chat", source).architecture
+    except RegistryError:
+        architecture = "unknown"
+    return ModelSpec(name=engine.model_name, kind="chat", source=source, architecture=architecture,
+                     dtype=config.dtype, max_model_len=engine.max_model_len)
+
+
+def embedded_defaults() -> tuple[dict[str, Any], ...]:
+    """Registered on first start beside --model: the embedded embedding model, when its wheel is here."""
+    try:
+        from engine.embeddings import DEFAULT_EMBEDDING_MODEL_NAME
+
+        default_source_path("embedding")
+    except (ImportError, FileNotFoundError):
+        return ()
+    return ({"name": DEFAULT_EMBEDDING_MODEL_NAME, "kind": "embedding", "path": DEFAULT_SOURCE},)

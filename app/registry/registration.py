@@ -1,0 +1,107 @@
+"""Turns an operator's request (register, or change) into a checked ModelSpec, or a RegistryError that
+says what to fix. Pure apart from reading the model's config / header; blocking, so callers run it off
+the event loop. Nothing is written here: the pool persists what this returns."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from app.registry.inspection import inspect_source
+from app.registry.spec import (
+    DTYPES,
+    KINDS,
+    ModelSpec,
+    RegistryError,
+    check_engine_settings,
+    check_name,
+    price_of,
+)
+from engine.config import EngineConfig
+
+PRICE_FIELDS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")
+LIVE_FIELDS = ("aliases", "enabled", *PRICE_FIELDS)  # take effect at once; the rest at the next load
+
+
+def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec]) -> ModelSpec:
+    """fields: name, path, and optionally kind, dtype, max_model_len, engine_settings, aliases, prices,
+    enabled."""
+    kind = fields.get("kind") or "chat"
+    if kind not in KINDS:
+        raise RegistryError(f"kind must be one of {list(KINDS)}, got {kind!r}.", param="kind")
+    spec = ModelSpec(name=check_name(fields.get("name"), param="name"), kind=kind, source=str(fields.get("path")),
+                     architecture="", dtype=fields.get("dtype") or base.dtype)
+    return changed_spec(spec, {k: v for k, v in fields.items() if k not in ("name", "kind", "path")},
+                        base=base, others=others, source=str(fields.get("path")))
+
+
+def changed_spec(spec: ModelSpec, changes: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec],
+                 source: str | None = None) -> ModelSpec:
+    """`spec` with `changes` applied and checked. `source` (a new path) is inspected again."""
+    others = [other for other in others if other.name != spec.name]
+    values: dict[str, Any] = {}
+    if "path" in changes:
+        source = str(changes["path"])
+    if source is not None:
+        facts = inspect_source(spec.kind, source)
+        values.update(source=source, architecture=facts.architecture)
+        max_context = facts.max_context
+    else:
+        max_context = None
+    if changes.get("dtype") is not None:
+        if changes["dtype"] not in DTYPES:
+            raise RegistryError(f"dtype must be one of {list(DTYPES)}.", param="dtype")
+        values["dtype"] = changes["dtype"]
+    if "max_model_len" in changes:
+        values["max_model_len"] = _max_model_len(changes["max_model_len"], max_context)
+    elif source is not None and spec.max_model_len is None:
+        values["max_model_len"] = max_context
+    if changes.get("engine_settings") is not None:
+        values["engine_settings"] = check_engine_settings(dict(changes["engine_settings"]), base)
+    if changes.get("aliases") is not None:
+        values["aliases"] = _aliases(spec.name, changes["aliases"], others)
+    if any(field in changes for field in PRICE_FIELDS):
+        current = _price_columns(spec)
+        current.update({field: changes[field] for field in PRICE_FIELDS if field in changes})
+        values["price"] = price_of(*(current[field] for field in PRICE_FIELDS))
+    if changes.get("enabled") is not None:
+        values["enabled"] = bool(changes["enabled"])
+    updated = dataclasses.replace(spec, **values)
+    _check_unique(updated, others)
+    return updated
+
+
+def _max_model_len(value: int | None, checkpoint_max: int | None) -> int | None:
+    if value is None:
+        return checkpoint_max
+    if value < 1:
+        raise RegistryError("max_model_len must be at least 1.", param="max_model_len")
+    if checkpoint_max is not None and value > checkpoint_max:
+        raise RegistryError(f"max_model_len {value} is beyond the model's {checkpoint_max} positions.",
+                            param="max_model_len")
+    return value
+
+
+def _aliases(name: str, aliases: Iterable[str], others: list[ModelSpec]) -> tuple[str, ...]:
+    checked = []
+    for alias in aliases:
+        check_name(alias, param="aliases")
+        if alias != name and alias not in checked:
+            checked.append(alias)
+    return tuple(checked)
+
+
+def _check_unique(spec: ModelSpec, others: list[ModelSpec]) -> None:
+    taken = {name: other.name for other in others for name in other.names}
+    for name in spec.names:
+        if name in taken:
+            what = "model" if name == taken[name] else f"alias of model {taken[name]!r}"
+            raise RegistryError(f"{name!r} is already a registered {what}.",
+                                param="name" if name == spec.name else "aliases", code="conflict")
+
+
+def _price_columns(spec: ModelSpec) -> dict[str, float | None]:
+    price = spec.price
+    if price is None:
+        return dict.fromkeys(PRICE_FIELDS)
+    return dict(zip(PRICE_FIELDS, (price.input_per_1m, price.cached_input_per_1m, price.output_per_1m)))

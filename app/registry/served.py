@@ -1,0 +1,50 @@
+"""A model that is loaded in this process: its engine (chat) or encoder (embedding), its own latency
+metrics, and how many requests are using it, so that unloading can wait for them (drain)."""
+from __future__ import annotations
+
+from app.metrics import ServerMetrics
+from app.registry.spec import ModelSpec
+from app.token_text import TokenTexts
+
+LOADED, DRAINING = "loaded", "draining"
+
+
+class ServedModel:
+    def __init__(self, spec: ModelSpec, *, engine=None, embedder=None, owned: bool = True) -> None:
+        self.spec = spec  # replaced when the registry row changes (aliases, prices); the weights stay
+        self.engine = engine  # engine.async_engine.AsyncEngine for kind "chat"
+        self.embedder = embedder  # engine.embeddings.EmbeddingModel for kind "embedding"
+        self.owned = owned  # the pool started it, so the pool shuts it down when the server stops
+        self.metrics = ServerMetrics(spec.name)
+        self.token_texts = TokenTexts(engine.tokenizer) if engine is not None else None
+        self.state = LOADED
+        self.in_flight = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def record(self) -> ModelSpec:
+        return self.spec
+
+    def acquire(self) -> None:
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+    def shutdown(self) -> None:
+        """Blocking: stop the engine thread. Memory goes when the last reference does."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def forget(self) -> None:
+        self.engine = None
+        self.embedder = None
+        self.token_texts = None
