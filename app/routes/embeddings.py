@@ -9,7 +9,6 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -18,8 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from app.body import read_body
-from app.deps import ContextDep, PrincipalDep, ServerContext
-from app.errors import OpenAIError, invalid_request, model_not_found
+from app.deps import ContextDep, ModelContext, PrincipalDep
+from app.errors import OpenAIError, invalid_request
 from app.gateway_hooks import Principal, UsageRecord
 from app.generation import abort_on_disconnect
 from app.schemas import Body
@@ -66,34 +65,11 @@ class EmbeddingRequest(Body):
         return value
 
 
-@dataclass
-class StandaloneEmbedder:
-    """An embedder given to the app directly (app.state.embedder), shaped like the registry's ServedModel."""
-    embedder: EmbeddingModel
-    kind: str = "embedding"
-    spec: object = None
-
-    @property
-    def name(self) -> str:
-        return self.embedder.name
-
-    def release(self) -> None:
-        pass
-
-
-def resolve_embedding_model(context: ServerContext, name: str, fallback: EmbeddingModel | None = None):
-    """The served embedding model `name` refers to (name or alias), held until its release(): from the
-    model registry when the context has one, else the one embedder the app was given."""
-    models = getattr(context, "models", None)
-    if models is None:
-        if fallback is None or name != fallback.name:
-            raise model_not_found(name)
-        return StandaloneEmbedder(fallback)
-    served = models.acquire(name)  # 404 model_not_found / 503 model_not_loaded; unloading waits for release()
+def embedder_of(context: ModelContext) -> EmbeddingModel:
+    served = context.served
     if served.kind != "embedding" or served.embedder is None:
-        served.release()
-        raise invalid_request(f"`{name}` is not an embedding model; /v1/embeddings needs one.", param="model")
-    return served
+        raise invalid_request(f"`{served.name}` is not an embedding model; /v1/embeddings needs one.", param="model")
+    return served.embedder
 
 
 def check_dimensions(name: str, model: EmbeddingModel, dimensions: int | None) -> None:
@@ -151,47 +127,35 @@ def encoded(vector: torch.Tensor, encoding_format: str | None) -> list[float] | 
     return vector.tolist()
 
 
-def usage_record(principal: Principal, served, *, request_id: str, prompt_tokens: int, started_at: float,
-                 status: str) -> UsageRecord:
-    fields = {"price": getattr(served.spec, "price", None)} if "price" in UsageRecord.__dataclass_fields__ else {}
-    return UsageRecord(
-        request_id=request_id, team_id=principal.team_id, key_id=principal.key_id, model=served.name,
+def report_usage(context: ModelContext, principal: Principal, *, request_id: str, prompt_tokens: int,
+                 started_at: float, status: str) -> None:
+    record = UsageRecord(
+        request_id=request_id, team_id=principal.team_id, key_id=principal.key_id, model=context.model_name,
         endpoint="embeddings", prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0,
         latency_seconds=time.monotonic() - started_at, time_to_first_token_seconds=None, status=status,
-        finished_at=time.time(), **fields)
-
-
-def report_usage(context: ServerContext, record: UsageRecord) -> None:
+        finished_at=time.time(), price=context.price)
     try:
         context.gateway.request_finished(record)
     except Exception:  # metering must never break a response that is already on its way
-        log.exception("usage hook failed for %s", record.request_id)
-    meter = getattr(context, "cost_meter", None)  # the real-cost view (app/costs.py), where it is wired in
-    if meter is not None and record.status == "ok":
-        meter.record(record.prompt_tokens, record.model)
+        log.exception("usage hook failed for %s", request_id)
 
 
 @router.post("/v1/embeddings")
 async def create_embeddings(request: Request, context: ContextDep, principal: PrincipalDep):
     body = await read_body(request, EmbeddingRequest, context.settings.max_request_bytes)
-    served = resolve_embedding_model(context, body.model, getattr(request.app.state, "embedder", None))
-    try:
-        return await serve_embeddings(request, context, principal, served, body)
-    finally:
-        served.release()
+    return await context.with_model(body.model, lambda bound: serve_embeddings(request, bound, principal, body))
 
 
-async def serve_embeddings(request: Request, context: ServerContext, principal: Principal, served,
+async def serve_embeddings(request: Request, context: ModelContext, principal: Principal,
                            body: EmbeddingRequest) -> JSONResponse:
-    name, model = served.name, served.embedder
+    name, model = context.model_name, embedder_of(context)
     check_dimensions(name, model, body.dimensions)
     request_id = f"embd-{uuid.uuid4().hex}"
     started_at = time.monotonic()
     token_ids = await on_encoder_worker(input_token_ids, model, body.input)
     prompt_tokens = sum(len(ids) for ids in token_ids)
-    # Access is checked against the name the caller used when its key lists that alias.
-    access_name = body.model if body.model != name and principal.allows(body.model) else name
-    headers = await context.gateway.admit(principal, model=access_name, prompt_tokens=prompt_tokens, max_tokens=0)
+    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
+                                          prompt_tokens=prompt_tokens, max_tokens=0)
     status, metered_tokens, vectors = "error", prompt_tokens, None
     try:
         try:
@@ -205,8 +169,8 @@ async def serve_embeddings(request: Request, context: ServerContext, principal: 
         status = "aborted"
         raise
     finally:
-        report_usage(context, usage_record(principal, served, request_id=request_id, prompt_tokens=metered_tokens,
-                                           started_at=started_at, status=status))
+        report_usage(context, principal, request_id=request_id, prompt_tokens=metered_tokens, started_at=started_at,
+                     status=status)
     if vectors is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
     data = [{"object": "embedding", "index": index, "embedding": encoded(vector, body.encoding_format)}
