@@ -174,30 +174,31 @@ def gateway(make_gateway):  # noqa: F811  (the fixture imported above)
     return make_gateway()
 
 
-def test_embeddings_are_metered_into_a_usage_row(gateway, minilm):
+@pytest.fixture
+def metered_server(gateway, minilm):
+    """(base URL, a team key) of a server behind the real gateway."""
     app = build_app(gateway)
     serve_embedder(app, minilm)
     with serve_in_thread(app) as url:
         admin = httpx.Client(base_url=url)
-        key = create_key(admin, create_team(admin)["id"])
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key["key"], max_retries=0)
-        response = client.embeddings.create(model=MODEL, input=TEXTS)
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).embeddings.create(
-                model=MODEL, input="x")
+        yield url, create_key(admin, create_team(admin)["id"])
+
+
+def test_embeddings_are_metered_into_a_usage_row(metered_server, gateway):
+    url, key = metered_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key["key"], max_retries=0)
+    response = client.embeddings.create(model=MODEL, input=TEXTS)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0).embeddings.create(model=MODEL, input="x")
     [row] = usage_rows(gateway)
     assert (row.model, row.key_id, row.status) == (MODEL, key["id"], "ok")
     assert row.prompt_tokens == response.usage.prompt_tokens > 0 and row.completion_tokens == 0
 
 
-def test_an_over_long_input_is_a_rejected_row_without_tokens(gateway, minilm):
-    app = build_app(gateway)
-    serve_embedder(app, minilm)
-    with serve_in_thread(app) as url:
-        admin = httpx.Client(base_url=url)
-        key = create_key(admin, create_team(admin)["id"])
-        response = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "long " * 300},
-                              headers=bearer(key["key"]))
+def test_an_over_long_input_is_a_rejected_row_without_tokens(metered_server, gateway):
+    url, key = metered_server
+    response = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "long " * 300},
+                          headers=bearer(key["key"]))
     assert response.status_code == 400
     [row] = usage_rows(gateway)
     assert (row.status, row.prompt_tokens) == ("rejected", 0)
