@@ -83,6 +83,15 @@ def _gateway_commands() -> list[Command]:
 COMMANDS += _gateway_commands()  # teams, keys, usage
 
 
+def _registry_commands() -> list[Command]:
+    from app.registry.cli_commands import commands
+
+    return [Command(*spec) for spec in commands()]
+
+
+COMMANDS += _registry_commands()  # models
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="Self-hosted OpenAI-compatible server.")
     subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

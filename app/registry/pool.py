@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from app.errors import OpenAIError, model_not_found
@@ -154,7 +155,11 @@ class ModelPool:
             await self.refresh()
             spec = await run_in_threadpool(new_spec, fields, base=self.base, others=list(self.specs.values()))
             if self.store is not None:
-                spec = await run_in_threadpool(self.store.insert, spec=spec)
+                try:
+                    spec = await run_in_threadpool(self.store.insert, spec=spec)
+                except IntegrityError:  # another replica registered the name in between
+                    raise RegistryError(f"{spec.name!r} is already a registered model.", param="name",
+                                        code="conflict") from None
             self.specs[spec.name] = spec
         if load:
             await self.load(spec.name)

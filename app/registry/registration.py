@@ -31,6 +31,8 @@ def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[
         raise RegistryError(f"kind must be one of {list(KINDS)}, got {kind!r}.", param="kind")
     spec = ModelSpec(name=check_name(fields.get("name"), param="name"), kind=kind, source=str(fields.get("path")),
                      architecture="", dtype=fields.get("dtype") or base.dtype)
+    others = list(others)
+    _check_unique(spec, others)  # changed_spec() below sets aside a model of the same name: it is this one
     return changed_spec(spec, {k: v for k, v in fields.items() if k not in ("name", "kind", "path")},
                         base=base, others=others, source=str(fields.get("path")))
 
