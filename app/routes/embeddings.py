@@ -1,6 +1,7 @@
 """POST /v1/embeddings: strings or token ids in, vectors out as floats or base64 (little-endian float32,
 which the official openai client asks for unless told otherwise). Admitted and metered through the
-gateway like the other /v1 routes; the encoder runs on one worker thread, a batch at a time."""
+gateway like the other /v1 routes; the encoder runs on the process's one embedding worker
+(app/encoder_queue.py), a batch at a time."""
 from __future__ import annotations
 
 import asyncio
@@ -8,16 +9,17 @@ import base64
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from app.body import read_body
 from app.deps import ContextDep, ModelContext, PrincipalDep
+from app.encoder_queue import EncoderQueue
 from app.errors import OpenAIError, invalid_request
 from app.gateway_hooks import Principal, UsageRecord
 from app.generation import abort_on_disconnect
@@ -29,10 +31,7 @@ router = APIRouter()
 
 MAX_INPUTS = 2048  # OpenAI's limits per request
 MAX_TOTAL_TOKENS = 300_000
-# One worker for every embedding request: concurrent requests queue batch by batch instead of each
-# starting its own torch threads on the same two cores, and a small request waits for one batch of a
-# big one, not for all of it.
-ENCODER_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-embeddings")
+ENCODER_QUEUE = EncoderQueue()
 
 EmbeddingInput = str | list[int]
 
@@ -105,10 +104,6 @@ def check_lengths(name: str, model: EmbeddingModel, token_ids: list[list[int]]) 
                               param="input", code="context_length_exceeded")
 
 
-async def on_encoder_worker(function, *args):
-    return await asyncio.get_running_loop().run_in_executor(ENCODER_WORKER, function, *args)
-
-
 async def embed(request: Request, model: EmbeddingModel, token_ids: list[list[int]]) -> torch.Tensor | None:
     """Vectors in input order, or None when the client went away (the remaining batches are skipped)."""
     vectors = torch.empty(len(token_ids), model.dimensions, dtype=torch.float32)
@@ -117,7 +112,7 @@ async def embed(request: Request, model: EmbeddingModel, token_ids: list[list[in
         for batch in length_sorted_batches(token_ids):
             if gone.is_set():
                 return None
-            vectors[batch], _ = await on_encoder_worker(model.encode_token_ids, [token_ids[i] for i in batch])
+            vectors[batch] = await ENCODER_QUEUE.encode(model, [token_ids[i] for i in batch])
     return vectors
 
 
@@ -152,7 +147,7 @@ async def serve_embeddings(request: Request, context: ModelContext, principal: P
     check_dimensions(name, model, body.dimensions)
     request_id = f"embd-{uuid.uuid4().hex}"
     started_at = time.monotonic()
-    token_ids = await on_encoder_worker(input_token_ids, model, body.input)
+    token_ids = await run_in_threadpool(input_token_ids, model, body.input)
     prompt_tokens = sum(len(ids) for ids in token_ids)
     headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
                                           prompt_tokens=prompt_tokens, max_tokens=0)
