@@ -1,6 +1,7 @@
 """Key lifecycle through the real /v1 routes (fake engine): create, use, revoke, expire; team isolation."""
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
 from fastapi.testclient import TestClient
@@ -177,3 +178,92 @@ def test_admin_errors_are_in_openai_shape(make_gateway):
             bad_group.status_code) == (404, 400, 409, 404, 400)
     for response in (missing, invalid, duplicate, no_team, bad_group):
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def make_keys(gateway, count: int = 2) -> list[tuple[int, str]]:  # noqa: ANN001
+    """(key id, plaintext) of `count` keys of a new team, made straight in the database (as the CLI does)."""
+    from app.gateway import crud
+
+    with gateway.sessions() as session, session.begin():
+        team = crud.create_team(session, name=f"team-{count}")
+        made = [crud.create_key(session, team=team) for _ in range(count)]
+        return [(key.id, plaintext) for key, plaintext in made]
+
+
+def revoke_elsewhere(gateway, key_id: int) -> None:  # noqa: ANN001
+    """A revoke this process's admin API doesn't see (CLI, another replica): no cache invalidation."""
+    from app.gateway import crud
+
+    with gateway.sessions() as session, session.begin():
+        crud.revoke_key(session, key=crud.get_key(session, key_id=key_id))
+
+
+def test_keys_in_use_are_reloaded_ahead_of_their_ttl_in_one_round(make_gateway):
+    from app.gateway.auth import KeyCache
+
+    gateway = make_gateway()
+    clock = FakeClock(0.0)
+    cache = KeyCache(gateway.sessions, ttl_s=10.0, clock=clock)
+    (id_a, key_a), (_, key_b), (_, idle) = make_keys(gateway, 3)
+    for key in (key_a, key_b, idle):
+        assert cache.load(key).valid_at(0.0)
+    revoke_elsewhere(gateway, id_a)
+    clock.advance(6.0)  # past half the TTL: due for a reload
+    assert cache.cached(key_a)[1].valid_at(0.0) and cache.cached(key_b)[0]  # still served from the cache
+    assert cache.refresh_due() == 2  # the two keys in use, in one round; the idle one is left to expire
+    hit, principal = cache.cached(key_a)
+    assert hit and not principal.valid_at(0.0)  # the revoke is seen before the TTL is up
+    clock.advance(5.0)
+    assert cache.cached(key_b)[0] and not cache.cached(idle)[0]  # past the TTL: loaded again on use
+
+
+def test_no_cached_key_is_served_past_its_ttl(make_gateway):
+    from app.gateway.auth import KeyCache
+
+    gateway = make_gateway()
+    clock = FakeClock(0.0)
+    cache = KeyCache(gateway.sessions, ttl_s=10.0, clock=clock)
+    [(key_id, key)] = make_keys(gateway, 1)
+    cache.load(key)
+    revoke_elsewhere(gateway, key_id)
+    clock.advance(10.01)  # no refresh ran (no event loop here): the entry must not be served
+    assert cache.cached(key) == (False, None)
+    assert not cache.load(key).valid_at(0.0)
+
+
+def test_a_load_that_raced_an_invalidation_is_not_kept(make_gateway, monkeypatch):
+    from app.gateway import auth
+
+    gateway = make_gateway()
+    cache = auth.KeyCache(gateway.sessions, ttl_s=10.0)
+    [(key_id, key)] = make_keys(gateway, 1)
+    load_principal = auth.load_principal
+
+    def revoked_while_loading(sessions, key_hash):  # noqa: ANN001, ANN202
+        principal = load_principal(sessions, key_hash)  # read before the revoke ...
+        revoke_elsewhere(gateway, key_id)
+        cache.invalidate([key_hash])  # ... which the admin API announces while the read is in flight
+        return principal
+
+    monkeypatch.setattr(auth, "load_principal", revoked_while_loading)
+    assert cache.load(key).valid_at(0.0)
+    monkeypatch.undo()
+    assert cache.cached(key) == (False, None)  # the stale read was dropped: the next request reads again
+    assert not cache.load(key).valid_at(0.0)
+
+
+def test_a_busy_server_refreshes_keys_in_the_background(make_gateway):
+    """Through the real routes: a key in use past half its TTL is reloaded off the request path, and a
+    revoke made elsewhere takes effect within the TTL."""
+    gateway = make_gateway(key_cache_ttl_s=0.4)
+    [(key_id, key)] = make_keys(gateway, 1)
+    with client_for(gateway) as client:
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)).status_code == 200
+        deadline = time.monotonic() + 5
+        while gateway.keys.refreshes.rounds == 0 and time.monotonic() < deadline:
+            assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)).status_code == 200
+            time.sleep(0.05)
+        assert gateway.keys.refreshes.rounds > 0
+        revoke_elsewhere(gateway, key_id)
+        time.sleep(0.45)
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)).status_code == 401

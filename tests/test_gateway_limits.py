@@ -224,3 +224,31 @@ def test_unreachable_redis_admits_rather_than_failing(make_gateway):
     with TestClient(build_app(gateway)) as client:
         key = create_key(client, create_team(client)["id"], rpm_limit=1)
         assert [post(client, key).status_code for _ in range(2)] == [200, 200]
+
+
+def test_budget_spends_in_use_are_read_again_in_one_round(make_gateway):
+    """Spend another replica committed reaches this one's cached budgets by a background round (one
+    grouped query per kind and period), without a request waiting on the database."""
+    import time
+    from datetime import UTC, datetime
+
+    from app.gateway import crud
+    from app.gateway.budget import BudgetScope, BudgetTracker
+    from app.gateway.usage import UsageEvent, write_batch
+
+    gateway = make_gateway()
+    with gateway.sessions() as session, session.begin():
+        team = crud.create_team(session, name="alpha")
+        (key, _), (idle, _) = crud.create_key(session, team=team), crud.create_key(session, team=team)
+        team_id, key_id, idle_id = team.id, key.id, idle.id
+    tracker = BudgetTracker(gateway.sessions, cache_ttl_s=2.0)
+    scopes = [BudgetScope("key", key_id, 1.0, "day"), BudgetScope("team", team_id, 1.0, "month"),
+              BudgetScope("key", idle_id, 1.0, "day")]
+    assert [tracker.spent_nano_usd(s) for s in scopes] == [0, 0, 0]
+    now = datetime.now(UTC).replace(tzinfo=None)
+    write_batch(gateway.engine, [UsageEvent(now, team_id, key_id, "fake-model", 1, 0, 1, 5, None, "ok", 700)])
+    time.sleep(0.6)  # past a quarter of the TTL: worth reading again, far from due on the request path
+    assert not any(tracker.needs_refresh(s) for s in scopes[:2])  # in use: answered from the cache ...
+    assert [tracker.spent_nano_usd(s) for s in scopes[:2]] == [0, 0]
+    assert tracker.refresh_due() == 2  # ... and read again in a round, the idle key left to expire
+    assert [tracker.spent_nano_usd(s) for s in scopes[:2]] == [700, 700]

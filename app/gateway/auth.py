@@ -1,24 +1,30 @@
 """Who is calling: API key -> Principal (key + team and their limits), by SHA-256 lookup, cached.
 
-The cache keeps a replica off the database on the hot path; a key changed through this process's
-admin API is dropped from it at once, a key changed elsewhere (CLI, another replica) within
-`ttl_s`. Expiry is checked on every request against the clock, not cached.
+The cache keeps a replica off the database on the hot path. A key changed through this process's
+admin API is dropped from it at once; a key changed elsewhere (CLI, another replica) within `ttl_s`,
+because no entry older than that is ever served. Keys in use are reloaded ahead of their TTL, in the
+background and all in one query, so a request only waits on the database for a key it hasn't seen
+lately. Expiry is checked on every request against the clock, not cached.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import gateway_hooks as hooks
 from app.gateway.budget import BudgetScope
 from app.gateway.crud import find_key
 from app.gateway.keys import hash_key
+from app.gateway.models import ApiKey, Team
 from app.gateway.ratelimit import Scope
+from app.gateway.refresh import RefreshRounds
 
 
 @dataclass(frozen=True)
@@ -43,15 +49,10 @@ class Principal(hooks.Principal):
 
 
 def _unix(value: datetime | None) -> float | None:
-    return None if value is None else value.replace(tzinfo=timezone.utc).timestamp()
+    return None if value is None else value.replace(tzinfo=UTC).timestamp()
 
 
-def load_principal(sessions: sessionmaker[Session], key_hash: str) -> Principal | None:
-    with sessions() as session:
-        found = find_key(session, key_hash=key_hash)
-    if found is None:
-        return None
-    key, team = found
+def principal_of(key: ApiKey, team: Team) -> Principal:
     expiries = [t for t in (_unix(key.expires_at), _unix(team.expires_at)) if t is not None]
     return Principal(
         key_id=key.id, key_prefix=key.key_prefix, key_name=key.name, team_id=team.id, team_name=team.name,
@@ -68,6 +69,33 @@ def load_principal(sessions: sessionmaker[Session], key_hash: str) -> Principal 
     )
 
 
+def load_principal(sessions: sessionmaker[Session], key_hash: str) -> Principal | None:
+    with sessions() as session:
+        found = find_key(session, key_hash=key_hash)
+    return None if found is None else principal_of(*found)
+
+
+def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> dict[str, Principal | None]:
+    """Many keys in one query per 500; a hash with no key maps to None."""
+    found: dict[str, Principal | None] = dict.fromkeys(key_hashes)
+    with sessions() as session:
+        for start in range(0, len(key_hashes), 500):
+            rows = session.execute(select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id)
+                                   .where(ApiKey.key_hash.in_(key_hashes[start:start + 500])))
+            for key, team in rows:
+                found[key.key_hash] = principal_of(key, team)
+    return found
+
+
+class _Entry:
+    __slots__ = ("loaded_at", "principal", "used")
+
+    def __init__(self, principal: Principal | None, loaded_at: float) -> None:
+        self.principal = principal
+        self.loaded_at = loaded_at
+        self.used = False  # looked up since it was loaded: worth reloading ahead of its TTL
+
+
 class KeyCache:
     """hash -> Principal | None (unknown keys too, so guessing doesn't hammer the database)."""
 
@@ -75,42 +103,73 @@ class KeyCache:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.sessions = sessions
         self.ttl_s = ttl_s
+        self.refresh_after_s = ttl_s / 2  # an entry in use this old is reloaded in the background
         self.max_entries = max_entries
         self.clock = clock
-        self._entries: OrderedDict[str, tuple[Principal | None, float]] = OrderedDict()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._lock = threading.Lock()  # writers (worker threads); the event loop only reads
+        self._generation = 0  # bumped by invalidate(): a load that started before it is not kept
+        self.refreshes = RefreshRounds(self.refresh_due, "key")
         self.by_key_id: dict[int, Principal] = {}  # the latest principal loaded per key, for tpm accounting
 
     def cached(self, key: str) -> tuple[bool, Principal | None]:
-        key_hash = hash_key(key)
-        entry = self._entries.get(key_hash)
-        if entry is None or self.clock() - entry[1] > self.ttl_s:
+        """(hit, principal). On the event loop, a hit that is due starts a background refresh."""
+        entry = self._entries.get(hash_key(key))
+        if entry is None:
             return False, None
-        return True, entry[0]
+        age = self.clock() - entry.loaded_at
+        if age > self.ttl_s:
+            return False, None
+        entry.used = True
+        if age > self.refresh_after_s:
+            self.refreshes.soon()
+        return True, entry.principal
 
     def last_known(self, key: str) -> tuple[bool, Principal | None]:
         """The entry however old, for when the database can't be asked."""
         entry = self._entries.get(hash_key(key))
-        return (False, None) if entry is None else (True, entry[0])
+        return (False, None) if entry is None else (True, entry.principal)
 
     def load(self, key: str) -> Principal | None:
         """Blocking: reads the database. Run it off the event loop."""
         key_hash = hash_key(key)
+        generation, loaded_at = self._generation, self.clock()
         principal = load_principal(self.sessions, key_hash)
-        self._entries[key_hash] = (principal, self.clock())
-        if principal is not None:
-            self.by_key_id[principal.key_id] = principal
-        self._entries.move_to_end(key_hash)
-        while len(self._entries) > self.max_entries:
-            _, (evicted, _) = self._entries.popitem(last=False)
-            if evicted is not None:
-                self.by_key_id.pop(evicted.key_id, None)
+        self._store({key_hash: principal}, generation, loaded_at)
         return principal
 
+    def refresh_due(self) -> int:
+        """Blocking: reload, in one query, every entry in use that is past half its TTL (or nearly so,
+        so that refreshes come in rounds, not one key at a time). Returns how many were reloaded."""
+        generation, loaded_at = self._generation, self.clock()
+        horizon = loaded_at - self.refresh_after_s / 2
+        with self._lock:
+            due = [key_hash for key_hash, entry in self._entries.items() if entry.used and entry.loaded_at < horizon]
+        if due:
+            self._store(load_principals(self.sessions, due), generation, loaded_at)
+        return len(due)
+
     def invalidate(self, key_hashes: list[str] | None = None) -> None:
-        if key_hashes is None:
-            self._entries.clear()
-        for key_hash in key_hashes or ():
-            self._entries.pop(key_hash, None)
+        with self._lock:
+            self._generation += 1
+            if key_hashes is None:
+                self._entries.clear()
+            for key_hash in key_hashes or ():
+                self._entries.pop(key_hash, None)
+
+    def _store(self, loaded: dict[str, Principal | None], generation: int, loaded_at: float) -> None:
+        with self._lock:
+            if generation != self._generation:  # invalidated while we read: the next use loads again
+                return
+            for key_hash, principal in loaded.items():
+                self._entries[key_hash] = _Entry(principal, loaded_at)
+                self._entries.move_to_end(key_hash)
+                if principal is not None:
+                    self.by_key_id[principal.key_id] = principal
+            while len(self._entries) > self.max_entries:
+                _, evicted = self._entries.popitem(last=False)
+                if evicted.principal is not None:
+                    self.by_key_id.pop(evicted.principal.key_id, None)
 
 
 class FailedAuthLimiter:

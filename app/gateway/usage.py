@@ -15,17 +15,17 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from sqlalchemy import Engine
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
 
 from app.gateway.crud import touch_last_used
 from app.gateway.models import UsageDaily, UsageRow
-from sqlalchemy.orm import Session
 
 log = logging.getLogger("tokenmill.gateway.usage")
 
@@ -53,8 +53,12 @@ class UsageEvent:
     def is_error(self) -> bool:
         return self.status not in (OK, ABORTED)
 
+    def row(self) -> dict:
+        """The usage table's columns (dataclasses.asdict, without its deep copies)."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
     def to_json(self) -> str:
-        data = asdict(self)
+        data = self.row()
         data["created_at"] = self.created_at.isoformat()
         return json.dumps(data)
 
@@ -83,21 +87,30 @@ def rollup(events: Iterable[UsageEvent]) -> list[dict]:
     return [sums[k] for k in sorted(sums)]
 
 
+_UPSERTS: dict[str, object] = {}
+
+
+def rollup_upsert(dialect_name: str):
+    """Add a roll-up row to the one already there. One statement per dialect, run as executemany, so
+    SQLAlchemy compiles it once (a multi-VALUES insert is compiled afresh for every batch size)."""
+    if dialect_name not in _UPSERTS:
+        dialect = postgresql if dialect_name == "postgresql" else sqlite
+        stmt = dialect.insert(UsageDaily)
+        _UPSERTS[dialect_name] = stmt.on_conflict_do_update(
+            index_elements=["day", "key_id", "model"],
+            set_={name: getattr(UsageDaily, name) + getattr(stmt.excluded, name) for name in ROLLUP_SUMS})
+    return _UPSERTS[dialect_name]
+
+
 def write_batch(engine: Engine, events: Sequence[UsageEvent], *, key_times: dict | None = None,
                 team_times: dict | None = None) -> None:
-    dialect = postgresql if engine.dialect.name == "postgresql" else sqlite
     with Session(engine) as session, session.begin():
         if events:
-            # Core executemany, not the ORM's bulk path: half the Python work per row (this thread
+            # Core executemany, not the ORM's bulk path: far less Python work per row (this thread
             # holds the GIL beside the event loop while it works).
-            session.connection().execute(UsageRow.__table__.insert(), [asdict(e) for e in events])
-            rows = rollup(events)
-            for start in range(0, len(rows), 500):
-                stmt = dialect.insert(UsageDaily).values(rows[start:start + 500])
-                stmt = stmt.on_conflict_do_update(
-                    index_elements=["day", "key_id", "model"],
-                    set_={name: getattr(UsageDaily, name) + getattr(stmt.excluded, name) for name in ROLLUP_SUMS})
-                session.execute(stmt)
+            connection = session.connection()
+            connection.execute(UsageRow.__table__.insert(), [e.row() for e in events])
+            connection.execute(rollup_upsert(engine.dialect.name), rollup(events))
         if key_times or team_times:
             touch_last_used(session, key_times=key_times or {}, team_times=team_times or {})
 
