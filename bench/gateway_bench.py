@@ -1,23 +1,31 @@
 """Gateway overhead: what auth + limits + budgets + usage metering add to a request.
 
 The engine is replaced by an instant fake (here only), so what is left is the HTTP server, the routes
-and the gateway. Each configuration runs a server process and 50 concurrent clients against it:
+and the gateway. Each configuration runs a server process pinned to one core and a cheap raw HTTP
+client (bench/load_client.py) pinned to the other, and loads it twice over 50 connections:
 
-    none        no gateway (no auth, no metering): the baseline
+    closed   each connection sends its next request as soon as the last is answered: the most the
+             server can do (req/s; its latency is mostly queueing, by Little's law)
+    paced    requests arrive at a fixed rate (default 500/s, open loop): does the server sustain it,
+             and at what latency (counted from when each request was due)
+
+Configurations:
+    none        no gateway (no auth, no metering): the baseline, measured in the same run
     sqlite      the gateway on a SQLite file, counters in process
     postgresql  the gateway on PostgreSQL, counters in process
     pg+redis    the gateway on PostgreSQL, counters in Redis
 
-Reported per configuration: requests/s, client latency p50/p99, the time spent inside the gateway's
-hooks per request (authenticate + admit + request_finished) p50/p99, and usage rows expected vs
-written after a SIGTERM shutdown (zero lost is the target). Target: 500 req/s, p99 overhead < 10 ms.
+Reported per configuration: req/s (closed), achieved rate and latency p50/p99 (paced) and their
+difference to the baseline (the gateway's overhead), server and client CPU per request, the time
+spent inside the gateway's hooks p50/p99, and usage rows answered vs written after a SIGTERM
+shutdown (zero lost is the target). Target: 500 req/s sustained, p99 overhead < 10 ms, no row lost.
 
-    python bench/gateway_bench.py [--requests 6000] [--concurrency 50] [--configs none,sqlite,postgresql,pg+redis]
+    python bench/gateway_bench.py [--requests 6000] [--rate 500] [--duration 10] [--concurrency 50]
+        [--configs none,sqlite,postgresql,pg+redis] [--profile DIR]
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextvars
 import json
 import os
@@ -33,10 +41,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import load_client
+
 PG_SERVER = os.environ.get("TOKENMILL_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TOKENMILL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "sk-admin-bench-" + "b" * 24
 TEAMS, KEYS_PER_TEAM = 10, 10
+BODY = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "say hello world"}],
+                   "max_tokens": 16}).encode()
+PRICES = {"fake-model": {"input": 0.15, "output": 0.6}}  # so cost and budget accounting run too
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -46,9 +59,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+
+
 # ---- the server process ----
 
-def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path: str) -> None:
+def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path: str, cpu: str) -> None:
+    pin(int(cpu) if cpu else None)
     import uvicorn
 
     from app.main import create_app
@@ -57,17 +76,17 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
 
     gateway = None
     if mode != "none":
-        from app.gateway.config import GatewayConfig
+        from app.gateway.config import GatewayConfig, parse_prices
         from app.gateway.service import Gateway
 
         gateway = Gateway(GatewayConfig(database_url=database_url, admin_key=ADMIN_KEY,
                                         redis_url=redis_url or None, redis_prefix=f"tokenmill-bench:{os.getpid()}:",
-                                        spill_dir=str(Path(timings_path).parent)))
+                                        prices=parse_prices(PRICES), spill_dir=str(Path(timings_path).parent)))
         spent: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("spent", default=None)
         totals: list[float] = []
 
-        def timed_async(method):  # noqa: ANN001, ANN202
-            async def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def timed_async(method):
+            async def wrapper(*args, **kwargs):
                 holder = spent.get()
                 if holder is None:
                     holder = [0.0]
@@ -79,8 +98,8 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                     holder[0] += time.perf_counter() - start
             return wrapper
 
-        def timed_finish(method):  # noqa: ANN001, ANN202
-            def wrapper(record):  # noqa: ANN001, ANN202
+        def timed_finish(method):
+            def wrapper(record):
                 start = time.perf_counter()
                 try:
                     return method(record)
@@ -100,58 +119,72 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                                                       "rows_spilled": gateway.writer.rows_spilled}))
         gateway.stop = stop_and_report
     app = create_app(Settings(), FakeEngine(), gateway=gateway)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=30)
+    config.load()
+    loop_factory = config.get_loop_factory()
+    print(json.dumps({"loop": f"{loop_factory.__module__}.{loop_factory.__name__}",
+                      "http": config.http_protocol_class.__name__}), flush=True)
+    uvicorn.Server(config).run()
 
 
 # ---- the client side ----
 
-async def setup_keys(url: str) -> list[str]:
+def setup_keys(url: str) -> list[str]:
     import httpx
 
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     keys = []
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as client:
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         for t in range(TEAMS):
-            team = (await client.post("/admin/api/teams", json={
+            team = client.post("/admin/api/teams", json={
                 "name": f"team-{t}", "rpm_limit": 1_000_000, "tpm_limit": 100_000_000, "max_budget_usd": 1000.0,
-                "budget_period": "month"})).json()
+                "budget_period": "month"}).json()
             for k in range(KEYS_PER_TEAM):
-                key = (await client.post("/admin/api/keys", json={
+                key = client.post("/admin/api/keys", json={
                     "team_id": team["id"], "name": f"key-{k}", "rpm_limit": 1_000_000,
-                    "tpm_limit": 100_000_000})).json()
+                    "tpm_limit": 100_000_000}).json()
                 keys.append(key["key"])
     return keys
 
 
-async def load(url: str, keys: list[str], total: int, concurrency: int) -> tuple[list[float], float, int]:
-    import httpx
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and all its threads so far."""
+    import psutil
 
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "say hello world"}], "max_tokens": 16}
-    latencies: list[float] = []
-    failures = 0
-    counter = iter(range(total))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal failures
-        for i in counter:
-            headers = {"Authorization": f"Bearer {keys[i % len(keys)]}"} if keys else {}
-            start = time.perf_counter()
-            try:
-                response = await client.post("/v1/chat/completions", json=body, headers=headers)
-            except httpx.HTTPError:
-                failures += 1
-                continue
-            latencies.append(time.perf_counter() - start)
-            if response.status_code != 200:
-                failures += 1
 
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return latencies, elapsed, failures
+class Profiler:
+    """py-spy recording the server while a phase runs (collapsed stacks, for where the time goes)."""
+
+    def __init__(self, directory: str | None, pid: int, name: str) -> None:
+        self.process = None
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            spy = Path(sys.executable).parent / "py-spy"
+            self.process = subprocess.Popen(
+                [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--threads",
+                 "--output", str(Path(directory) / f"{name}.txt")], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached before the load starts
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait(60)
+
+
+def phase_report(result: load_client.LoadResult, server_cpu_s: float) -> dict:
+    answered = max(result.answered, 1)
+    return {"requests": result.answered, "failures": result.failures, "elapsed_s": result.elapsed_s,
+            "req_per_s": result.answered / result.elapsed_s, "p50_ms": percentile(result.latencies_s, 0.5) * 1000,
+            "p99_ms": percentile(result.latencies_s, 0.99) * 1000,
+            "mean_ms": statistics.fmean(result.latencies_s) * 1000 if result.latencies_s else float("nan"),
+            "server_cpu_ms_per_req": server_cpu_s / answered * 1000,
+            "client_cpu_ms_per_req": result.client_cpu_s / answered * 1000,
+            "client_cpu_share": result.client_cpu_s / result.elapsed_s}
 
 
 def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -171,46 +204,61 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         database_url = PG_SERVER.rsplit("/", 1)[0] + "/" + pg_name
     port = free_port()
     timings = workdir / f"timings-{mode}.json"
-    server_log = open(workdir / f"server-{mode}.log", "w")  # noqa: SIM115
+    log_path = workdir / f"server-{mode}.log"
+    server_log = open(log_path, "w")  # noqa: SIM115
     process = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(port), mode, database_url,
-         REDIS_URL if mode == "pg+redis" else "", str(timings)], cwd=ROOT, stdout=server_log,
-        stderr=subprocess.STDOUT)
+         REDIS_URL if mode == "pg+redis" else "", str(timings), "" if args.server_cpu is None else str(args.server_cpu)],
+        cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT)
     server_log.close()
     url = f"http://127.0.0.1:{port}"
+    requests_by_phase = {}
     try:
         try:
             wait_until_up(url, process)
         except RuntimeError:
-            print((workdir / f"server-{mode}.log").read_text(), file=sys.stderr)
+            print(log_path.read_text(), file=sys.stderr)
             raise
-        keys = asyncio.run(setup_keys(url)) if mode != "none" else []
-        _, _, warmup_failures = asyncio.run(load(url, keys, args.warmup, args.concurrency))
-        latencies, elapsed, failures = asyncio.run(load(url, keys, args.requests, args.concurrency))
+        keys = setup_keys(url) if mode != "none" else []
+        payloads = load_client.build_requests("127.0.0.1", port, "/v1/chat/completions", BODY, keys)
+        warmup = load_client.run(load_client.closed("127.0.0.1", port, payloads, args.warmup, args.concurrency))
+        requests_by_phase["warmup"] = warmup
+        for phase in ("closed", "paced"):
+            profiler = Profiler(args.profile, process.pid, f"{mode}-{phase}")
+            server_cpu = cpu_seconds(process.pid)
+            if phase == "closed":
+                run = load_client.closed("127.0.0.1", port, payloads, args.requests, args.concurrency)
+            else:
+                run = load_client.paced("127.0.0.1", port, payloads, args.rate, args.duration, args.concurrency)
+            result = load_client.run(run)
+            requests_by_phase[phase] = (result, cpu_seconds(process.pid) - server_cpu)
+            profiler.stop()
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(120)
-    result = {"config": mode, "requests": args.requests, "concurrency": args.concurrency, "failures": failures,
-              "req_per_s": args.requests / elapsed, "p50_ms": percentile(latencies, 0.5) * 1000,
-              "p99_ms": percentile(latencies, 0.99) * 1000, "mean_ms": statistics.fmean(latencies) * 1000}
+    server_info = next(json.loads(line) for line in log_path.read_text().splitlines() if line.startswith('{"loop"'))
+    report = {"config": mode, "concurrency": args.concurrency, "server": server_info,
+              **{phase: phase_report(*requests_by_phase[phase]) for phase in ("closed", "paced")}}
+    report["paced"]["target_rate"] = args.rate
     if mode != "none":
         server = json.loads(timings.read_text())
-        hooks = server["gateway_s"][args.warmup:]  # the measured run, after the warm-up
-        result.update(gateway_p50_ms=percentile(hooks, 0.5) * 1000, gateway_p99_ms=percentile(hooks, 0.99) * 1000)
+        hooks = server["gateway_s"][args.warmup:]  # the measured phases, after the warm-up
+        report.update(gateway_hooks_p50_ms=percentile(hooks, 0.5) * 1000,
+                      gateway_hooks_p99_ms=percentile(hooks, 0.99) * 1000)
         engine = create_engine(database_url)
         from app.gateway.models import UsageRow
 
         with engine.connect() as c:
             rows = c.scalar(select(func.count()).select_from(UsageRow))
         engine.dispose()
-        answered = args.warmup + args.requests - warmup_failures - failures  # each 200 must have its row
-        result.update(rows_expected=answered, rows_written=rows,
+        answered = requests_by_phase["warmup"].ok + sum(requests_by_phase[p][0].ok for p in ("closed", "paced"))
+        report.update(rows_expected=answered, rows_written=rows, rows_spilled=server["rows_spilled"],
                       rows_lost=max(0, answered - rows - server["rows_spilled"]))
     if pg_name:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)'))
         admin.dispose()
-    return result
+    return report
 
 
 def wait_until_up(url: str, process: subprocess.Popen) -> None:
@@ -228,45 +276,113 @@ def wait_until_up(url: str, process: subprocess.Popen) -> None:
     raise RuntimeError("the bench server did not start")
 
 
-def print_table(results: list[dict]) -> None:
+def add_overheads(results: list[dict]) -> None:
+    """Latency and throughput against the no-gateway baseline of the same run."""
     base = next((r for r in results if r["config"] == "none"), None)
-    head = f"{'config':<11}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'+p50':>8}{'+p99':>8}{'gw p50':>9}{'gw p99':>9}" \
-           f"{'rows':>9}{'lost':>6}{'fail':>6}"
+    if base is None:
+        return
+    for r in results:
+        if r is base:
+            continue
+        r["closed"]["req_per_s_vs_baseline"] = r["closed"]["req_per_s"] / base["closed"]["req_per_s"]
+        r["closed"]["server_cpu_ms_per_req_added"] = (r["closed"]["server_cpu_ms_per_req"]
+                                                      - base["closed"]["server_cpu_ms_per_req"])
+        r["paced"]["p50_ms_added"] = r["paced"]["p50_ms"] - base["paced"]["p50_ms"]
+        r["paced"]["p99_ms_added"] = r["paced"]["p99_ms"] - base["paced"]["p99_ms"]
+
+
+def print_table(results: list[dict]) -> None:
+    nan = float("nan")
+    head = (f"{'config':<11}{'req/s':>7}{'x base':>7}{'srv ms/req':>11}{'cli ms/req':>11} | {'paced r/s':>9}"
+            f"{'p50':>7}{'p99':>8}{'+p50':>7}{'+p99':>8} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
+            f"{'fail':>5}")
     print(head)
     print("-" * len(head))
     for r in results:
-        added50 = r["p50_ms"] - base["p50_ms"] if base and r is not base else float("nan")
-        added99 = r["p99_ms"] - base["p99_ms"] if base and r is not base else float("nan")
-        print(f"{r['config']:<11}{r['req_per_s']:>8.0f}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{added50:>8.2f}"
-              f"{added99:>8.2f}{r.get('gateway_p50_ms', float('nan')):>9.3f}{r.get('gateway_p99_ms', float('nan')):>9.3f}"
-              f"{r.get('rows_written', 0):>9}{r.get('rows_lost', 0):>6}{r['failures']:>6}")
-    print("+p50/+p99: client latency over the no-gateway baseline (same run); gw: time inside the gateway's hooks")
+        c, p = r["closed"], r["paced"]
+        print(f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
+              f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
+              f"{p['p50_ms']:>7.2f}{p['p99_ms']:>8.2f}{p.get('p50_ms_added', nan):>7.2f}{p.get('p99_ms_added', nan):>8.2f}"
+              f" | {r.get('gateway_hooks_p50_ms', nan):>9.3f}{r.get('gateway_hooks_p99_ms', nan):>9.3f}"
+              f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5}")
+    print("closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
+          "due; +p50/+p99: over the no-gateway baseline (same run); hook: time inside the gateway's hooks")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    names = [r["config"] for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bars = left.bar(names, [r["closed"]["req_per_s"] for r in results], color="#4c78a8")
+    left.bar_label(bars, fmt="%.0f")
+    left.axhline(report["target"]["req_per_s"], color="#e45756", linestyle="--", label="target")
+    left.set_ylabel("requests/s (closed loop, 50 connections)")
+    left.set_title("Throughput, server pinned to one core")
+    left.legend()
+    x = range(len(results))
+    width = 0.38
+    right.bar([i - width / 2 for i in x], [r["paced"]["p50_ms"] for r in results], width, label="p50", color="#72b7b2")
+    right.bar([i + width / 2 for i in x], [r["paced"]["p99_ms"] for r in results], width, label="p99", color="#f58518")
+    right.set_xticks(list(x), names)
+    right.set_ylabel("latency ms (open loop)")
+    right.set_title(f"Latency at {report['workload']['rate']:g} req/s arriving")
+    right.legend()
+    fig.suptitle(f"tokenmill gateway overhead (instant fake engine), {report['when']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])
+        serve(int(sys.argv[2]), *sys.argv[3:8])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--requests", type=int, default=6000, help="closed-loop requests per configuration")
     parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--rate", type=float, default=500.0, help="arrival rate of the paced phase, req/s")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of the paced phase")
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--configs", default="none,sqlite,postgresql,pg+redis")
+    parser.add_argument("--profile", default=None, help="folder for py-spy stacks of the server, per phase")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway_bench.json"))
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    args.server_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
+    pin(client_cpu)
+    load_start = os.getloadavg()
     results = []
     with tempfile.TemporaryDirectory() as workdir:
         for mode in args.configs.split(","):
             results.append(run_config(mode, args, Path(workdir)))
-            print(f"{mode}: {results[-1]['req_per_s']:.0f} req/s", file=sys.stderr)
+            print(f"{mode}: {results[-1]['closed']['req_per_s']:.0f} req/s", file=sys.stderr)
+    add_overheads(results)
     print_table(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
+    report = {
         "bench": "gateway_overhead", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "note": "engine replaced by an instant fake; clients and server share the machine",
-        "results": results}, indent=2))
-    print(f"wrote {args.out}")
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "pinning": {"server_cpu": args.server_cpu, "client_cpu": client_cpu,
+                    "note": "server process on one core, load generator on the other (sched_setaffinity); "
+                            "PostgreSQL, Redis and other processes are not pinned"},
+        "client": "bench/load_client.py: raw asyncio HTTP/1.1 keep-alive, pre-built requests, one key per request "
+                  "in turn (100 keys over 10 teams)",
+        "workload": {"closed_requests": args.requests, "warmup": args.warmup, "rate": args.rate,
+                     "duration_s": args.duration, "concurrency": args.concurrency, "body": BODY.decode()},
+        "target": {"req_per_s": 500, "p99_overhead_ms": 10, "rows_lost": 0},
+        "note": "engine replaced by an instant fake (16 tokens); overhead = the same phase minus the no-gateway "
+                "baseline of this run",
+        "results": results}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
