@@ -133,6 +133,9 @@ def report_usage(context: ModelContext, principal: Principal, *, request_id: str
         context.gateway.request_finished(record)
     except Exception:  # metering must never break a response that is already on its way
         log.exception("usage hook failed for %s", request_id)
+    meter = getattr(context, "cost_meter", None)  # real cost: an embedding model produces the tokens it reads
+    if meter is not None and status == "ok":
+        meter.record(prompt_tokens, context.model_name)
 
 
 @router.post("/v1/embeddings")
