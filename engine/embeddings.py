@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def length_sorted_batches(token_ids: list[list[int]], batch_size: int = BATCH_SI
 
 
 class EmbeddingModel:
-    """Not thread-safe by design: callers run it on one worker (the app's embedding queue)."""
+    """The forward pass is meant for one worker (the app's encoder queue); tokenizing is safe from any
+    thread."""
 
     def __init__(self, name: str, encoder, tokenizer, pipeline: Pipeline, max_input_tokens: int) -> None:
         self.name = name
@@ -132,6 +134,9 @@ class EmbeddingModel:
         self.dimensions = encoder.config.hidden_size * len(pipeline.pooling_modes)
         self.vocab_size = encoder.config.vocab_size
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # A tokenizer call first sets the shared Rust tokenizer's truncation, then encodes: two threads
+        # between those steps would each get the other's cut (or a borrow error inside tokenizers).
+        self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, *, name: str | None = None
@@ -156,18 +161,13 @@ class EmbeddingModel:
     def token_ids(self, texts: list[str]) -> list[list[int]]:
         """Each text as the encoder sees it (special tokens included), not truncated: what a caller
         checks against max_input_tokens."""
-        if self.pipeline.do_lower_case:
-            texts = [text.lower() for text in texts]
-        return self.tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]
+        return self._tokenize(texts)
 
     def encode(self, texts: list[str]) -> tuple[torch.Tensor, list[int]]:
         """Embeddings [len(texts), dimensions] and the tokens each text used (over-long texts are cut
         at max_input_tokens, as sentence-transformers cuts them)."""
-        if self.pipeline.do_lower_case:
-            texts = [text.lower() for text in texts]
-        ids = self.tokenizer(list(texts), truncation="longest_first", max_length=self.max_input_tokens,
-                             verbose=False)["input_ids"]
-        return self.encode_token_ids(ids)
+        return self.encode_token_ids(self._tokenize(texts, truncation="longest_first",
+                                                    max_length=self.max_input_tokens))
 
     def encode_token_ids(self, token_ids: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """Embeddings of token id lists taken as they are (no special tokens added: pass what
@@ -180,6 +180,12 @@ class EmbeddingModel:
             for batch in length_sorted_batches(ids):
                 out[batch] = self._embed_batch([ids[i] for i in batch])
         return out, [len(seq) for seq in ids]
+
+    def _tokenize(self, texts: list[str], **options) -> list[list[int]]:
+        if self.pipeline.do_lower_case:
+            texts = [text.lower() for text in texts]
+        with self._tokenizer_lock:
+            return self.tokenizer(list(texts), add_special_tokens=True, verbose=False, **options)["input_ids"]
 
     def truncate(self, ids: list[int]) -> list[int]:
         limit = self.max_input_tokens

