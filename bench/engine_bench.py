@@ -511,6 +511,12 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def native_kernels_in_use() -> bool:
+    from kernels import cpu_native_ops
+
+    return cpu_native_ops.silu_and_mul_available(torch.zeros(1, 2))
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -583,6 +589,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpu": cpu_name(), "threads": args.threads, "torch": torch.__version__,
                     "transformers": transformers.__version__, "python": platform.python_version(),
                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                    "native_cpu_kernels": native_kernels_in_use(),
                     "load_average_start": list(os.getloadavg())},
         "workload": {"requests": args.requests, "seed": args.seed, "prompt_range": list(args.prompt_len),
                      "output_range": list(args.output_len), "prompt_tokens": workload.prompt_tokens,

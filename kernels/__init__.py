@@ -1,16 +1,19 @@
-"""The one door the engine uses into kernels: CUDA tensors go to Triton, CPU tensors to the references.
+"""The one door the engine uses into kernels: CUDA tensors go to Triton, CPU tensors to native code.
 
-CPU caches stored heads-major get a faster CPU attention (kernels/cpu_attention.py).
-`force_reference(True)` sends everything to the references (for checking the fast path). Tests run
-the `*_triton` launchers directly on CPU tensors under `TRITON_INTERPRET=1`.
+On the CPU: the native kernels of kernels/csrc where a C++ compiler is at hand (kernels/cpu_native.py),
+and for caches stored heads-major the faster torch attention of kernels/cpu_attention.py when not;
+otherwise the torch references. `force_reference(True)` sends everything to the references and
+`use_native_cpu(False)` skips the native kernels (both for checking the fast paths). Tests run the
+`*_triton` launchers directly on CPU tensors under `TRITON_INTERPRET=1`.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native_ops as native
 from kernels._triton import HAS_TRITON
-from kernels.cpu_attention import is_heads_major, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.cpu_attention import is_heads_major, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from kernels.paged_attention import (
     paged_attention_decode_reference,
     paged_attention_decode_triton,
@@ -22,6 +25,7 @@ from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
 from kernels.store_kv import store_kv_reference, store_kv_triton
 
 _force_reference = False
+_native_cpu = True
 
 
 def force_reference(enabled: bool) -> None:
@@ -29,24 +33,39 @@ def force_reference(enabled: bool) -> None:
     _force_reference = enabled
 
 
+def use_native_cpu(enabled: bool) -> None:
+    global _native_cpu
+    _native_cpu = enabled
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and HAS_TRITON and not _force_reference
 
 
-def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    op = store_kv_triton if _use_triton(key) else store_kv_reference
-    op(key, value, key_cache, value_cache, slot_mapping)
+def _use_native(tensor: torch.Tensor) -> bool:
+    return not tensor.is_cuda and _native_cpu and not _force_reference
 
 
 def _cpu_fast_path(cache: torch.Tensor) -> bool:
     return not cache.is_cuda and not _force_reference and is_heads_major(cache)
 
 
+def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if _use_triton(key):
+        op = store_kv_triton
+    elif _use_native(key) and is_heads_major(key_cache) and native.store_kv_available(key, value, key_cache):
+        op = native.store_kv_native
+    else:
+        op = store_kv_reference
+    op(key, value, key_cache, value_cache, slot_mapping)
+
+
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale):
     if _use_triton(query):
         op = paged_attention_decode_triton
     elif _cpu_fast_path(key_cache):
-        op = paged_attention_decode_cpu
+        use_native = _native_cpu and native.decode_available(query, key_cache)
+        op = native.paged_attention_decode_native if use_native else paged_attention_decode_cpu
     else:
         op = paged_attention_decode_reference
     return op(query, key_cache, value_cache, block_tables, context_lens, scale)
@@ -63,26 +82,43 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
 
 
 def rms_norm(x, weight, eps, residual=None):
-    op = rms_norm_triton if _use_triton(x) else rms_norm_reference
+    if _use_triton(x):
+        op = rms_norm_triton
+    elif _use_native(x) and native.rms_norm_available(x, weight, residual):
+        op = native.rms_norm_native
+    else:
+        op = rms_norm_reference
     return op(x, weight, eps, residual)
 
 
 def rotary_embedding(positions, query, key, cos_sin_cache):
-    op = rotary_embedding_triton if _use_triton(query) else rotary_embedding_reference
+    """Returns the rotated (query, key); the native CPU path rotates them in place."""
+    if _use_triton(query):
+        op = rotary_embedding_triton
+    elif _use_native(query) and native.rotary_available(query, key, cos_sin_cache):
+        op = native.rotary_embedding_native
+    else:
+        op = rotary_embedding_reference
     return op(positions, query, key, cos_sin_cache)
 
 
 def silu_and_mul(x):
-    op = silu_and_mul_triton if _use_triton(x) else silu_and_mul_reference
+    if _use_triton(x):
+        op = silu_and_mul_triton
+    elif _use_native(x) and native.silu_and_mul_available(x):
+        op = native.silu_and_mul_native
+    else:
+        op = silu_and_mul_reference
     return op(x)
 
 
 __all__ = [
     "force_reference",
-    "store_kv",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "store_kv",
+    "use_native_cpu",
 ]

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flattened batch and a paged KV cache.
 
 Plain PyTorch, gpt-fast style: q/k/v and gate/up are fused at load time; the hot ops go through
-`kernels`, which picks Triton on a GPU and the torch references on the CPU.
+`kernels`, which picks Triton on a GPU and native kernels (or the torch references) on the CPU.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.linear import Linear
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -95,14 +96,14 @@ class LlamaLayer:
     def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], prefix: str) -> None:
         self.shape = shape
         q, k, v = (weights[f"{prefix}self_attn.{name}_proj.weight"] for name in "qkv")
-        self.qkv_weight = torch.cat((q, k, v), dim=0).contiguous()
-        self.qkv_bias = None
+        qkv_bias = None
         if shape.attention_bias and f"{prefix}self_attn.q_proj.bias" in weights:
-            self.qkv_bias = torch.cat([weights[f"{prefix}self_attn.{name}_proj.bias"] for name in "qkv"]).contiguous()
-        self.o_weight = weights[f"{prefix}self_attn.o_proj.weight"].contiguous()
+            qkv_bias = torch.cat([weights[f"{prefix}self_attn.{name}_proj.bias"] for name in "qkv"]).contiguous()
+        self.qkv_proj = Linear(torch.cat((q, k, v), dim=0), qkv_bias)
+        self.o_proj = Linear(weights[f"{prefix}self_attn.o_proj.weight"])
         gate, up = weights[f"{prefix}mlp.gate_proj.weight"], weights[f"{prefix}mlp.up_proj.weight"]
-        self.gate_up_weight = torch.cat((gate, up), dim=0).contiguous()
-        self.down_weight = weights[f"{prefix}mlp.down_proj.weight"].contiguous()
+        self.gate_up_proj = Linear(torch.cat((gate, up), dim=0))
+        self.down_proj = Linear(weights[f"{prefix}mlp.down_proj.weight"])
         self.input_norm = weights[f"{prefix}input_layernorm.weight"]
         self.post_attention_norm = weights[f"{prefix}post_attention_layernorm.weight"]
         self.q_size = shape.num_heads * shape.head_dim
@@ -111,7 +112,7 @@ class LlamaLayer:
 
     def attention(self, hidden, positions, cos_sin, key_cache, value_cache, meta: AttentionMetadata):
         shape = self.shape
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, shape.num_heads, shape.head_dim)
         k = k.view(-1, shape.num_kv_heads, shape.head_dim)
@@ -128,10 +129,10 @@ class LlamaLayer:
                 q[split:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def mlp(self, hidden):
-        return F.linear(kernels.silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaForCausalLM:
@@ -143,7 +144,7 @@ class LlamaForCausalLM:
         self.layers = [LlamaLayer(shape, weights, f"model.layers.{i}.") for i in range(shape.num_layers)]
         self.final_norm = weights["model.norm.weight"]
         head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if shape.tie_word_embeddings or head is None else head.contiguous()
+        self.lm_head = Linear(self.embed if shape.tie_word_embeddings or head is None else head)
         self.cos_sin = cos_sin
         self.dtype = self.embed.dtype
 
@@ -162,4 +163,4 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

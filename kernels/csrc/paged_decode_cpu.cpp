@@ -1,0 +1,138 @@
+// Paged-attention decode for the CPU: one query token per sequence, keys and values read in place
+// from a heads-major block pool ([kv_heads, blocks, block_size, head_dim]).
+//
+// Why native code: in torch the decode step gathers every sequence's blocks into a padded copy, then
+// runs bmm with only `group` query rows per kv head; the gather and the tiny matmuls cost more than
+// the rest of the layer (bench/engine_bench.py profile). Here each (sequence, kv head) task streams its
+// blocks once, the `group` query heads that share the kv head reuse every loaded key and value row,
+// and nothing is padded or copied.
+//
+// Plain C ABI (loaded with ctypes, see kernels/cpu_native.py) so it builds in about a second with no
+// torch headers. OpenMP shares torch's runtime: the process already holds libgomp.so.1.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "bfloat16.h"
+
+namespace {
+
+using tokenmill::store;
+using tokenmill::to_float;
+
+constexpr int kMaxGroup = 16;
+constexpr int kMaxHeadDim = 256;
+
+// HeadDim > 0 fixes head_dim at compile time (fully unrolled vector loops for the common sizes);
+// 0 reads it at run time.
+template <typename T, int64_t HeadDim>
+void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+            const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
+            int64_t runtime_head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride, float scale,
+            int threads) {
+    const int64_t head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
+    const int64_t group = heads / kv_heads;
+    const int64_t head_stride = pool_blocks * block_size * head_dim;  // one kv head's whole pool
+    const int64_t block_stride = block_size * head_dim;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < seqs * kv_heads; ++task) {
+        const int64_t seq = task / kv_heads;
+        const int64_t kv_head = task % kv_heads;
+        const int64_t length = context_lens[seq];
+        const int32_t* table = block_tables + seq * table_stride;
+        const T* keys = key_cache + kv_head * head_stride;
+        const T* values = value_cache + kv_head * head_stride;
+
+        float q[kMaxGroup][kMaxHeadDim];
+        for (int64_t g = 0; g < group; ++g) {
+            const T* row = query + (seq * heads + kv_head * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) q[g][d] = to_float(row[d]) * scale;
+        }
+
+        // Two passes over the keys' scores (kept in a small buffer) instead of an online softmax:
+        // at these lengths the buffer stays in L1/L2 and the rescaling work disappears.
+        std::vector<float> scores(static_cast<size_t>(group * length));
+        float row_max[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) row_max[g] = -INFINITY;
+        float key_row[kMaxHeadDim];
+        for (int64_t pos = 0; pos < length; ++pos) {
+            const T* key = keys + table[pos / block_size] * block_stride + (pos % block_size) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
+            for (int64_t g = 0; g < group; ++g) {
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; ++d) dot += q[g][d] * key_row[d];
+                scores[g * length + pos] = dot;
+                row_max[g] = dot > row_max[g] ? dot : row_max[g];
+            }
+        }
+        float row_sum[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) {
+            float sum = 0.f;
+            float* s = scores.data() + g * length;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t pos = 0; pos < length; ++pos) {
+                s[pos] = std::exp(s[pos] - row_max[g]);
+                sum += s[pos];
+            }
+            row_sum[g] = sum;
+        }
+
+        float acc[kMaxGroup][kMaxHeadDim];
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t d = 0; d < head_dim; ++d) acc[g][d] = 0.f;
+        float value_row[kMaxHeadDim];
+        for (int64_t pos = 0; pos < length; ++pos) {
+            const T* value = values + table[pos / block_size] * block_stride + (pos % block_size) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
+            for (int64_t g = 0; g < group; ++g) {
+                const float p = scores[g * length + pos];
+                for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * value_row[d];
+            }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            T* row = out + (seq * heads + kv_head * group + g) * head_dim;
+            const float inv = 1.f / row_sum[g];
+            for (int64_t d = 0; d < head_dim; ++d) store(acc[g][d] * inv, row + d);
+        }
+    }
+}
+
+template <typename T>
+void decode_any(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+                const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
+                int64_t head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride, float scale,
+                int threads) {
+    auto run = [&](auto fixed) {
+        decode<T, decltype(fixed)::value>(query, key_cache, value_cache, block_tables, context_lens, out, seqs,
+                                          heads, kv_heads, head_dim, block_size, pool_blocks, table_stride,
+                                          scale, threads);
+    };
+    if (head_dim == 64) {
+        run(std::integral_constant<int64_t, 64>{});
+    } else if (head_dim == 128) {
+        run(std::integral_constant<int64_t, 128>{});
+    } else {
+        run(std::integral_constant<int64_t, 0>{});
+    }
+}
+
+}  // namespace
+
+#define TOKENMILL_EXPORT(SUFFIX, T)                                                                          \
+    void tokenmill_paged_decode_##SUFFIX(const T* query, const T* key_cache, const T* value_cache,           \
+                                         const int32_t* block_tables, const int32_t* context_lens, T* out,   \
+                                         int64_t seqs, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
+                                         int64_t block_size, int64_t pool_blocks, int64_t table_stride,      \
+                                         float scale, int threads) {                                         \
+        decode_any(query, key_cache, value_cache, block_tables, context_lens, out, seqs, heads, kv_heads,    \
+                   head_dim, block_size, pool_blocks, table_stride, scale, threads);                         \
+    }
+
+extern "C" {
+TOKENMILL_EXPORT(f32, float)
+TOKENMILL_EXPORT(bf16, uint16_t)
+}

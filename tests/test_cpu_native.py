@@ -1,0 +1,142 @@
+"""The native CPU kernels (kernels/csrc) agree with the torch references, and their absence is harmless."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_native_ops as native
+from kernels.activation import silu_and_mul_reference
+from kernels.cpu_attention import heads_major_cache
+from kernels.linear import Linear
+from kernels.paged_attention import paged_attention_decode_reference
+from kernels.rms_norm import rms_norm_reference
+from kernels.rotary import rotary_embedding_reference
+from kernels.store_kv import store_kv_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.skipif(not native.silu_and_mul_available(torch.zeros(1, 2)),
+                                reason="no C++ compiler: the native kernels can't be built here")
+
+
+def cos_sin_table(head_dim: int, positions: int = 4096) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.arange(positions).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return torch.stack((angles.cos(), angles.sin()), dim=1).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    residual = torch.randn(37, 576, generator=g).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    expected, expected_residual = rms_norm_reference(x, weight, 1e-5, residual)
+    got, got_residual = native.rms_norm_native(x, weight, 1e-5, residual)
+    assert torch.equal(got_residual, expected_residual)  # the residual sum rounds exactly like torch
+    # Only the order of the sum of squares differs: within one rounding step of the dtype.
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_reference_exactly_on_views_of_a_fused_qkv(dtype):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(23, 9 * 64 + 2 * 3 * 64, generator=g).to(dtype)
+    q, k, _ = qkv.split((9 * 64, 3 * 64, 3 * 64), dim=-1)
+    q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
+    positions = torch.randint(0, 4096, (23,), generator=g)
+    table = cos_sin_table(64)
+    expected_q, expected_k = rotary_embedding_reference(positions, q, k, table)
+    assert native.rotary_available(q, k, table)
+    got_q, got_k = native.rotary_embedding_native(positions, q, k, table)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype):
+    x = (3 * torch.randn(19, 2 * 1536, generator=torch.Generator().manual_seed(2))).to(dtype)
+    torch.testing.assert_close(native.silu_and_mul_native(x), silu_and_mul_reference(x), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_the_same_slots_as_the_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    expected_k, expected_v = heads_major_cache(9, 16, 3, 64, dtype), heads_major_cache(9, 16, 3, 64, dtype)
+    got_k, got_v = expected_k.clone(), expected_v.clone()
+    kv = torch.randn(6, 2 * 3 * 64, generator=g).to(dtype)
+    key, value = (part.view(6, 3, 64) for part in kv.split((192, 192), dim=-1))  # strided rows
+    slots = torch.tensor([0, 17, 143, 95, 40, 41])
+    store_kv_reference(key, value, expected_k, expected_v, slots)
+    assert native.store_kv_available(key, value, got_k)
+    native.store_kv_native(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [
+    (16, 3, 3, 64),  # SmolLM2-135M
+    (16, 2, 8, 128),  # Llama-3-style GQA
+    (8, 4, 1, 80),  # multi-head attention, a head size without a compiled specialisation
+])
+def test_paged_decode_matches_reference(dtype, block_size, kv_heads, group, head_dim):
+    g = torch.Generator().manual_seed(block_size + kv_heads + group + head_dim)
+    num_blocks = 64
+    token_major = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
+    heads_major = [heads_major_cache(num_blocks, block_size, kv_heads, head_dim, dtype) for _ in range(2)]
+    for target, source in zip(heads_major, token_major):
+        target.copy_(source)
+    lengths = torch.tensor([1, block_size, block_size + 1, 7 * block_size - 3, 3], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=g)[:5 * 7].view(5, 7).int()
+    query = torch.randn(5, 2 * kv_heads * group, head_dim, generator=g).to(dtype)[:, ::2]  # not contiguous
+    scale = head_dim**-0.5
+    expected = paged_attention_decode_reference(query, *token_major, tables, lengths, scale)
+    assert native.decode_available(query, heads_major[0])
+    got = native.paged_attention_decode_native(query, *heads_major, tables, lengths, scale)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+def test_packed_bfloat16_linear_is_bit_equal_to_f_linear(rows):
+    g = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    for linear_bias in (None, bias):
+        assert torch.equal(Linear(weight, linear_bias)(x), F.linear(x, weight, linear_bias))
+
+
+def run_without_native(tmp_path: Path, environment: dict[str, str]) -> str:
+    """A fresh process (the libraries load once per process) that runs one decode through `kernels`."""
+    script = (
+        "import torch, kernels\n"
+        "from kernels import cpu_native_ops as native\n"
+        "from kernels.cpu_attention import heads_major_cache\n"
+        "cache = heads_major_cache(4, 16, 1, 64, torch.float32).normal_()\n"
+        "q = torch.randn(2, 2, 64)\n"
+        "out = kernels.paged_attention_decode(q, cache, cache, torch.tensor([[0, 1], [2, 3]]).int(),"
+        " torch.tensor([20, 3]).int(), 0.125)\n"
+        "print(native.decode_available(q, cache), tuple(out.shape))\n"
+    )
+    env = {**os.environ, "TOKENMILL_KERNEL_CACHE": str(tmp_path / "kernels"), **environment}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    return done.stdout.strip()
+
+
+def test_without_a_working_compiler_the_torch_paths_run(tmp_path):
+    assert run_without_native(tmp_path, {"CXX": "/bin/false"}) == "False (2, 2, 64)"
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_native_kernels_can_be_turned_off(tmp_path):
+    assert run_without_native(tmp_path, {"TOKENMILL_NATIVE_KERNELS": "0"}) == "False (2, 2, 64)"
