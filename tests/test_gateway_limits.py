@@ -204,6 +204,37 @@ def test_redis_token_counts_are_shared(redis_url):
     assert asyncio.run(scenario()) == (True, False)
 
 
+def test_finished_requests_tokens_reach_redis_together(redis_url):
+    """Tokens are counted after a request, so they are sent in one round trip per flush, not one each."""
+    clock = FakeClock(start=10 * 888_888)
+
+    async def scenario() -> tuple[list, bool, bool]:
+        prefix = redis_prefix()
+        a, b = (RateLimiter(RedisCounters(redis_url, prefix=prefix), window_s=10, token_flush_s=0.02, clock=clock)
+                for _ in range(2))
+        scopes = [Scope("key:5", rpm=None, tpm=100), Scope("team:5", rpm=None, tpm=1000)]
+        sent = []
+        send = a.counters.add_tokens
+
+        async def recorded(window, ttl_s, amounts):  # noqa: ANN001, ANN202
+            sent.append(sorted(tokens for _, tokens in amounts))
+            await send(window, ttl_s, amounts)
+
+        a.counters.add_tokens = recorded
+        for _ in range(6):
+            a.count_tokens(scopes, 20)  # six finished requests of 20 tokens
+        before = (await b.acquire(scopes)).allowed
+        await asyncio.sleep(0.2)
+        after = (await b.acquire(scopes)).allowed
+        await a.close()
+        await b.close()
+        return sent, before, after
+
+    sent, before, after = asyncio.run(scenario())
+    assert sent == [[120, 120]]
+    assert before and not after  # the key's 100 tokens a minute are spent once the batch landed
+
+
 def test_gateway_with_redis_shares_rpm_between_two_replicas(make_gateway, redis_url):
     clock = FakeClock(start=4_000_000 * WINDOW)
     prefix = redis_prefix()

@@ -4,10 +4,13 @@ A request is admitted when every scope is under its request count and token coun
 window; admitting counts it. Tokens are added when the request finishes (they are not known before),
 so the request that crosses a tpm limit completes and the next one is refused. Counters live in
 Redis when configured (one Lua script: check all scopes, then count, atomically; replicas share it),
-in process otherwise. If Redis is unreachable we admit and log: availability over strictness.
+in process otherwise. Finished requests' tokens go to Redis summed per scope, one round trip per
+`token_flush_s` rather than one per request. If Redis is unreachable we admit and log: availability
+over strictness.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -70,7 +73,8 @@ class Counters(Protocol):
     async def acquire(self, window: int, ttl_s: float, scopes: Sequence[Scope]) -> tuple[int, list[tuple[int, int]]]:
         """(0 admitted | 1 over requests | 2 over tokens, [(requests, tokens) per scope, this one included])."""
 
-    async def add_tokens(self, window: int, ttl_s: float, scopes: Sequence[Scope], tokens: int) -> None: ...
+    async def add_tokens(self, window: int, ttl_s: float, amounts: Sequence[tuple[Scope, int]]) -> None:
+        """Add each scope's tokens to its counter of `window`."""
 
     async def close(self) -> None: ...
 
@@ -104,8 +108,11 @@ class InProcessCounters:
                 slot[0] += 1
         return rejected, [(r, t) for r, t in slots]
 
-    async def add_tokens(self, window, ttl_s, scopes, tokens):
-        for scope in scopes:
+    async def add_tokens(self, window, ttl_s, amounts):
+        self.add_tokens_now(window, amounts)
+
+    def add_tokens_now(self, window: int, amounts: Sequence[tuple[Scope, int]]) -> None:
+        for scope, tokens in amounts:
             self._slot(scope.name, window)[1] += tokens
 
     async def close(self) -> None:
@@ -138,7 +145,8 @@ return out
 
 _ADD_TOKENS_LUA = """
 for i = 1, #KEYS do
-  if redis.call('INCRBY', KEYS[i], ARGV[1]) == tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+  local tokens = tonumber(ARGV[i + 1])
+  if redis.call('INCRBY', KEYS[i], tokens) == tokens then redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
 end
 return 0
 """
@@ -165,21 +173,24 @@ class RedisCounters:
         out = await self._acquire(keys=keys, args=args)
         return int(out[0]), [(int(out[1 + 2 * i]), int(out[2 + 2 * i])) for i in range(len(scopes))]
 
-    async def add_tokens(self, window, ttl_s, scopes, tokens):
-        keys = [self._keys(scope, window)[1] for scope in scopes]
-        await self._add(keys=keys, args=[tokens, int(ttl_s * 1000)])
+    async def add_tokens(self, window, ttl_s, amounts):
+        keys = [self._keys(scope, window)[1] for scope, _ in amounts]
+        await self._add(keys=keys, args=[int(ttl_s * 1000), *(tokens for _, tokens in amounts)])
 
     async def close(self) -> None:
         await self._redis.aclose()
 
 
 class RateLimiter:
-    def __init__(self, counters: Counters, *, window_s: float = 60.0,
+    def __init__(self, counters: Counters, *, window_s: float = 60.0, token_flush_s: float = 0.05,
                  clock: Callable[[], float] = time.time) -> None:
         self.counters = counters
         self.window_s = window_s
+        self.token_flush_s = token_flush_s
         self.clock = clock
         self._last_error_log = 0.0
+        self._unsent: dict[tuple[int, Scope], int] = {}  # (window, scope) -> tokens not yet sent to Redis
+        self._sender: asyncio.Task | None = None
 
     def _window(self) -> tuple[int, float]:
         now = self.clock()
@@ -202,14 +213,47 @@ class RateLimiter:
         return Decision(not rejected, exceeded, requests, tokens, retry_after_s=reset_s)
 
     async def add_tokens(self, scopes: Sequence[Scope], tokens: int) -> None:
+        """Count a finished request's tokens now, wherever the counters are."""
         scopes = [s for s in scopes if s.tpm is not None]
         if not scopes or tokens <= 0:
             return
         window, _ = self._window()
         try:
-            await self.counters.add_tokens(window, 2 * self.window_s, scopes, tokens)
+            await self.counters.add_tokens(window, 2 * self.window_s, [(s, tokens) for s in scopes])
         except Exception as exc:  # noqa: BLE001
             self._log_outage(exc)
+
+    def count_tokens(self, scopes: Sequence[Scope], tokens: int) -> None:
+        """On the event loop, once per finished request: in-process counters take the tokens at once;
+        for Redis they are summed per scope and sent within `token_flush_s`, one round trip for all."""
+        scopes = [s for s in scopes if s.tpm is not None]
+        if not scopes or tokens <= 0:
+            return
+        window, _ = self._window()
+        if isinstance(self.counters, InProcessCounters):
+            self.counters.add_tokens_now(window, [(s, tokens) for s in scopes])
+            return
+        for scope in scopes:
+            self._unsent[(window, scope)] = self._unsent.get((window, scope), 0) + tokens
+        if self._sender is None:
+            self._sender = asyncio.get_running_loop().create_task(self._send_later())
+
+    async def _send_later(self) -> None:
+        await asyncio.sleep(self.token_flush_s)
+        self._sender = None
+        await self.send_tokens()
+
+    async def send_tokens(self) -> None:
+        """Send the tokens counted so far (the sender does it every `token_flush_s`; close() at the end)."""
+        unsent, self._unsent = self._unsent, {}
+        by_window: dict[int, list[tuple[Scope, int]]] = {}
+        for (window, scope), tokens in unsent.items():
+            by_window.setdefault(window, []).append((scope, tokens))
+        for window, amounts in by_window.items():
+            try:
+                await self.counters.add_tokens(window, 2 * self.window_s, amounts)
+            except Exception as exc:  # noqa: BLE001
+                self._log_outage(exc)
 
     def _log_outage(self, exc: Exception) -> None:
         now = time.monotonic()
@@ -218,6 +262,10 @@ class RateLimiter:
             log.warning("rate-limit counters unavailable, admitting requests: %s", exc)
 
     async def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+            self._sender = None
+        await self.send_tokens()
         await self.counters.close()
 
 

@@ -53,7 +53,6 @@ class Gateway:
             batch_max=config.usage_batch_max, buffer_max=config.usage_buffer_max,
             last_used_flush_s=config.last_used_flush_s, on_committed=self.budgets.committed)
         self.admin: AdminIdentity | None = None
-        self._background: set[asyncio.Task] = set()
         self.started = False
         self.admitted = 0  # requests let through to the engine ...
         self.finished = 0  # ... and those that reported back
@@ -85,8 +84,6 @@ class Gateway:
         deadline = time.monotonic() + drain_s
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        if self._background:
-            await asyncio.wait(self._background, timeout=5)
         await run_in_threadpool(self.stop)
         await self.limiter.close()
         self.engine.dispose()
@@ -191,11 +188,9 @@ class Gateway:
         scopes = [s for s in self._scopes_of(record) if s.tpm is not None]
         if tokens and scopes:
             try:
-                task = asyncio.get_running_loop().create_task(self.limiter.add_tokens(scopes, tokens))
-            except RuntimeError:  # no loop: called from a thread; tokens can't be counted there
+                self.limiter.count_tokens(scopes, tokens)
+            except RuntimeError:  # no loop: called from a thread; tokens for Redis can't be sent from there
                 return
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
 
     # the rest
 
