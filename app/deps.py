@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request, Response
 
+from app.costs import HardwareCostMeter
 from app.gateway_hooks import Gateway, Principal
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
@@ -20,10 +21,11 @@ class ServerContext:
     settings: Settings
     models: ModelPool
     gateway: Gateway
+    cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
 
     def bind(self, requested_model: str) -> ModelContext:
         """The loaded model a request names (name or alias), counted in flight until release()."""
-        return ModelContext(self.settings, self.gateway, self.models.acquire(requested_model))
+        return ModelContext(self.settings, self.gateway, self.models.acquire(requested_model), self.cost_meter)
 
     async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]]
                          ) -> Response:
@@ -44,6 +46,7 @@ class ModelContext:
     settings: Settings
     gateway: Gateway
     served: ServedModel
+    cost_meter: HardwareCostMeter | None = None
     streaming: bool = False  # the response outlives the route: its tracker releases the model
     released: bool = field(default=False)
 

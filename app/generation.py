@@ -120,6 +120,8 @@ class RequestTracker:
             cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens, latency_seconds=latency,
             time_to_first_token_seconds=ttft, status=status, finished_at=time.time(), price=self.context.price)
         self.context.release()
+        if self.context.cost_meter is not None:  # real cost: what the hardware hour produced
+            self.context.cost_meter.record(self.completion_tokens, self.context.model_name)
         try:
             self.context.gateway.request_finished(record)
         except Exception:  # metering must never break a response that is already on its way

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from app.costs import HardwareCostMeter
 from app.dashboard.wiring import install_dashboard
 from app.deps import ServerContext
 from app.errors import install_error_handlers
@@ -27,7 +28,8 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     if engine is not None:
         pool.add_loaded(engine)
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine")
-    app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway)
+    pool.cost_meter = HardwareCostMeter(settings.hardware_cost_per_hour)
+    app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter)
     install_error_handlers(app)
     for module in (models, chat, completions, embeddings, operations):
         app.include_router(module.router)
@@ -40,4 +42,3 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
         app.include_router(admin_routes.router)
     install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
     return app
-

@@ -227,3 +227,19 @@ def test_health_and_metrics_cover_every_loaded_model(server, tiny_llama_dir):
             assert f'vllm:num_requests_running{{model_name="{name}"}}' in text
     finally:
         server.admin("DELETE", "/models/metered")
+
+
+def test_the_costs_view_has_the_price_sheet_and_the_real_cost_of_a_model_with_its_own_hardware(server,
+                                                                                                tiny_llama_dir):
+    server.register("own-gpu", tiny_llama_dir, engine_settings=SMALL_KV, load=True, hardware_cost_per_hour=3.6,
+                    price_input_per_1m=0.2, price_output_per_1m=0.8)
+    try:
+        server.client(server.key()).chat.completions.create(model="own-gpu", messages=QUESTION, max_tokens=5,
+                                                            extra_body={"ignore_eos": True})
+        costs = server.admin("GET", "/costs").json()
+        assert costs["chargeback"]["own-gpu"] == {"input_per_1m": 0.2, "cached_input_per_1m": 0.2,
+                                                  "output_per_1m": 0.8}
+        minute = costs["real"]["windows"]["minute"]["models"]["own-gpu"]
+        assert minute["tokens"] == 5 and 0 < minute["cost_usd"] <= 3.6 / 60
+    finally:
+        server.admin("DELETE", "/models/own-gpu")

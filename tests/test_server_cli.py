@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from app.cli import main
+from app.registry.pool import embedded_defaults
 from tests.server_helpers import MODEL
 
 pytestmark = pytest.mark.real_model
@@ -36,6 +38,15 @@ def wait_for_models(client: openai.OpenAI, timeout: float = 30.0):
             time.sleep(0.2)
 
 
+def wait_until_loaded(port: int, name: str, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(f"http://127.0.0.1:{port}/health").json()["models"].get(name) == "loaded":
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, capsys):
     database = ("--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}")
     assert main(["teams", "create", "cli-team", *database]) == 0
@@ -51,7 +62,12 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
         assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in process.stdout.readline()
         assert "admin key" in process.stdout.readline()  # first start on this database
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
-        assert [model.id for model in wait_for_models(client)] == [MODEL]
+        # --model, and the embedded embedding model registered beside it on first start (loading in the background)
+        embedded = [spec["name"] for spec in embedded_defaults()]
+        assert [model.id for model in wait_for_models(client)] == [MODEL, *embedded]
+        for name in embedded:
+            assert wait_until_loaded(port, name)
+            assert len(client.embeddings.create(model=name, input="Hi").data[0].embedding) == 384
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=3)
         assert reply.usage.completion_tokens >= 1

@@ -89,3 +89,16 @@ async def unload_model(name: str, request: Request, wait: bool = False) -> Model
     pool._known(name)
     await pool.unload(name, wait=wait)
     return _view(pool, name)
+
+
+@router.get("/costs")
+async def costs(request: Request) -> dict:
+    """Cost per token, both views. real: the hardware cost per hour (the server's, or a model's own)
+    over the tokens produced in the last minute / hour / day. chargeback: each model's price sheet
+    (USD per 1M tokens) that /admin/api/usage sums into cost_usd."""
+    context = request.app.state.context
+    pool = _pool(request)
+    meter = context.cost_meter
+    return {"object": "costs", "real": meter.snapshot() if meter is not None else None,
+            "chargeback": {name: None if spec.price is None else vars(spec.price)
+                           for name, spec in pool.specs.items()}}

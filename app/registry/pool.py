@@ -19,6 +19,7 @@ import torch
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
+from app.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
 from app.registry.inspection import default_source_path, inspect_source
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
@@ -49,6 +50,8 @@ class ModelPool:
         self.load_enabled_at_start = load_enabled_at_start
         self.drain_timeout_s = drain_timeout_s  # then the engine stops anyway (a request that never ended)
         self.first_start = first_start  # registered on start unless their names are taken
+        self.cost_meter: HardwareCostMeter | None = None  # told each model's own hardware cost, if any
+        self._costs_told: dict[str, float | None] = {}
         self.specs: dict[str, ModelSpec] = {}
         self.served: dict[str, ServedModel] = {}  # loaded or draining
         self._loading: dict[str, asyncio.Task] = {}
@@ -97,11 +100,17 @@ class ModelPool:
         return next((s for s in self.loaded() if s.kind == "chat"), None)
 
     # ---- start and stop ----------------------------------------------------------------------
-    def add_loaded(self, engine, *, spec: ModelSpec | None = None, owned: bool = False) -> ServedModel:
-        """An engine someone else started (`tokenmill serve --model`, tests); registered on start()."""
-        spec = spec or preloaded_spec(engine)
+    def add_loaded(self, engine=None, *, embedder=None, spec: ModelSpec | None = None,
+                   owned: bool = False) -> ServedModel:
+        """A chat engine or an embedding model someone else loaded (`tokenmill serve --model`, tests);
+        registered on start() unless the registry has it. The spec defaults to what the engine says."""
+        if spec is None:
+            if engine is None:
+                raise ValueError("an embedding model needs its spec")
+            spec = preloaded_spec(engine)
         self.specs.setdefault(spec.name, spec)
-        served = self.served[spec.name] = ServedModel(self.specs[spec.name], engine=engine, owned=owned)
+        served = self.served[spec.name] = ServedModel(self.specs[spec.name], engine=engine, embedder=embedder,
+                                                      owned=owned)
         return served
 
     async def start(self) -> None:
@@ -116,6 +125,7 @@ class ModelPool:
             self.specs = stored
         for fields in self.first_start:
             await self.ensure_registered(fields)
+        self._tell_costs()
         if self.load_enabled_at_start:
             for spec in self.specs.values():
                 if spec.enabled and spec.name not in self.served:
@@ -149,6 +159,7 @@ class ModelPool:
             stored.setdefault(name, served.spec)
             served.spec = stored[name]
         self.specs = stored
+        self._tell_costs()
 
     async def register(self, fields: Mapping[str, Any], *, load: bool = False) -> ModelSpec:
         async with self._changes:
@@ -161,6 +172,7 @@ class ModelPool:
                     raise RegistryError(f"{spec.name!r} is already a registered model.", param="name",
                                         code="conflict") from None
             self.specs[spec.name] = spec
+            self._tell_costs()
         if load:
             await self.load(spec.name)
         return spec
@@ -177,6 +189,7 @@ class ModelPool:
             served = self.served.get(name)
             if served is not None:
                 served.spec = updated
+            self._tell_costs()
         if not updated.enabled:
             await self.unload(name)
         if set(changes) - set(LIVE_FIELDS) and name in self.served:
@@ -223,6 +236,16 @@ class ModelPool:
             await asyncio.shield(drain)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _tell_costs(self) -> None:
+        """Models with their own hardware cost per hour, to the real-cost meter (only changes: the meter
+        counts a model's cost from when it is set)."""
+        if self.cost_meter is None:
+            return
+        for name, spec in self.specs.items():
+            if self._costs_told.get(name) != spec.hardware_cost_per_hour:
+                self.cost_meter.set_model_cost(name, spec.hardware_cost_per_hour)
+                self._costs_told[name] = spec.hardware_cost_per_hour
+
     def _known(self, name: str) -> ModelSpec:
         spec = self.specs.get(name)
         if spec is None:
@@ -277,7 +300,7 @@ def load_model(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
     from engine.embeddings import EmbeddingModel
 
     path = default_source_path("embedding") if spec.source == DEFAULT_SOURCE else spec.source
-    return {"embedder": EmbeddingModel.load(path, dtype=DTYPES.get(spec.dtype, torch.float32))}
+    return {"embedder": EmbeddingModel.load(path, dtype=DTYPES.get(spec.dtype, torch.float32), name=spec.name)}
 
 
 def preloaded_spec(engine) -> ModelSpec:

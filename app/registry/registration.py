@@ -20,7 +20,7 @@ from app.registry.spec import (
 from engine.config import EngineConfig
 
 PRICE_FIELDS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")
-LIVE_FIELDS = ("aliases", "enabled", *PRICE_FIELDS)  # take effect at once; the rest at the next load
+LIVE_FIELDS = ("aliases", "enabled", "hardware_cost_per_hour", *PRICE_FIELDS)  # take effect at once; the rest at the next load
 
 
 def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec]) -> ModelSpec:
@@ -66,6 +66,11 @@ def changed_spec(spec: ModelSpec, changes: Mapping[str, Any], *, base: EngineCon
         current = _price_columns(spec)
         current.update({field: changes[field] for field in PRICE_FIELDS if field in changes})
         values["price"] = price_of(*(current[field] for field in PRICE_FIELDS))
+    if "hardware_cost_per_hour" in changes:
+        cost = changes["hardware_cost_per_hour"]
+        if cost is not None and cost < 0:
+            raise RegistryError("hardware_cost_per_hour must not be negative.", param="hardware_cost_per_hour")
+        values["hardware_cost_per_hour"] = cost
     if changes.get("enabled") is not None:
         values["enabled"] = bool(changes["enabled"])
     updated = dataclasses.replace(spec, **values)

@@ -26,6 +26,8 @@ class ModelChanges(BaseModel):
     price_cached_input_per_1m: float | None = Price
     price_output_per_1m: float | None = Price
     enabled: bool | None = None
+    hardware_cost_per_hour: float | None = Field(
+        None, ge=0, description="USD per hour of this model's own hardware (null: a share of the server's)")
 
 
 class ModelCreate(ModelChanges):
@@ -53,6 +55,7 @@ class ModelView(BaseModel):
     aliases: list[str]
     price: PriceView | None
     enabled: bool
+    hardware_cost_per_hour: float | None
     state: str = Field(description="loaded | loading | draining | unloaded | disabled, in this process")
     in_flight: int = Field(description="requests using it now")
     created_at: str | None
@@ -64,6 +67,7 @@ class ModelView(BaseModel):
         return cls(name=spec.name, kind=spec.kind, path=spec.source, architecture=spec.architecture,
                    dtype=spec.dtype, max_model_len=spec.max_model_len, engine_settings=spec.engine_settings,
                    aliases=list(spec.aliases), enabled=spec.enabled, state=state,
+                   hardware_cost_per_hour=spec.hardware_cost_per_hour,
                    in_flight=served.in_flight if served is not None else 0,
                    price=None if price is None else PriceView(**vars(price)),
                    created_at=_utc(spec.created_at), updated_at=_utc(spec.updated_at))

@@ -40,6 +40,7 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
     price: ModelPrice | None = None  # None: no price sheet (TOKENMILL_MODEL_PRICES may still name one)
     enabled: bool = True
+    hardware_cost_per_hour: float | None = None  # USD; None: the model shares the server's cost
     created_at: datetime | None = None
     updated_at: datetime | None = None
 
