@@ -44,12 +44,18 @@ def serve_embedder(app, embedder) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(minilm):
-    """(base URL, openai client) of a server without the gateway; its chat engine is a fake."""
-    app = create_app(Settings(), FakeEngine())
+def served_app(minilm):
+    """A server without the gateway (its chat engine is a fake): (app, base URL, openai client)."""
+    app = create_app(Settings(hardware_cost_per_hour=3.6), FakeEngine())
     serve_embedder(app, minilm)
     with serve_in_thread(app) as url:
-        yield url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        yield app, url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(served_app):
+    """(base URL, openai client)."""
+    return served_app[1:]
 
 
 def post(url: str, body: dict) -> httpx.Response:
@@ -166,6 +172,16 @@ def test_concurrent_requests_each_get_their_own_vectors(server, minilm):
 
     got = asyncio.run(run())
     assert np.allclose(got, expected_vectors(minilm, texts), atol=1e-5)
+
+
+def test_embedding_tokens_count_in_the_real_cost_per_token(served_app, minilm):
+    app, _, client = served_app
+    meter = app.state.context.cost_meter
+    before = meter.snapshot()["windows"]["hour"]["models"].get(MODEL, {}).get("tokens", 0)
+    response = client.embeddings.create(model=MODEL, input=TEXTS)
+    hour = meter.snapshot()["windows"]["hour"]["models"][MODEL]
+    assert hour["tokens"] - before == response.usage.prompt_tokens
+    assert hour["usd_per_1m_tokens"] > 0
 
 
 @pytest.fixture
