@@ -2,6 +2,7 @@
 caller."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -9,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Request, Response
 
 from app.costs import HardwareCostMeter
+from app.errors import invalid_request
 from app.gateway_hooks import Gateway, Principal
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
@@ -23,20 +25,29 @@ class ServerContext:
     gateway: Gateway
     cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
 
-    def bind(self, requested_model: str) -> ModelContext:
-        """The loaded model a request names (name or alias), counted in flight until release()."""
-        return ModelContext(self.settings, self.gateway, self.models.acquire(requested_model), self.cost_meter)
+    def bind(self, requested_model: str, kind: str | None = None) -> ModelContext:
+        """The loaded model a request names (name or alias), of `kind` when given, counted in flight
+        until release()."""
+        served = self.models.resolve(requested_model)
+        if kind is not None and served.kind != kind:
+            raise invalid_request(f"`{requested_model}` is a model of kind {served.kind}; this endpoint needs kind "
+                                  f"{kind}.", param="model", code="wrong_model_kind")
+        served.acquire()
+        return ModelContext(self.settings, self.gateway, served, self.cost_meter)
 
-    async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]]
-                         ) -> Response:
+    async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]], *,
+                         kind: str | None = None) -> Response:
         """handle(context) for the model a request names; the model counts it in flight until the
         response is complete (a streamed one: until its tracker finishes)."""
-        context = self.bind(requested_model)
+        context = self.bind(requested_model, kind)
         try:
-            return await handle(context)
+            response = await handle(context)
         finally:
             if not context.streaming:
                 context.release()
+        if context.streaming:  # also when the stream never starts (client gone first): no drain waits forever
+            weakref.finalize(response.body_iterator, context.release)
+        return response
 
 
 @dataclass

@@ -243,3 +243,15 @@ def test_the_costs_view_has_the_price_sheet_and_the_real_cost_of_a_model_with_it
         assert minute["tokens"] == 5 and 0 < minute["cost_usd"] <= 3.6 / 60
     finally:
         server.admin("DELETE", "/models/own-gpu")
+
+
+def test_an_embedding_model_is_registered_loaded_and_served(server):
+    model = server.register("minilm", "default", kind="embedding", aliases=["text-embedding-3-small"], load=True)
+    assert (model["state"], model["architecture"]) == ("loaded", "bert")
+    try:
+        response = server.client(server.key()).embeddings.create(model="text-embedding-3-small", input=["Hi", "Yo"])
+        assert response.model == "minilm" and [len(item.embedding) for item in response.data] == [384, 384]
+        with pytest.raises(openai.BadRequestError):  # a chat model is not an embedding model, and back
+            server.client(server.key()).chat.completions.create(model="minilm", messages=QUESTION, max_tokens=2)
+    finally:
+        server.admin("DELETE", "/models/minilm")

@@ -59,7 +59,8 @@ async def create_completion(request: Request, server: ContextDep, principal: Pri
         raise invalid_request("echo with logprobs (prompt logprobs) is not supported.", param="echo")
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
-    return await server.with_model(body.model, lambda context: completion(request, context, principal, body))
+    return await server.with_model(body.model, lambda context: completion(request, context, principal, body),
+                                   kind="chat")
 
 
 async def completion(request: Request, context: ModelContext, principal: Principal, body: CompletionRequest):

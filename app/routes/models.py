@@ -2,6 +2,9 @@
 caller's key may use. An alias is listed as a model of its own, as OpenAI clients expect."""
 from __future__ import annotations
 
+import time
+from datetime import UTC
+
 from fastapi import APIRouter
 
 from app.deps import ContextDep, PrincipalDep
@@ -11,6 +14,7 @@ from app.registry.pool import ModelPool
 from app.registry.spec import ModelSpec
 
 router = APIRouter()
+STARTED_AT = int(time.time())  # what a model registered only in memory says it was created at
 
 
 def visible_names(spec: ModelSpec, principal: Principal) -> list[str]:
@@ -23,7 +27,7 @@ def visible_names(spec: ModelSpec, principal: Principal) -> list[str]:
 
 
 def model_card(pool: ModelPool, spec: ModelSpec, model_id: str) -> dict:
-    created = int(spec.created_at.timestamp()) if spec.created_at else 0
+    created = int(spec.created_at.replace(tzinfo=UTC).timestamp()) if spec.created_at else STARTED_AT
     card = {"id": model_id, "object": "model", "created": created, "owned_by": "tokenmill", "kind": spec.kind,
             "status": pool.state(spec.name)}
     if model_id != spec.name:
