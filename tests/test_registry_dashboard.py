@@ -10,7 +10,7 @@ from tests.gateway_support import FAKE_MODEL, admin_headers
 from tests.test_registry import checkpoint
 
 
-def models_page(admin) -> str:  # noqa: ANN001, F811
+def models_page(admin) -> str:  # noqa: F811
     return admin.client.get("/admin/models").text
 
 
@@ -32,7 +32,7 @@ def test_the_unload_button_stops_serving_the_model(admin):  # noqa: F811
     response = admin.post(f"/admin/models/{FAKE_MODEL}/unload")
     assert response.status_code == 303 and response.headers["location"].startswith("/admin/models")
     deadline = time.monotonic() + 10
-    while f'data-state="unloaded"' not in models_page(admin):
+    while 'data-state="unloaded"' not in models_page(admin):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     refused = chat(admin.client, key)
