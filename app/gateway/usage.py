@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, Table, TextClause, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -87,30 +87,49 @@ def rollup(events: Iterable[UsageEvent]) -> list[dict]:
     return [sums[k] for k in sorted(sums)]
 
 
-_UPSERTS: dict[str, object] = {}
+def sqlite_rollup_upsert():  # an Insert ... ON CONFLICT DO UPDATE
+    """Add a roll-up row to the one already there: one statement run as executemany, so SQLAlchemy
+    compiles it once (a multi-VALUES insert is compiled afresh for every batch size)."""
+    stmt = sqlite.insert(UsageDaily)
+    return stmt.on_conflict_do_update(
+        index_elements=["day", "key_id", "model"],
+        set_={name: getattr(UsageDaily, name) + getattr(stmt.excluded, name) for name in ROLLUP_SUMS})
 
 
-def rollup_upsert(dialect_name: str):
-    """Add a roll-up row to the one already there. One statement per dialect, run as executemany, so
-    SQLAlchemy compiles it once (a multi-VALUES insert is compiled afresh for every batch size)."""
-    if dialect_name not in _UPSERTS:
-        dialect = postgresql if dialect_name == "postgresql" else sqlite
-        stmt = dialect.insert(UsageDaily)
-        _UPSERTS[dialect_name] = stmt.on_conflict_do_update(
-            index_elements=["day", "key_id", "model"],
-            set_={name: getattr(UsageDaily, name) + getattr(stmt.excluded, name) for name in ROLLUP_SUMS})
-    return _UPSERTS[dialect_name]
+def unnest_insert(table: Table, columns: Sequence[str], suffix: str = "") -> TextClause:
+    """PostgreSQL: INSERT ... SELECT FROM unnest(one array per column), a whole batch in one statement
+    (psycopg's executemany sends and waits on the server row by row, all of it Python work on the
+    writer thread)."""
+    dialect = postgresql.dialect()
+    arrays = ", ".join(f"CAST(:{name} AS {table.c[name].type.compile(dialect=dialect)}[])" for name in columns)
+    return text(f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays}) {suffix}")
+
+
+USAGE_COLUMNS = UsageEvent.__slots__
+ROLLUP_COLUMNS = ("day", "key_id", "model", "team_id", *ROLLUP_SUMS)
+SQLITE_ROLLUP_UPSERT = sqlite_rollup_upsert()
+PG_USAGE_COPY = f"COPY {UsageRow.__tablename__} ({', '.join(USAGE_COLUMNS)}) FROM STDIN"
+PG_ROLLUP_UPSERT = unnest_insert(
+    UsageDaily.__table__, ROLLUP_COLUMNS, "ON CONFLICT (day, key_id, model) DO UPDATE SET "
+    + ", ".join(f"{name} = usage_daily.{name} + excluded.{name}" for name in ROLLUP_SUMS))
 
 
 def write_batch(engine: Engine, events: Sequence[UsageEvent], *, key_times: dict | None = None,
                 team_times: dict | None = None) -> None:
     with Session(engine) as session, session.begin():
         if events:
-            # Core executemany, not the ORM's bulk path: far less Python work per row (this thread
-            # holds the GIL beside the event loop while it works).
+            # Core, not the ORM's bulk path: far less Python work per row (this thread holds the GIL
+            # beside the event loop while it works).
             connection = session.connection()
-            connection.execute(UsageRow.__table__.insert(), [e.row() for e in events])
-            connection.execute(rollup_upsert(engine.dialect.name), rollup(events))
+            sums = rollup(events)
+            if engine.dialect.name == "postgresql":  # COPY + one upsert: a third of executemany's CPU
+                with connection.connection.driver_connection.cursor() as cursor, cursor.copy(PG_USAGE_COPY) as copy:
+                    for event in events:
+                        copy.write_row([getattr(event, name) for name in USAGE_COLUMNS])
+                connection.execute(PG_ROLLUP_UPSERT, {name: [row[name] for row in sums] for name in ROLLUP_COLUMNS})
+            else:  # SQLite's executemany loops in C
+                connection.execute(UsageRow.__table__.insert(), [e.row() for e in events])
+                connection.execute(SQLITE_ROLLUP_UPSERT, sums)
         if key_times or team_times:
             touch_last_used(session, key_times=key_times or {}, team_times=team_times or {})
 
