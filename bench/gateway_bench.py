@@ -83,7 +83,7 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                                         redis_url=redis_url or None, redis_prefix=f"tokenmill-bench:{os.getpid()}:",
                                         prices=parse_prices(PRICES), spill_dir=str(Path(timings_path).parent)))
         spent: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("spent", default=None)
-        totals: list[float] = []
+        totals: list[tuple[float, float]] = []  # (unix time at the end of a request, seconds in the hooks)
 
         def timed_async(method):
             async def wrapper(*args, **kwargs):
@@ -105,7 +105,7 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                     return method(record)
                 finally:
                     holder = spent.get()
-                    totals.append((holder[0] if holder else 0.0) + time.perf_counter() - start)
+                    totals.append((time.time(), (holder[0] if holder else 0.0) + time.perf_counter() - start))
             return wrapper
 
         gateway.authenticate = timed_async(gateway.authenticate)
@@ -165,7 +165,7 @@ class Profiler:
             Path(directory).mkdir(parents=True, exist_ok=True)
             spy = Path(sys.executable).parent / "py-spy"
             self.process = subprocess.Popen(
-                [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--threads",
+                [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "100", "--threads", "--nonblocking",
                  "--output", str(Path(directory) / f"{name}.txt")], stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # attached before the load starts
@@ -212,7 +212,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT)
     server_log.close()
     url = f"http://127.0.0.1:{port}"
-    requests_by_phase = {}
+    requests_by_phase, phase_times = {}, {}
     try:
         try:
             wait_until_up(url, process)
@@ -225,13 +225,14 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         requests_by_phase["warmup"] = warmup
         for phase in ("closed", "paced"):
             profiler = Profiler(args.profile, process.pid, f"{mode}-{phase}")
-            server_cpu = cpu_seconds(process.pid)
+            server_cpu, started_at = cpu_seconds(process.pid), time.time()
             if phase == "closed":
                 run = load_client.closed("127.0.0.1", port, payloads, args.requests, args.concurrency)
             else:
                 run = load_client.paced("127.0.0.1", port, payloads, args.rate, args.duration, args.concurrency)
             result = load_client.run(run)
             requests_by_phase[phase] = (result, cpu_seconds(process.pid) - server_cpu)
+            phase_times[phase] = (started_at, time.time())
             profiler.stop()
     finally:
         process.send_signal(signal.SIGTERM)
@@ -242,9 +243,10 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     report["paced"]["target_rate"] = args.rate
     if mode != "none":
         server = json.loads(timings.read_text())
-        hooks = server["gateway_s"][args.warmup:]  # the measured phases, after the warm-up
-        report.update(gateway_hooks_p50_ms=percentile(hooks, 0.5) * 1000,
-                      gateway_hooks_p99_ms=percentile(hooks, 0.99) * 1000)
+        for phase, (start, end) in phase_times.items():
+            hooks = [seconds for at, seconds in server["gateway_s"] if start <= at <= end]
+            report[phase].update(gateway_hooks_p50_ms=percentile(hooks, 0.5) * 1000,
+                                 gateway_hooks_p99_ms=percentile(hooks, 0.99) * 1000)
         engine = create_engine(database_url)
         from app.gateway.models import UsageRow
 
@@ -303,10 +305,10 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
               f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
               f"{p['p50_ms']:>7.2f}{p['p99_ms']:>8.2f}{p.get('p50_ms_added', nan):>7.2f}{p.get('p99_ms_added', nan):>8.2f}"
-              f" | {r.get('gateway_hooks_p50_ms', nan):>9.3f}{r.get('gateway_hooks_p99_ms', nan):>9.3f}"
+              f" | {p.get('gateway_hooks_p50_ms', nan):>9.3f}{p.get('gateway_hooks_p99_ms', nan):>9.3f}"
               f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5}")
     print("closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
-          "due; +p50/+p99: over the no-gateway baseline (same run); hook: time inside the gateway's hooks")
+          "due; +p50/+p99: over the no-gateway baseline (same run); hook: time inside the gateway's hooks (paced)")
 
 
 def plot(report: dict, path: Path) -> None:
