@@ -45,12 +45,18 @@ def _existing_path(kind: str, source: str) -> Path:
         except (FileNotFoundError, ImportError) as error:
             raise RegistryError(f"the embedded {kind} model is not installed: {error}", param="path",
                                 code="model_source_not_found") from None
-    path = Path(source).expanduser()
-    if not path.is_absolute():
-        raise RegistryError(f"path must be absolute (the server resolves it, not your shell): {source!r}.",
-                            param="path", code="model_source_not_found")
-    if not path.exists():
-        raise RegistryError(f"no file or folder at {source!r}.", param="path", code="model_source_not_found")
+    try:
+        path = Path(source).expanduser()
+        if not path.is_absolute():
+            raise RegistryError(f"path must be absolute (the server resolves it, not your shell): {source!r}.",
+                                param="path", code="model_source_not_found")
+        if not path.exists():
+            raise RegistryError(f"no file or folder at {source!r}.", param="path", code="model_source_not_found")
+    except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a name too long, ~nosuchuser
+        if isinstance(error, RegistryError):
+            raise
+        raise RegistryError(f"path {source!r} cannot be used: {error}", param="path",
+                            code="model_source_not_found") from None
     return path
 
 
