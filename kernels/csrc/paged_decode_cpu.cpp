@@ -25,15 +25,16 @@ using tokenmill::to_float;
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
 
-// HeadDim > 0 fixes head_dim at compile time (fully unrolled vector loops for the common sizes);
-// 0 reads it at run time.
-template <typename T, int64_t HeadDim>
+// HeadDim > 0 and Group > 0 fix head_dim and the query heads per kv head at compile time, so the
+// common shapes get unrolled loops with the queries and accumulators in registers; 0 reads them at
+// run time.
+template <typename T, int64_t HeadDim, int64_t Group>
 void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
             const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
             int64_t runtime_head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride, float scale,
             int threads) {
     const int64_t head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
-    const int64_t group = heads / kv_heads;
+    const int64_t group = Group > 0 ? Group : heads / kv_heads;
     const int64_t head_stride = pool_blocks * block_size * head_dim;  // one kv head's whole pool
     const int64_t block_stride = block_size * head_dim;
 
@@ -58,15 +59,20 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         float row_max[kMaxGroup];
         for (int64_t g = 0; g < group; ++g) row_max[g] = -INFINITY;
         float key_row[kMaxHeadDim];
-        for (int64_t pos = 0; pos < length; ++pos) {
-            const T* key = keys + table[pos / block_size] * block_stride + (pos % block_size) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
-            for (int64_t g = 0; g < group; ++g) {
-                float dot = 0.f;
+        // Walk block by block: no division per key, and each block's rows are contiguous.
+        for (int64_t first = 0; first < length; first += block_size) {
+            const T* block = keys + table[first / block_size] * block_stride;
+            const int64_t rows = length - first < block_size ? length - first : block_size;
+            for (int64_t j = 0; j < rows; ++j) {
+                const T* key = block + j * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
+                for (int64_t g = 0; g < group; ++g) {
+                    float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d) dot += q[g][d] * key_row[d];
-                scores[g * length + pos] = dot;
-                row_max[g] = dot > row_max[g] ? dot : row_max[g];
+                    for (int64_t d = 0; d < head_dim; ++d) dot += q[g][d] * key_row[d];
+                    scores[g * length + first + j] = dot;
+                    row_max[g] = dot > row_max[g] ? dot : row_max[g];
+                }
             }
         }
         float row_sum[kMaxGroup];
@@ -85,12 +91,16 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         for (int64_t g = 0; g < group; ++g)
             for (int64_t d = 0; d < head_dim; ++d) acc[g][d] = 0.f;
         float value_row[kMaxHeadDim];
-        for (int64_t pos = 0; pos < length; ++pos) {
-            const T* value = values + table[pos / block_size] * block_stride + (pos % block_size) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
-            for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * length + pos];
-                for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * value_row[d];
+        for (int64_t first = 0; first < length; first += block_size) {
+            const T* block = values + table[first / block_size] * block_stride;
+            const int64_t rows = length - first < block_size ? length - first : block_size;
+            for (int64_t j = 0; j < rows; ++j) {
+                const T* value = block + j * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
+                for (int64_t g = 0; g < group; ++g) {
+                    const float p = scores[g * length + first + j];
+                    for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * value_row[d];
+                }
             }
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -106,17 +116,28 @@ void decode_any(const T* query, const T* key_cache, const T* value_cache, const 
                 const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
                 int64_t head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride, float scale,
                 int threads) {
-    auto run = [&](auto fixed) {
-        decode<T, decltype(fixed)::value>(query, key_cache, value_cache, block_tables, context_lens, out, seqs,
-                                          heads, kv_heads, head_dim, block_size, pool_blocks, table_stride,
-                                          scale, threads);
+    const int64_t group = heads / kv_heads;
+    auto run = [&](auto fixed_head_dim, auto fixed_group) {
+        decode<T, decltype(fixed_head_dim)::value, decltype(fixed_group)::value>(
+            query, key_cache, value_cache, block_tables, context_lens, out, seqs, heads, kv_heads, head_dim,
+            block_size, pool_blocks, table_stride, scale, threads);
+    };
+    auto with_group = [&](auto fixed_head_dim) {
+        switch (group) {
+            case 1: return run(fixed_head_dim, std::integral_constant<int64_t, 1>{});
+            case 2: return run(fixed_head_dim, std::integral_constant<int64_t, 2>{});
+            case 3: return run(fixed_head_dim, std::integral_constant<int64_t, 3>{});
+            case 4: return run(fixed_head_dim, std::integral_constant<int64_t, 4>{});
+            case 8: return run(fixed_head_dim, std::integral_constant<int64_t, 8>{});
+            default: return run(fixed_head_dim, std::integral_constant<int64_t, 0>{});
+        }
     };
     if (head_dim == 64) {
-        run(std::integral_constant<int64_t, 64>{});
+        with_group(std::integral_constant<int64_t, 64>{});
     } else if (head_dim == 128) {
-        run(std::integral_constant<int64_t, 128>{});
+        with_group(std::integral_constant<int64_t, 128>{});
     } else {
-        run(std::integral_constant<int64_t, 0>{});
+        run(std::integral_constant<int64_t, 0>{}, std::integral_constant<int64_t, 0>{});
     }
 }
 
