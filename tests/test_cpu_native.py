@@ -85,6 +85,9 @@ def test_store_kv_writes_the_same_slots_as_the_reference(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [
     (16, 3, 3, 64),  # SmolLM2-135M
+    (8, 2, 8, 64),  # the vectorised head_dim-64 path with other groups and block sizes
+    (32, 4, 1, 64),
+    (16, 1, 5, 64),  # a group size without a compiled specialisation
     (16, 2, 8, 128),  # Llama-3-style GQA
     (8, 4, 1, 80),  # multi-head attention, a head size without a compiled specialisation
 ])

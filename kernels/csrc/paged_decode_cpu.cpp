@@ -17,10 +17,45 @@
 
 #include "bfloat16.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TOKENMILL_AVX512 1
+#else
+#define TOKENMILL_AVX512 0
+#endif
+
 namespace {
 
 using tokenmill::store;
 using tokenmill::to_float;
+
+// e^x for x <= 0 (scores minus their row maximum), within 2 ulp of expf. A loop of std::exp stays
+// scalar calls into libm without -ffast-math, and at a few hundred keys per query those calls were the
+// largest part of the kernel; this form vectorizes.
+inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, in two parts
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+#if TOKENMILL_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeadDim = 256;
@@ -58,20 +93,47 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         std::vector<float> scores(static_cast<size_t>(group * length));
         float row_max[kMaxGroup];
         for (int64_t g = 0; g < group; ++g) row_max[g] = -INFINITY;
-        float key_row[kMaxHeadDim];
-        // Walk block by block: no division per key, and each block's rows are contiguous.
-        for (int64_t first = 0; first < length; first += block_size) {
-            const T* block = keys + table[first / block_size] * block_stride;
-            const int64_t rows = length - first < block_size ? length - first : block_size;
-            for (int64_t j = 0; j < rows; ++j) {
-                const T* key = block + j * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
-                for (int64_t g = 0; g < group; ++g) {
-                    float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; ++d) dot += q[g][d] * key_row[d];
-                    scores[g * length + first + j] = dot;
-                    row_max[g] = dot > row_max[g] ? dot : row_max[g];
+#if TOKENMILL_AVX512
+        if constexpr (HeadDim == 64 && Group > 0) {
+            // Each key row is loaded and widened once, then dotted with every query of the group.
+            __m512 q_vectors[Group][4];
+            for (int64_t g = 0; g < Group; ++g)
+                for (int i = 0; i < 4; ++i) q_vectors[g][i] = _mm512_loadu_ps(&q[g][16 * i]);
+            for (int64_t first = 0; first < length; first += block_size) {
+                const T* block = keys + table[first / block_size] * block_stride;
+                const int64_t rows = length - first < block_size ? length - first : block_size;
+                for (int64_t j = 0; j < rows; ++j) {
+                    const T* key = block + j * 64;
+                    const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32), k3 = load16(key + 48);
+                    for (int64_t g = 0; g < Group; ++g) {
+                        __m512 dot = _mm512_mul_ps(q_vectors[g][0], k0);
+                        dot = _mm512_fmadd_ps(q_vectors[g][1], k1, dot);
+                        dot = _mm512_fmadd_ps(q_vectors[g][2], k2, dot);
+                        dot = _mm512_fmadd_ps(q_vectors[g][3], k3, dot);
+                        const float score = _mm512_reduce_add_ps(dot);
+                        scores[g * length + first + j] = score;
+                        row_max[g] = score > row_max[g] ? score : row_max[g];
+                    }
+                }
+            }
+        } else
+#endif
+        {
+            float key_row[kMaxHeadDim];
+            // Walk block by block: no division per key, and each block's rows are contiguous.
+            for (int64_t first = 0; first < length; first += block_size) {
+                const T* block = keys + table[first / block_size] * block_stride;
+                const int64_t rows = length - first < block_size ? length - first : block_size;
+                for (int64_t j = 0; j < rows; ++j) {
+                    const T* key = block + j * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
+                    for (int64_t g = 0; g < group; ++g) {
+                        float dot = 0.f;
+    #pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < head_dim; ++d) dot += q[g][d] * key_row[d];
+                        scores[g * length + first + j] = dot;
+                        row_max[g] = dot > row_max[g] ? dot : row_max[g];
+                    }
                 }
             }
         }
@@ -81,7 +143,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             float* s = scores.data() + g * length;
 #pragma omp simd reduction(+ : sum)
             for (int64_t pos = 0; pos < length; ++pos) {
-                s[pos] = std::exp(s[pos] - row_max[g]);
+                s[pos] = exp_nonpositive(s[pos] - row_max[g]);
                 sum += s[pos];
             }
             row_sum[g] = sum;
@@ -90,16 +152,39 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         float acc[kMaxGroup][kMaxHeadDim];
         for (int64_t g = 0; g < group; ++g)
             for (int64_t d = 0; d < head_dim; ++d) acc[g][d] = 0.f;
-        float value_row[kMaxHeadDim];
-        for (int64_t first = 0; first < length; first += block_size) {
-            const T* block = values + table[first / block_size] * block_stride;
-            const int64_t rows = length - first < block_size ? length - first : block_size;
-            for (int64_t j = 0; j < rows; ++j) {
-                const T* value = block + j * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
-                for (int64_t g = 0; g < group; ++g) {
-                    const float p = scores[g * length + first + j];
-                    for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * value_row[d];
+#if TOKENMILL_AVX512
+        if constexpr (HeadDim == 64 && Group > 0) {
+            __m512 sums[Group][4];
+            for (int64_t g = 0; g < Group; ++g)
+                for (int i = 0; i < 4; ++i) sums[g][i] = _mm512_setzero_ps();
+            for (int64_t first = 0; first < length; first += block_size) {
+                const T* block = values + table[first / block_size] * block_stride;
+                const int64_t rows = length - first < block_size ? length - first : block_size;
+                for (int64_t j = 0; j < rows; ++j) {
+                    const T* value = block + j * 64;
+                    const __m512 v[4] = {load16(value), load16(value + 16), load16(value + 32), load16(value + 48)};
+                    for (int64_t g = 0; g < Group; ++g) {
+                        const __m512 weight = _mm512_set1_ps(scores[g * length + first + j]);
+                        for (int i = 0; i < 4; ++i) sums[g][i] = _mm512_fmadd_ps(weight, v[i], sums[g][i]);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < Group; ++g)
+                for (int i = 0; i < 4; ++i) _mm512_storeu_ps(&acc[g][16 * i], sums[g][i]);
+        } else
+#endif
+        {
+            float value_row[kMaxHeadDim];
+            for (int64_t first = 0; first < length; first += block_size) {
+                const T* block = values + table[first / block_size] * block_stride;
+                const int64_t rows = length - first < block_size ? length - first : block_size;
+                for (int64_t j = 0; j < rows; ++j) {
+                    const T* value = block + j * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float p = scores[g * length + first + j];
+                        for (int64_t d = 0; d < head_dim; ++d) acc[g][d] += p * value_row[d];
+                    }
                 }
             }
         }
