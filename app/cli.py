@@ -51,7 +51,7 @@ def serve(args: argparse.Namespace) -> int:
         gateway = gateway_from_settings(settings)
         # --model is served as before; every other enabled model of the registry loads in the background.
         pool = ModelPool(settings.engine, store=RegistryStore(gateway.sessions), load_enabled_at_start=True,
-                         first_start=embedded_defaults())
+                         first_start=embedded_defaults(), refresh_interval_s=15.0)
         app = create_app(settings, engine, gateway=gateway, pool=pool)
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
         admin_key = settings.admin_key or provision_admin_key(settings)

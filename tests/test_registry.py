@@ -130,3 +130,22 @@ def test_changes_and_removal_are_stored(store, tmp_path):
     run(go())
     [tiny] = store.all()
     assert (tiny.name, tiny.aliases, tiny.price.output_per_1m, tiny.price.input_per_1m) == ("tiny", ("a1", "a2"), 2.0, 0)
+
+
+def test_a_replica_picks_up_aliases_and_a_disable_made_on_another(store):
+    from tests.gateway_support import FakeEngine
+
+    async def go():  # noqa: ANN202
+        here, there = ModelPool(BASE, store=store), ModelPool(BASE, store=store)
+        here.add_loaded(FakeEngine(model_name="shared"))
+        await here.start()
+        await there.start()
+        await there.update("shared", {"aliases": ["gpt-4o-mini"], "enabled": False})
+        assert here.resolve("shared").name == "shared"  # until it reads the registry again
+        await here.refresh()
+        aliased = here.spec("gpt-4o-mini").name
+        while here.state("shared") == "draining":
+            await asyncio.sleep(0.01)
+        return aliased, here.state("shared")
+
+    assert run(go()) == ("shared", "disabled")

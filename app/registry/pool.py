@@ -44,12 +44,14 @@ def model_not_loaded(name: str, state: str) -> OpenAIError:
 class ModelPool:
     def __init__(self, base: EngineConfig, *, store: RegistryStore | None = None,
                  load_enabled_at_start: bool = False, drain_timeout_s: float = 600.0,
-                 first_start: tuple[Mapping[str, Any], ...] = ()) -> None:
+                 first_start: tuple[Mapping[str, Any], ...] = (), refresh_interval_s: float | None = None) -> None:
         self.base = base  # server-wide engine settings; a spec overrides its own part
         self.store = store
         self.load_enabled_at_start = load_enabled_at_start
         self.drain_timeout_s = drain_timeout_s  # then the engine stops anyway (a request that never ended)
         self.first_start = first_start  # registered on start unless their names are taken
+        self.refresh_interval_s = refresh_interval_s  # re-read the registry (changes made on other replicas)
+        self._refresher: asyncio.Task | None = None
         self.cost_meter: HardwareCostMeter | None = None  # told each model's own hardware cost, if any
         self._costs_told: dict[str, float | None] = {}
         self.specs: dict[str, ModelSpec] = {}
@@ -130,9 +132,11 @@ class ModelPool:
             for spec in self.specs.values():
                 if spec.enabled and spec.name not in self.served:
                     self._start_loading(spec)
+        if self.store is not None and self.refresh_interval_s:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_every(self.refresh_interval_s))
 
     async def stop(self) -> None:
-        for task in [*self._loading.values(), *self._draining.values()]:
+        for task in [*self._loading.values(), *self._draining.values(), *filter(None, [self._refresher])]:
             task.cancel()
         for served in list(self.served.values()):
             if served.owned:
@@ -151,15 +155,28 @@ class ModelPool:
 
     # ---- registry changes (admin API) --------------------------------------------------------
     async def refresh(self) -> None:
-        """Specs as the store has them now (another replica or the CLI may have changed them)."""
+        """Specs as the store has them now (another replica may have changed them): new aliases and
+        prices apply at once; a model served here that was disabled or removed there is unloaded."""
         if self.store is None:
             return
         stored = {spec.name: spec for spec in await run_in_threadpool(self.store.all)}
+        switched_off = [name for name, served in self.served.items()
+                        if served.state == LOADED and (name not in stored or not stored[name].enabled)]
         for name, served in self.served.items():
-            stored.setdefault(name, served.spec)
+            stored.setdefault(name, served.spec)  # until it is unloaded
             served.spec = stored[name]
         self.specs = stored
         self._tell_costs()
+        for name in switched_off:
+            await self.unload(name)
+
+    async def _refresh_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh()
+            except Exception as error:  # noqa: BLE001 - the store may be away for a while; try again later
+                log.warning("could not re-read the model registry: %s", error)
 
     async def register(self, fields: Mapping[str, Any], *, load: bool = False) -> ModelSpec:
         async with self._changes:
