@@ -135,7 +135,7 @@ def test_changes_and_removal_are_stored(store, tmp_path):
 def test_a_replica_picks_up_aliases_and_a_disable_made_on_another(store):
     from tests.gateway_support import FakeEngine
 
-    async def go():  # noqa: ANN202
+    async def go():
         here, there = ModelPool(BASE, store=store), ModelPool(BASE, store=store)
         here.add_loaded(FakeEngine(model_name="shared"))
         await here.start()
