@@ -39,6 +39,8 @@ class ServerContext:
                          kind: str | None = None) -> Response:
         """handle(context) for the model a request names; the model counts it in flight until the
         response is complete (a streamed one: until its tracker finishes)."""
+        if self.settings.load_on_demand:
+            await self.models.load_on_demand(requested_model)
         context = self.bind(requested_model, kind)
         try:
             response = await handle(context)

@@ -31,6 +31,7 @@ class Settings:
     max_tokens_cap: int = 4096  # upper bound for max_tokens, and the default when a request omits it
     hardware_cost_per_hour: float = 0.0  # USD per hour of this machine: the dashboard's real cost per token
     session_secret: str | None = None  # signs admin dashboard sessions; None: random per process
+    load_on_demand: bool = False  # a request for an enabled, unloaded model loads it (else 503 model_not_loaded)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--hardware-cost-per-hour", "hardware_cost_per_hour", float,
            "USD per hour this machine costs (the dashboard's real cost per token)"),
     Option("--session-secret", "session_secret", str, "signs admin dashboard sessions (default: random per process)"),
+    Option("--load-on-demand", "load_on_demand", parse_bool,
+           "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)", switch=True),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),

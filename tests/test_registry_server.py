@@ -255,3 +255,16 @@ def test_an_embedding_model_is_registered_loaded_and_served(server):
             server.client(server.key()).chat.completions.create(model="minilm", messages=QUESTION, max_tokens=2)
     finally:
         server.admin("DELETE", "/models/minilm")
+
+
+def test_with_load_on_demand_a_request_loads_the_model_it_names(tiny_llama_dir, tmp_path):
+    gateway = Gateway(GatewayConfig(database_url=f"sqlite:///{tmp_path / 'tokenmill.db'}", admin_key=ADMIN_KEY,
+                                    spill_dir=str(tmp_path), usage_flush_interval_s=0.05))
+    config = EngineConfig(dtype="float32", num_kv_blocks=32, data_dir=str(MODEL_CACHE))
+    app = create_app(Settings(port=0, engine=config, load_on_demand=True), gateway=gateway)  # no model loaded
+    with serve_in_thread(app) as url:
+        server = Server(url, app, gateway)
+        assert server.register("on-demand", tiny_llama_dir, aliases=["lazy"])["state"] == "unloaded"
+        reply = server.client(server.key()).chat.completions.create(model="lazy", messages=QUESTION, max_tokens=3)
+        assert reply.model == "on-demand" and server.state("on-demand") == "loaded"
+        server.admin("DELETE", "/models/on-demand")

@@ -223,6 +223,17 @@ class ModelPool:
             self.specs.pop(name, None)
 
     # ---- load and unload ---------------------------------------------------------------------
+    async def load_on_demand(self, requested: str) -> None:
+        """Load the enabled model `requested` names if it is not loaded (a draining one is left alone:
+        it was unloaded on purpose). A load that fails is logged; the request then gets resolve()'s error."""
+        spec = self.spec(requested)
+        if spec is None or not spec.enabled or self.state(spec.name) not in (UNLOADED, LOADING):
+            return
+        try:
+            await self.load(spec.name)
+        except RegistryError as error:
+            log.warning("load on demand: %s", error)
+
     async def load(self, name: str) -> ServedModel:
         spec = self._known(name)
         if not spec.enabled:

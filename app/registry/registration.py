@@ -56,7 +56,7 @@ def changed_spec(spec: ModelSpec, changes: Mapping[str, Any], *, base: EngineCon
         values["dtype"] = changes["dtype"]
     if "max_model_len" in changes:
         values["max_model_len"] = _max_model_len(changes["max_model_len"], max_context)
-    elif source is not None and spec.max_model_len is None:
+    elif source is not None:  # new weights: their context, unless the request names one
         values["max_model_len"] = max_context
     if changes.get("engine_settings") is not None:
         values["engine_settings"] = check_engine_settings(dict(changes["engine_settings"]), base)
