@@ -166,3 +166,17 @@ wait "$tracer" || true
     assert any(path.name.startswith("models") for path in (work / "volume").iterdir())  # data went to the volume
     attempts, outbound = audit(work)
     assert outbound == [], f"connection attempts off this machine ({attempts} attempts in all):\n" + "\n".join(outbound)
+
+
+def test_compose_runs_the_image_against_its_postgres_with_data_in_the_image_volume():
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "deploy" / "compose.yaml").read_text())
+    tokenmill, postgres = compose["services"]["tokenmill"], compose["services"]["postgres"]
+    assert (ROOT / "deploy" / tokenmill["build"]["context"] / "Dockerfile").exists()
+    assert tokenmill["depends_on"]["postgres"]["condition"] == "service_healthy" and "healthcheck" in postgres
+    url = tokenmill["environment"]["TOKENMILL_DATABASE_URL"]
+    assert url.startswith("postgresql+psycopg://") and "@postgres:5432/" in url
+    volume = re.search(r'^VOLUME \["([^"]+)"\]', (ROOT / "Dockerfile").read_text(), re.MULTILINE)[1]
+    assert any(mount.endswith(f":{volume}") for mount in tokenmill["volumes"])
+    assert any(port.endswith(":8000") for port in tokenmill["ports"])
