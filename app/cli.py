@@ -45,7 +45,8 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine.start(settings.engine)
     try:
         from app.gateway.wiring import gateway_from_settings
-        from app.registry.pool import ModelPool, embedded_defaults
+        from app.registry.loading import embedded_defaults
+        from app.registry.pool import ModelPool
         from app.registry.store import RegistryStore
 
         gateway = gateway_from_settings(settings)

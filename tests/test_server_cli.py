@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from app.cli import main
-from app.registry.pool import embedded_defaults
+from app.registry.loading import embedded_defaults
 from tests.server_helpers import MODEL
 
 pytestmark = pytest.mark.real_model

@@ -7,8 +7,8 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
+from app.registry.gguf_header import gguf_header
 from app.registry.spec import DEFAULT_SOURCE, RegistryError
 
 # What kind="embedding" runs: the BERT-family encoders sentence-transformers ships (all-MiniLM-L6-v2).
@@ -127,48 +127,3 @@ def _gguf_facts(path: Path) -> tuple[str, int | None]:
                             code="unsupported_model") from None
     context = header.get(f"{architecture}.context_length")
     return architecture, None if context is None else int(context)
-
-
-# GGUF metadata value types: struct formats of the scalars; 8 = string, 9 = array.
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dict:
-    """The wanted metadata of a GGUF file, read from its header without touching tensors (gguf's reader
-    maps the whole file: seconds for a 100 MB model). Stops at the first key starting with stop_prefix
-    (the tokenizer's big arrays come last), or when every wanted key is found."""
-    found: dict = {}
-    with open(path, "rb") as file:
-        magic, version = struct.unpack("<4sI", file.read(8))
-        if magic != b"GGUF" or version < 2:
-            raise ValueError(f"not a GGUF v2+ file (magic {magic!r}, version {version})")
-        _tensors, kv_count = struct.unpack("<QQ", file.read(16))
-        for _ in range(kv_count):
-            key = _read_string(file)
-            if key.startswith(stop_prefix):
-                break
-            value = _read_value(file, struct.unpack("<I", file.read(4))[0])
-            if key in wanted:
-                found[key] = value
-                if len(found) == len(wanted):
-                    break
-    return found
-
-
-def _read_string(file: BinaryIO) -> str:
-    (length,) = struct.unpack("<Q", file.read(8))
-    if length > 1 << 20:
-        raise ValueError(f"implausible string length {length}")
-    return file.read(length).decode("utf-8", errors="replace")
-
-
-def _read_value(file: BinaryIO, kind: int) -> object:
-    if kind in _SCALARS:
-        fmt = "<" + _SCALARS[kind]
-        return struct.unpack(fmt, file.read(struct.calcsize(fmt)))[0]
-    if kind == 8:
-        return _read_string(file)
-    if kind == 9:
-        item_kind, count = struct.unpack("<IQ", file.read(12))
-        return [_read_value(file, item_kind) for _ in range(count)]
-    raise ValueError(f"unknown GGUF value type {kind}")

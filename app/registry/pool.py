@@ -12,21 +12,19 @@ import gc
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import torch
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from app.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
-from app.registry.inspection import default_source_path, inspect_source
+from app.registry.loading import load_model, preloaded_spec
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
 from app.registry.served import DRAINING, LOADED, ServedModel
-from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
+from app.registry.spec import ModelSpec, RegistryError
 from app.registry.store import RegistryStore
-from engine.config import DTYPES, EngineConfig
+from engine.config import EngineConfig
 
 log = logging.getLogger("tokenmill.registry")
 
@@ -317,38 +315,3 @@ class ModelPool:
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("%s", task.exception())
-
-
-def load_model(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
-    """Blocking: start a chat engine, or load an embedding model; ServedModel's keyword arguments."""
-    if spec.kind == "chat":
-        from engine.async_engine import AsyncEngine
-
-        return {"engine": AsyncEngine.start(spec.engine_config(base))}
-    from engine.embeddings import EmbeddingModel
-
-    path = default_source_path("embedding") if spec.source == DEFAULT_SOURCE else spec.source
-    return {"embedder": EmbeddingModel.load(path, dtype=DTYPES.get(spec.dtype, torch.float32), name=spec.name)}
-
-
-def preloaded_spec(engine) -> ModelSpec:
-    """The registry entry for an engine started outside the pool, from its own settings."""
-    config = engine.config
-    source = config.model if config.model == DEFAULT_SOURCE else str(Path(config.model).expanduser().resolve())
-    try:
-        architecture = inspect_source("chat", source).architecture
-    except RegistryError:
-        architecture = "unknown"
-    return ModelSpec(name=engine.model_name, kind="chat", source=source, architecture=architecture,
-                     dtype=config.dtype, max_model_len=engine.max_model_len)
-
-
-def embedded_defaults() -> tuple[dict[str, Any], ...]:
-    """Registered on first start beside --model: the embedded embedding model, when its wheel is here."""
-    try:
-        from engine.embeddings import DEFAULT_EMBEDDING_MODEL_NAME
-
-        default_source_path("embedding")
-    except (ImportError, FileNotFoundError):
-        return ()
-    return ({"name": DEFAULT_EMBEDDING_MODEL_NAME, "kind": "embedding", "path": DEFAULT_SOURCE},)

@@ -1,0 +1,47 @@
+"""Loading a registered model into memory, and the specs of models loaded some other way: blocking
+work the pool runs in threads, kept apart from its bookkeeping."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.registry.inspection import default_source_path, inspect_source
+from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
+from engine.config import DTYPES, EngineConfig
+
+
+def load_model(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
+    """Blocking: start a chat engine, or load an embedding model; ServedModel's keyword arguments."""
+    if spec.kind == "chat":
+        from engine.async_engine import AsyncEngine
+
+        return {"engine": AsyncEngine.start(spec.engine_config(base))}
+    from engine.embeddings import EmbeddingModel
+
+    path = default_source_path("embedding") if spec.source == DEFAULT_SOURCE else spec.source
+    return {"embedder": EmbeddingModel.load(path, dtype=DTYPES.get(spec.dtype, torch.float32), name=spec.name)}
+
+
+def preloaded_spec(engine) -> ModelSpec:
+    """The registry entry for an engine started outside the pool, from its own settings."""
+    config = engine.config
+    source = config.model if config.model == DEFAULT_SOURCE else str(Path(config.model).expanduser().resolve())
+    try:
+        architecture = inspect_source("chat", source).architecture
+    except RegistryError:
+        architecture = "unknown"
+    return ModelSpec(name=engine.model_name, kind="chat", source=source, architecture=architecture,
+                     dtype=config.dtype, max_model_len=engine.max_model_len)
+
+
+def embedded_defaults() -> tuple[dict[str, Any], ...]:
+    """Registered on first start beside --model: the embedded embedding model, when its wheel is here."""
+    try:
+        from engine.embeddings import DEFAULT_EMBEDDING_MODEL_NAME
+
+        default_source_path("embedding")
+    except (ImportError, FileNotFoundError):
+        return ()
+    return ({"name": DEFAULT_EMBEDDING_MODEL_NAME, "kind": "embedding", "path": DEFAULT_SOURCE},)
