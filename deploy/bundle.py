@@ -126,14 +126,14 @@ class Builder:
             [self.python, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
         self.python_version = ".".join(self.python_full_version.split(".")[:2])
 
-    def pip(self, *arguments: str | Path) -> None:
+    def pip(self, *arguments: str | Path, hint: str = "") -> None:
         links = [option for folder in self.find_links for option in ("--find-links", str(folder))]
         command = [self.python, "-m", "pip", *map(str, arguments), "--progress-bar", "off",
                    "--disable-pip-version-check", *links]
         result = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0:
             say(result.stdout)
-            raise SystemExit(f"bundle: failed: {' '.join(command)}")
+            raise SystemExit(f"bundle: failed: {' '.join(command)}{hint}")
 
     def report_new(self, before: set[str]) -> None:
         added = sorted(path for path in self.wheels.iterdir() if path.name not in before)
@@ -164,8 +164,10 @@ class Builder:
 
     def download_torch(self) -> None:
         index = ["--extra-index-url", self.torch_index] if self.torch_index else []
+        hint = "" if self.torch_index or self.torch_variant == "cuda" else \
+            "\nbundle: PyPI's Linux torch is the CUDA build: pass --torch-index with an index that holds the CPU one"
         self.pip("download", "--no-deps", "--only-binary", ":all:", "--dest", self.wheels, *index,
-                 self.torch_requirement())
+                 self.torch_requirement(), hint=hint)
 
     def download_dependencies(self) -> None:
         own = next(self.wheels.glob("tokenmill-*.whl"))
