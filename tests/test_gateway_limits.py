@@ -187,6 +187,23 @@ def test_redis_counters_are_shared_and_atomic_under_concurrency(redis_url):
     assert sum(asyncio.run(scenario())) == 25
 
 
+def test_redis_acquires_that_arrive_together_share_a_round_trip_and_keep_their_order(redis_url):
+    clock = FakeClock(start=10 * 555_555)
+
+    async def scenario() -> tuple[list, int]:
+        limiter = RateLimiter(RedisCounters(redis_url, prefix=redis_prefix()), window_s=10, clock=clock)
+        scopes = [Scope("key:3", rpm=25, tpm=None), Scope("team:3", rpm=1000, tpm=None)]
+        decisions = await asyncio.gather(*(limiter.acquire(scopes) for _ in range(60)))
+        calls = limiter.counters.calls
+        await limiter.close()
+        return decisions, calls
+
+    decisions, calls = asyncio.run(scenario())
+    assert [d.allowed for d in decisions] == [True] * 25 + [False] * 35  # first come, first served
+    assert [d.requests.remaining for d in decisions[:25]] == list(range(24, -1, -1))
+    assert calls < 10  # 60 acquires, a handful of script calls
+
+
 def test_redis_token_counts_are_shared(redis_url):
     clock = FakeClock(start=10 * 777_777)
 

@@ -119,26 +119,40 @@ class InProcessCounters:
         pass
 
 
+# Requests in turn, as if each had its own call: check all its scopes, then count them all or none.
+# ARGV: ttl ms, then per request: its number of scopes n, then (rpm, tpm) per scope (-1: no limit).
+# KEYS: per request, per scope: the requests counter, the tokens counter.
+# Returns per request: code (0 admitted, 1 over requests, 2 over tokens), then (requests, tokens) per scope.
 _ACQUIRE_LUA = """
 local ttl = tonumber(ARGV[1])
-local n = #KEYS / 2
-local out = {0}
-for i = 1, n do
-  local r = tonumber(redis.call('GET', KEYS[2*i-1]) or '0')
-  local t = tonumber(redis.call('GET', KEYS[2*i]) or '0')
-  local rpm = tonumber(ARGV[2*i])
-  local tpm = tonumber(ARGV[2*i+1])
-  if out[1] == 0 then
-    if rpm >= 0 and r >= rpm then out[1] = 1 elseif tpm >= 0 and t >= tpm then out[1] = 2 end
+local out = {}
+local k, a = 1, 2
+while a <= #ARGV do
+  local n = tonumber(ARGV[a])
+  a = a + 1
+  local code = 0
+  local counts = {}
+  for i = 0, n - 1 do
+    local r = tonumber(redis.call('GET', KEYS[k + 2*i]) or '0')
+    local t = tonumber(redis.call('GET', KEYS[k + 2*i + 1]) or '0')
+    local rpm = tonumber(ARGV[a + 2*i])
+    local tpm = tonumber(ARGV[a + 2*i + 1])
+    if code == 0 then
+      if rpm >= 0 and r >= rpm then code = 1 elseif tpm >= 0 and t >= tpm then code = 2 end
+    end
+    counts[2*i + 1] = r
+    counts[2*i + 2] = t
   end
-  out[2*i] = r
-  out[2*i+1] = t
-end
-if out[1] == 0 then
-  for i = 1, n do
-    out[2*i] = redis.call('INCR', KEYS[2*i-1])
-    if out[2*i] == 1 then redis.call('PEXPIRE', KEYS[2*i-1], ttl) end
+  if code == 0 then
+    for i = 0, n - 1 do
+      counts[2*i + 1] = redis.call('INCR', KEYS[k + 2*i])
+      if counts[2*i + 1] == 1 then redis.call('PEXPIRE', KEYS[k + 2*i], ttl) end
+    end
   end
+  out[#out + 1] = code
+  for i = 1, 2*n do out[#out + 1] = counts[i] end
+  k = k + 2*n
+  a = a + 2*n
 end
 return out
 """
@@ -153,6 +167,10 @@ return 0
 
 
 class RedisCounters:
+    """Counters shared through Redis. Acquires that arrive together (in one turn of the event loop, or
+    while the previous call is out) go in one script call: the same decisions as one call each, one
+    round trip for all of them."""
+
     def __init__(self, url: str, *, prefix: str = "tokenmill:rl:") -> None:
         import redis.asyncio as redis
 
@@ -160,18 +178,46 @@ class RedisCounters:
         self._prefix = prefix
         self._acquire = self._redis.register_script(_ACQUIRE_LUA)
         self._add = self._redis.register_script(_ADD_TOKENS_LUA)
+        self._waiting: list[tuple[int, float, Sequence[Scope], asyncio.Future]] = []
+        self._sender: asyncio.Task | None = None
+        self.calls = 0
 
     def _keys(self, scope: Scope, window: int) -> tuple[str, str]:
         base = f"{self._prefix}{scope.name}:{window}"
         return base + ":r", base + ":t"
 
     async def acquire(self, window, ttl_s, scopes):
-        keys, args = [], [int(ttl_s * 1000)]
-        for scope in scopes:
-            keys.extend(self._keys(scope, window))
-            args.extend((-1 if scope.rpm is None else scope.rpm, -1 if scope.tpm is None else scope.tpm))
-        out = await self._acquire(keys=keys, args=args)
-        return int(out[0]), [(int(out[1 + 2 * i]), int(out[2 + 2 * i])) for i in range(len(scopes))]
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append((window, ttl_s, scopes, future))
+        if self._sender is None or self._sender.done() or self._sender.get_loop() is not loop:
+            self._sender = loop.create_task(self._send_acquires())
+        return await future
+
+    async def _send_acquires(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, []
+            keys, args = [], [int(batch[0][1] * 1000)]
+            for window, _, scopes, _ in batch:
+                args.append(len(scopes))
+                for scope in scopes:
+                    keys.extend(self._keys(scope, window))
+                    args.extend((-1 if scope.rpm is None else scope.rpm, -1 if scope.tpm is None else scope.tpm))
+            try:
+                self.calls += 1
+                out = await self._acquire(keys=keys, args=args)
+            except Exception as error:  # noqa: BLE001 - each caller decides what an outage means
+                for *_, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            at = 0
+            for _, _, scopes, future in batch:
+                code = int(out[at])
+                counts = [(int(out[at + 1 + 2 * i]), int(out[at + 2 + 2 * i])) for i in range(len(scopes))]
+                at += 1 + 2 * len(scopes)
+                if not future.done():
+                    future.set_result((code, counts))
 
     async def add_tokens(self, window, ttl_s, amounts):
         keys = [self._keys(scope, window)[1] for scope, _ in amounts]
