@@ -192,6 +192,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
 
     from tests.gateway_support import free_port
 
+    workdir.mkdir(parents=True, exist_ok=True)
     database_url, pg_name = "", None
     if mode == "sqlite":
         database_url = f"sqlite:///{workdir / 'bench.db'}"
@@ -278,6 +279,19 @@ def wait_until_up(url: str, process: subprocess.Popen) -> None:
     raise RuntimeError("the bench server did not start")
 
 
+def median_of(rounds: list[dict]) -> dict:
+    """One configuration over its rounds: the median of every figure, the rows summed, each round kept."""
+    merged = dict(rounds[0])
+    for phase in ("closed", "paced"):
+        merged[phase] = {key: statistics.median(r[phase][key] for r in rounds) for key in rounds[0][phase]}
+        merged[phase]["p99_ms_range"] = [min(r[phase]["p99_ms"] for r in rounds), max(r[phase]["p99_ms"] for r in rounds)]
+    for key in ("rows_expected", "rows_written", "rows_spilled", "rows_lost"):
+        if key in rounds[0]:
+            merged[key] = sum(r[key] for r in rounds)
+    merged["rounds"] = rounds
+    return merged
+
+
 def add_overheads(results: list[dict]) -> None:
     """Latency and throughput against the no-gateway baseline of the same run."""
     base = next((r for r in results if r["config"] == "none"), None)
@@ -296,19 +310,22 @@ def add_overheads(results: list[dict]) -> None:
 def print_table(results: list[dict]) -> None:
     nan = float("nan")
     head = (f"{'config':<11}{'req/s':>7}{'x base':>7}{'srv ms/req':>11}{'cli ms/req':>11} | {'paced r/s':>9}"
-            f"{'p50':>7}{'p99':>8}{'+p50':>7}{'+p99':>8} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
+            f"{'p50':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p99':>8} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
             f"{'fail':>5}")
     print(head)
     print("-" * len(head))
     for r in results:
         c, p = r["closed"], r["paced"]
+        span = "{:.1f}-{:.1f}".format(*p["p99_ms_range"]) if "p99_ms_range" in p else ""
         print(f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
               f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
-              f"{p['p50_ms']:>7.2f}{p['p99_ms']:>8.2f}{p.get('p50_ms_added', nan):>7.2f}{p.get('p99_ms_added', nan):>8.2f}"
+              f"{p['p50_ms']:>7.2f}{p['p99_ms']:>8.2f}{span:>14}{p.get('p50_ms_added', nan):>7.2f}"
+              f"{p.get('p99_ms_added', nan):>8.2f}"
               f" | {p.get('gateway_hooks_p50_ms', nan):>9.3f}{p.get('gateway_hooks_p99_ms', nan):>9.3f}"
-              f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5}")
+              f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5.0f}")
     print("closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
-          "due; +p50/+p99: over the no-gateway baseline (same run); hook: time inside the gateway's hooks (paced)")
+          "due; medians over the rounds (p99 range: min-max); +p50/+p99: over the no-gateway baseline (same run); "
+          "hook: time inside the gateway's hooks (paced)")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -329,7 +346,11 @@ def plot(report: dict, path: Path) -> None:
     x = range(len(results))
     width = 0.38
     right.bar([i - width / 2 for i in x], [r["paced"]["p50_ms"] for r in results], width, label="p50", color="#72b7b2")
-    right.bar([i + width / 2 for i in x], [r["paced"]["p99_ms"] for r in results], width, label="p99", color="#f58518")
+    p99 = [r["paced"]["p99_ms"] for r in results]
+    spans = [r["paced"].get("p99_ms_range", [v, v]) for r, v in zip(results, p99)]
+    right.bar([i + width / 2 for i in x], p99, width, label="p99 (bar: min-max over rounds)", color="#f58518",
+              yerr=[[v - lo for v, (lo, _) in zip(p99, spans)], [hi - v for v, (_, hi) in zip(p99, spans)]],
+              capsize=3)
     right.set_xticks(list(x), names)
     right.set_ylabel("latency ms (open loop)")
     right.set_title(f"Latency at {report['workload']['rate']:g} req/s arriving")
@@ -350,6 +371,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=500.0, help="arrival rate of the paced phase, req/s")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of the paced phase")
     parser.add_argument("--concurrency", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per configuration; the table shows medians")
     parser.add_argument("--configs", default="none,sqlite,postgresql,pg+redis")
     parser.add_argument("--profile", default=None, help="folder for py-spy stacks of the server, per phase")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway_bench.json"))
@@ -358,11 +380,15 @@ def main() -> None:
     args.server_cpu, client_cpu = (cpus[0], cpus[1]) if len(cpus) >= 2 else (None, None)
     pin(client_cpu)
     load_start = os.getloadavg()
-    results = []
+    modes = args.configs.split(",")
+    rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as workdir:
-        for mode in args.configs.split(","):
-            results.append(run_config(mode, args, Path(workdir)))
-            print(f"{mode}: {results[-1]['closed']['req_per_s']:.0f} req/s", file=sys.stderr)
+        for number in range(args.rounds):  # configurations take turns, so a noisy spell hits them all
+            for mode in modes:
+                rounds[mode].append(run_config(mode, args, Path(workdir) / f"{mode}-{number}"))
+                print(f"round {number + 1} {mode}: {rounds[mode][-1]['closed']['req_per_s']:.0f} req/s, paced p99 "
+                      f"{rounds[mode][-1]['paced']['p99_ms']:.1f} ms, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    results = [median_of(rounds[mode]) for mode in modes]
     add_overheads(results)
     print_table(results)
     report = {
@@ -374,11 +400,12 @@ def main() -> None:
                             "PostgreSQL, Redis and other processes are not pinned"},
         "client": "bench/load_client.py: raw asyncio HTTP/1.1 keep-alive, pre-built requests, one key per request "
                   "in turn (100 keys over 10 teams)",
-        "workload": {"closed_requests": args.requests, "warmup": args.warmup, "rate": args.rate,
+        "workload": {"rounds": args.rounds, "closed_requests": args.requests, "warmup": args.warmup, "rate": args.rate,
                      "duration_s": args.duration, "concurrency": args.concurrency, "body": BODY.decode()},
         "target": {"req_per_s": 500, "p99_overhead_ms": 10, "rows_lost": 0},
-        "note": "engine replaced by an instant fake (16 tokens); overhead = the same phase minus the no-gateway "
-                "baseline of this run",
+        "note": "engine replaced by an instant fake (16 tokens); each figure is the median over the rounds (each "
+                "round's own figures under 'rounds'); overhead = the same phase minus the no-gateway baseline of "
+                "this run",
         "results": results}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
