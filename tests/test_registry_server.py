@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 import weakref
 
@@ -33,6 +34,10 @@ from tests.server_helpers import MODEL
 pytestmark = pytest.mark.real_model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SMALL_KV = {"num_kv_blocks": 64}  # 64 blocks x 16 tokens: plenty here, and little memory per model
+
+
+def resident_mb() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class Server:
@@ -126,6 +131,7 @@ def test_an_unload_lets_a_running_stream_finish_then_frees_the_engine(server, sm
                                             temperature=0, extra_body={"ignore_eos": True},
                                             stream_options={"include_usage": True})
     chunks = [next(stream)]
+    resident_before = resident_mb()
     unloading = server.admin("POST", "/models/draining-copy/unload").json()
     assert (unloading["state"], unloading["in_flight"]) == ("draining", 1)
     with pytest.raises(openai.InternalServerError) as refused:
@@ -139,6 +145,7 @@ def test_an_unload_lets_a_running_stream_finish_then_frees_the_engine(server, sm
         assert time.monotonic() < deadline, "the engine was not freed"
         gc.collect()
         time.sleep(0.1)
+    assert resident_before - resident_mb() > 300  # SmolLM2's fp32 weights are 540 MB: handed back to the OS
     assert server.admin("POST", "/models/draining-copy/load").json()["state"] == "loaded"  # and it comes back
     server.admin("DELETE", "/models/draining-copy")
 

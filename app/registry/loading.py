@@ -45,3 +45,16 @@ def embedded_defaults() -> tuple[dict[str, Any], ...]:
     except (ImportError, FileNotFoundError):
         return ()
     return ({"name": DEFAULT_EMBEDDING_MODEL_NAME, "kind": "embedding", "path": DEFAULT_SOURCE},)
+
+
+def return_memory_to_os() -> None:
+    """After an unload: glibc keeps freed weights in its arenas (measured: ~500 MB of SmolLM2's 850 stay
+    resident without this), and torch keeps freed GPU blocks in its cache; hand both back."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
-from app.registry.loading import load_model, preloaded_spec
+from app.registry.loading import load_model, preloaded_spec, return_memory_to_os
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
 from app.registry.served import DRAINING, LOADED, ServedModel
 from app.registry.spec import ModelSpec, RegistryError
@@ -309,6 +309,7 @@ class ModelPool:
             del self.served[served.name]
         served.forget()
         gc.collect()  # the weights and the KV pool go now, not at some later collection
+        await run_in_threadpool(return_memory_to_os)
         log.info("unloaded %s", served.name)
 
 
