@@ -5,6 +5,7 @@
 #   python3 deploy/bundle.py --torch cuda && docker build --build-arg VARIANT=cuda -t tokenmill:cuda .
 #   docker run -p 8000:8000 -v tokenmill-data:/var/lib/tokenmill tokenmill      (add --gpus all for cuda)
 # The CUDA build of torch carries its CUDA libraries; the host's NVIDIA driver and container toolkit do the rest.
+# RUN --mount needs BuildKit (Docker's default builder) or buildah (`buildah bud --format docker`, for HEALTHCHECK).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 ARG VARIANT=cpu
