@@ -1,9 +1,9 @@
 """The client side of the air-gap tests, run inside their network namespace with the official openai client.
 
-    python tests/airgap_client.py URL API_KEY SERVER_PID WANT_EMBEDDING
+    python tests/airgap_client.py URL API_KEY SERVER_PID
 
-Waits for /health (giving up if the server process is gone), then completes a chat and, when asked, an
-embedding; prints one JSON object with what came back.
+Waits for /health (giving up if the server process is gone), then completes a chat and an embedding;
+prints one JSON object with what came back.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def wait_for_health(url: str, server_pid: int, timeout: float = 300.0) -> dict:
         time.sleep(0.5)
 
 
-def main(url: str, api_key: str, server_pid: str, want_embedding: str) -> None:
+def main(url: str, api_key: str, server_pid: str) -> None:
     result = {"health": wait_for_health(url, int(server_pid))}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
     chat = client.chat.completions.create(
@@ -43,9 +43,8 @@ def main(url: str, api_key: str, server_pid: str, want_embedding: str) -> None:
         max_tokens=16, temperature=0)
     result["chat"] = chat.choices[0].message.content
     result["admin_login_status"] = httpx.get(f"{url}/admin/login", timeout=30).status_code
-    if want_embedding == "1":
-        vectors = client.embeddings.create(model=EMBEDDING_MODEL, input=["air-gapped install", "no network"])
-        result["embedding_dimensions"] = [len(item.embedding) for item in vectors.data]
+    vectors = client.embeddings.create(model=EMBEDDING_MODEL, input=["air-gapped install", "no network"])
+    result["embedding_dimensions"] = [len(item.embedding) for item in vectors.data]
     print(json.dumps(result), flush=True)
 
 

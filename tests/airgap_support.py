@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ CACHE_DIR = Path(os.environ.get("TOKENMILL_CI_CACHE", "/var/cache/tokenmill-ci")
 # bind() too, which shows that strace did see the server's own socket.
 STRACE = ("strace", "-f", "--seccomp-bpf", "-qq", "-e", "signal=none", "-e", "trace=connect,bind,sendto,sendmsg")
 LOCAL_FAMILIES = {"AF_UNIX", "AF_NETLINK", "AF_UNSPEC"}  # AF_UNSPEC: a UDP socket being disconnected
-TIMINGS: dict[str, float] = {}
 
 
 def require_tools(*tools: str) -> None:
@@ -36,10 +34,8 @@ def require_tools(*tools: str) -> None:
 
 
 def run(command: list[str | Path], *, timeout: float, what: str, **options) -> subprocess.CompletedProcess:
-    started = time.monotonic()
     result = subprocess.run([str(part) for part in command], check=False, capture_output=True, text=True,
                             timeout=timeout, **options)
-    TIMINGS[what] = time.monotonic() - started
     if result.returncode != 0:
         raise AssertionError(f"{what} failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
     return result
@@ -72,13 +68,8 @@ def traced(name: str, workdir: Path) -> str:
 
 
 def client_command(url: str) -> str:
-    """Shell words for the openai client; $key, $server_pid and $want_embedding come from the script."""
-    return f'{shlex.join([sys.executable, str(CLIENT), url])} "$key" "$server_pid" "$want_embedding"'
-
-
-def embeddings_in_tree() -> bool:
-    """The embedding is part of the check once the tree serves /v1/embeddings."""
-    return (ROOT / "app" / "routes" / "embeddings.py").exists()
+    """Shell words for the openai client; $key and $server_pid come from the script."""
+    return f'{shlex.join([sys.executable, str(CLIENT), url])} "$key" "$server_pid"'
 
 
 def outbound_attempts(trace_lines: list[str]) -> list[str]:

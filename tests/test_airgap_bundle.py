@@ -2,8 +2,8 @@
 
 The bundle is built once (deploy/bundle.py); then, in a network namespace with nothing but loopback, its
 install.sh makes a fresh venv, a team key is made, `tokenmill serve` starts and the official openai client
-completes a chat (and an embedding, once the tree serves /v1/embeddings). strace sees every connect,
-sendto and sendmsg of the installer, the CLI and the server: none may address anything but loopback.
+completes a chat and an embedding. strace sees every connect, sendto and sendmsg of the installer, the
+CLI and the server: none may address anything but loopback.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from tests.airgap_support import (
     audit,
     built_bundle,
     client_command,
-    embeddings_in_tree,
     outbound_attempts,
     require_tools,
     run_without_network,
@@ -103,7 +102,6 @@ def test_bundle_installs_and_serves_with_no_network_and_no_outbound_connection()
     tokenmill = work / "venv" / "bin" / "tokenmill"
     script = f"""
 export TOKENMILL_DATA_DIR={work}/data TOKENMILL_HOST=127.0.0.1 TOKENMILL_PORT=8000
-want_embedding={int(embeddings_in_tree())}
 {traced("install", work)} {bundle}/install.sh --prefix {work}/venv --no-start
 {traced("teams", work)} {tokenmill} teams create airgap >/dev/null
 key=$({traced("keys", work)} {tokenmill} keys create --team airgap 2>/dev/null | grep '^sk-')
@@ -122,8 +120,7 @@ wait "$tracer" || true
     assert result["health"]["status"] == "ok"
     assert "Paris" in result["chat"]
     assert result["admin_login_status"] == 200  # templates and static files made it into the wheel
-    if embeddings_in_tree():
-        assert result["embedding_dimensions"] == [384, 384]
+    assert result["embedding_dimensions"] == [384, 384]
     attempts, outbound = audit(work)
     assert outbound == [], f"connection attempts off this machine ({attempts} attempts in all):\n" + "\n".join(outbound)
     assert "htons(8000)" in "".join(line for line in (work / "trace-serve.log").read_text().splitlines()

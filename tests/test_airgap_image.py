@@ -25,7 +25,6 @@ from tests.airgap_support import (
     audit,
     built_bundle,
     client_command,
-    embeddings_in_tree,
     require_tools,
     run,
     run_without_network,
@@ -138,7 +137,6 @@ mount -t proc proc {rootfs}/proc
 mount --rbind /dev {rootfs}/dev
 mount --rbind /sys {rootfs}/sys
 mount --bind {work}/volume {rootfs}{volume}
-want_embedding={int(embeddings_in_tree())}
 {in_image} {entrypoint} teams create airgap >/dev/null
 key=$({in_image} {entrypoint} keys create --team airgap 2>/dev/null | grep '^sk-')
 {traced("serve", work)} bash -c 'echo $$ > {work}/server.pid; exec "$@"' serve \\
@@ -160,8 +158,7 @@ wait "$tracer" || true
     result = json.loads((work / "result.json").read_text())
     assert "Paris" in result["chat"]
     assert result["admin_login_status"] == 200
-    if embeddings_in_tree():
-        assert result["embedding_dimensions"] == [384, 384]
+    assert result["embedding_dimensions"] == [384, 384]
     assert (work / "healthcheck").read_text().strip() == "passed"
     assert any(path.name.startswith("models") for path in (work / "volume").iterdir())  # data went to the volume
     attempts, outbound = audit(work)
