@@ -65,7 +65,10 @@ def test_rotary_matches_reference_exactly_on_views_of_a_fused_qkv(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype):
     x = (3 * torch.randn(19, 2 * 1536, generator=torch.Generator().manual_seed(2))).to(dtype)
-    torch.testing.assert_close(native.silu_and_mul_native(x), silu_and_mul_reference(x), atol=1e-6, rtol=1e-6)
+    x[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 88.5])  # the exp clamps
+    # Our exp and torch's differ by an ulp or two of float32, which can move a bfloat16 rounding by one.
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    torch.testing.assert_close(native.silu_and_mul_native(x), silu_and_mul_reference(x), atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

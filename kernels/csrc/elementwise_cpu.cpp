@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "bfloat16.h"
+#include "fast_exp.h"
 
 namespace {
 
@@ -30,14 +31,17 @@ void rms_norm(const T* x, const T* residual, const T* weight, T* out, T* new_res
         T* out_row = out + r * hidden;
         T* summed_row = new_residual + r * hidden;
         float sum_squares = 0.f;
+        // The sums of squares are vector reductions (lanes summed at the end), as in torch's kernel.
         if (residual != nullptr) {
             const T* residual_row = residual + r * hidden;
+#pragma omp simd reduction(+ : sum_squares)
             for (int64_t i = 0; i < hidden; ++i) {
                 const float summed = store(to_float(x_row[i]) + to_float(residual_row[i]), summed_row + i);
                 sum_squares += summed * summed;
             }
             x_row = summed_row;
         } else {
+#pragma omp simd reduction(+ : sum_squares)
             for (int64_t i = 0; i < hidden; ++i) {
                 const float value = to_float(x_row[i]);
                 sum_squares += value * value;
@@ -85,7 +89,7 @@ void silu_and_mul(const T* x, T* out, int64_t rows, int64_t ffn, int threads) {
         T* out_row = out + r * ffn;
         for (int64_t i = 0; i < ffn; ++i) {
             const float g = to_float(gate[i]);
-            const float silu = round_to<T>(g / (1.f + std::exp(-g)));
+            const float silu = round_to<T>(g / (1.f + tokenmill::fast_exp(-g)));
             store(silu * to_float(up[i]), out_row + i);
         }
     }

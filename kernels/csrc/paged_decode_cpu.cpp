@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bfloat16.h"
+#include "fast_exp.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,26 +29,6 @@ namespace {
 
 using tokenmill::store;
 using tokenmill::to_float;
-
-// e^x for x <= 0 (scores minus their row maximum), within 2 ulp of expf. A loop of std::exp stays
-// scalar calls into libm without -ffast-math, and at a few hundred keys per query those calls were the
-// largest part of the kernel; this form vectorizes.
-inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_roundevenf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln2, in two parts
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
-}
 
 #if TOKENMILL_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -143,7 +124,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             float* s = scores.data() + g * length;
 #pragma omp simd reduction(+ : sum)
             for (int64_t pos = 0; pos < length; ++pos) {
-                s[pos] = exp_nonpositive(s[pos] - row_max[g]);
+                s[pos] = tokenmill::fast_exp(s[pos] - row_max[g]);
                 sum += s[pos];
             }
             row_sum[g] = sum;
