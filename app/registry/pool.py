@@ -308,7 +308,9 @@ class ModelPool:
         if self.served.get(served.name) is served:
             del self.served[served.name]
         served.forget()
+        gc.unfreeze()  # a model loaded before start-up ended was frozen with the rest (app.main)
         gc.collect()  # the weights and the KV pool go now, not at some later collection
+        gc.freeze()
         await run_in_threadpool(return_memory_to_os)
         log.info("unloaded %s", served.name)
 
