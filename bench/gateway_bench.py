@@ -68,8 +68,22 @@ def pin(cpu: int | None) -> None:
 
 def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path: str, cpu: str) -> None:
     pin(int(cpu) if cpu else None)
+    import gc
+
     import uvicorn
 
+    collections: list[tuple[float, int, float]] = []  # (unix time at the end, generation, seconds)
+    started: list[float] = []
+
+    def time_collections(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections.append((time.time(), info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(time_collections)
+
+    from app.lifespan import around_lifespan
     from app.main import create_app
     from app.settings import Settings
     from tests.gateway_support import FakeEngine
@@ -119,6 +133,14 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                                                       "rows_spilled": gateway.writer.rows_spilled}))
         gateway.stop = stop_and_report
     app = create_app(Settings(), FakeEngine(), gateway=gateway)
+
+    async def nothing() -> None:
+        pass
+
+    async def report_collections() -> None:
+        Path(timings_path + ".gc").write_text(json.dumps(collections))
+
+    around_lifespan(app, nothing, report_collections)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=30)
     config.load()
@@ -242,6 +264,10 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     report = {"config": mode, "concurrency": args.concurrency, "server": server_info,
               **{phase: phase_report(*requests_by_phase[phase]) for phase in ("closed", "paced")}}
     report["paced"]["target_rate"] = args.rate
+    collections = json.loads(Path(str(timings) + ".gc").read_text())
+    for phase, (start, end) in phase_times.items():
+        pauses = [seconds * 1000 for at, generation, seconds in collections if start <= at <= end and generation == 2]
+        report[phase].update(full_gc_collections=len(pauses), full_gc_max_ms=max(pauses, default=0.0))
     if mode != "none":
         server = json.loads(timings.read_text())
         for phase, (start, end) in phase_times.items():
