@@ -6,7 +6,6 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import app.offline  # noqa: F401  (before anything imports huggingface_hub or transformers)
 
@@ -37,23 +36,11 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.gateway_hooks import provision_admin_key
-    from app.main import create_app
-    from engine.async_engine import AsyncEngine
+    from app.replica_app import build_server
 
     settings = load_settings(args)
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
-    engine = AsyncEngine.start(settings.engine)
+    app, engine = build_server(settings)
     try:
-        from app.gateway.wiring import gateway_from_settings
-        from app.registry.loading import embedded_defaults
-        from app.registry.pool import ModelPool
-        from app.registry.store import RegistryStore
-
-        gateway = gateway_from_settings(settings)
-        # --model is served as before; every other enabled model of the registry loads in the background.
-        pool = ModelPool(settings.engine, store=RegistryStore(gateway.sessions), load_enabled_at_start=True,
-                         first_start=embedded_defaults(), refresh_interval_s=15.0)
-        app = create_app(settings, engine, gateway=gateway, pool=pool)
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
         admin_key = settings.admin_key or provision_admin_key(settings)
         if admin_key and not settings.admin_key:

@@ -32,6 +32,8 @@ class Settings:
     hardware_cost_per_hour: float = 0.0  # USD per hour of this machine: the dashboard's real cost per token
     session_secret: str | None = None  # signs admin dashboard sessions; None: random per process
     load_on_demand: bool = False  # a request for an enabled, unloaded model loads it (else 503 model_not_loaded)
+    min_replicas: int = 1  # Ray Serve autoscaling bounds (deploy/ray_serve.py); plain `serve` is one process
+    max_replicas: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class Settings:
             raise SettingsError("max_tokens_cap must be at least 1")
         if self.hardware_cost_per_hour < 0:
             raise SettingsError("hardware_cost_per_hour must not be negative")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise SettingsError("replicas: need 1 <= min_replicas <= max_replicas")
         if not self.database_url:
             sqlite_path = Path(self.data_dir) / "tokenmill.db"
             object.__setattr__(self, "database_url", f"sqlite:///{sqlite_path}")
@@ -102,6 +106,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--session-secret", "session_secret", str, "signs admin dashboard sessions (default: random per process)"),
     Option("--load-on-demand", "load_on_demand", parse_bool,
            "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)", switch=True),
+    Option("--min-replicas", "min_replicas", int, "fewest replicas Ray Serve keeps (deploy/ray_serve.py)"),
+    Option("--max-replicas", "max_replicas", int, "most replicas Ray Serve scales to (deploy/ray_serve.py)"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),
