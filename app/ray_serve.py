@@ -87,9 +87,10 @@ class TokenmillReplica:
     async def __init__(self, settings: Settings) -> None:
         from app.replica_app import build_server
 
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        os.environ["TOKENMILL_INSTANCE_ID"] = self.replica_id  # the gateway names its usage rows after it
         # Loading the model blocks for seconds: off this replica's event loop.
         self.app, self.engine = await asyncio.to_thread(build_server, settings)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.identity = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them

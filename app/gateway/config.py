@@ -63,6 +63,7 @@ class GatewayConfig:
     last_used_flush_s: float = 10.0
     spill_dir: str = ".tokenmill"  # where rows go if the DB is still down at shutdown
     auth_failures_per_minute: int = 10  # per client address, then 429 until the minute is over; 0: no limit
+    instance_id: str | None = None  # this replica's name on its usage rows (Ray Serve replica id, pod name)
 
     def __post_init__(self) -> None:
         if self.rate_window_s <= 0:
@@ -83,6 +84,7 @@ class GatewayConfig:
             "admin_key": env.get("TOKENMILL_ADMIN_KEY") or None,
             "prices": parse_prices(env.get("TOKENMILL_MODEL_PRICES")),
             "spill_dir": data_dir,
+            "instance_id": env.get("TOKENMILL_INSTANCE_ID") or None,
         }
         for name, kind in (("rate_window_s", float), ("key_cache_ttl_s", float),
                            ("usage_flush_interval_s", float), ("auth_failures_per_minute", int)):
@@ -109,5 +111,6 @@ class GatewayConfig:
             values["prices"] = parse_prices(prices)
         env_values = cls.from_env()
         base = {name: getattr(env_values, name) for name in (
-            "prices", "rate_window_s", "key_cache_ttl_s", "usage_flush_interval_s", "auth_failures_per_minute")}
+            "prices", "rate_window_s", "key_cache_ttl_s", "usage_flush_interval_s", "auth_failures_per_minute",
+            "instance_id")}
         return cls(**{**base, **values, **{k: v for k, v in overrides.items() if v is not None}})

@@ -96,6 +96,7 @@ class UsageRow(Base):
     ttft_ms: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(16))  # ok aborted error rejected rate_limited over_budget forbidden
     cost_nano_usd: Mapped[int] = mapped_column(BigInteger, default=0)
+    replica: Mapped[str | None] = mapped_column(String(64))  # which replica served it; None: a single process
 
     __table_args__ = (
         Index("ix_usage_created_at", "created_at"),

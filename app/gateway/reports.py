@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from app.gateway.models import NANO, ApiKey, Team, UsageDaily, UsageRow
 from app.gateway.usage import ABORTED, OK
 
-GROUPS = ("day", "team", "key", "model")
+GROUPS = ("day", "team", "key", "model", "replica")
 SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "cost_usd")
 
 
@@ -52,7 +52,7 @@ def _whole_day(value: datetime | None) -> bool:
 def usage_report(session: Session, *, group_by: Sequence[str] = ("day",), team_id: int | None = None,
                  key_id: int | None = None, model: str | None = None, since: datetime | None = None,
                  until: datetime | None = None, limit: int | None = None, offset: int = 0) -> list[dict[str, Any]]:
-    if _whole_day(since) and _whole_day(until):
+    if "replica" not in group_by and _whole_day(since) and _whole_day(until):  # the roll-up has no replica
         table = UsageDaily
         day = UsageDaily.day
         errors = func.sum(UsageDaily.errors)
@@ -72,7 +72,8 @@ def usage_report(session: Session, *, group_by: Sequence[str] = ("day",), team_i
         filters.append(table.key_id == key_id)
     if model is not None:
         filters.append(table.model == model)
-    columns = {"day": day, "team": table.team_id, "key": table.key_id, "model": table.model}
+    columns = {"day": day, "team": table.team_id, "key": table.key_id, "model": table.model,
+               "replica": UsageRow.replica}
     keys = [columns[g].label(g) for g in group_by]
     query = (select(*keys, requests.label("requests"), errors.label("errors"),
                     func.sum(table.prompt_tokens).label("prompt_tokens"),
@@ -132,7 +133,8 @@ def list_requests(session: Session, *, team_id: int | None = None, key_id: int |
 
 
 def report_columns(group_by: Sequence[str]) -> list[str]:
-    names = {"day": ["day"], "team": ["team_id", "team_name"], "key": ["key_id", "key_prefix"], "model": ["model"]}
+    names = {"day": ["day"], "team": ["team_id", "team_name"], "key": ["key_id", "key_prefix"], "model": ["model"],
+             "replica": ["replica"]}
     return [c for g in group_by for c in names[g]] + list(SUMS)
 
 

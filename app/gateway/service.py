@@ -205,6 +205,7 @@ class Gateway:
             cost_nano_usd=0))
 
     def _queue(self, event: UsageEvent) -> None:
+        event.replica = self.config.instance_id
         self.budgets.queued(event)
         self.writer.submit(event)
         self.writer.touch(key_id=event.key_id, team_id=event.team_id, when=event.created_at)

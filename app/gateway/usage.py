@@ -48,6 +48,7 @@ class UsageEvent:
     ttft_ms: int | None
     status: str
     cost_nano_usd: int
+    replica: str | None = None  # GatewayConfig.instance_id of the process that served it
 
     @property
     def is_error(self) -> bool:
