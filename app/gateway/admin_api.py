@@ -162,7 +162,7 @@ class UsageQuery:
     def __init__(self, team_id: int | None = None, key_id: int | None = None, model: str | None = None,
                  since: Annotated[str | None, Query(description="inclusive; date or ISO time, UTC")] = None,
                  until: Annotated[str | None, Query(description="exclusive; date or ISO time, UTC")] = None,
-                 group_by: Annotated[str, Query(description="comma-separated: day, team, key, model")] = "day",
+                 group_by: Annotated[str, Query(description="comma-separated: day, team, key, model, replica")] = "day",
                  limit: Annotated[int, Query(ge=1, le=10000)] = 1000, offset: Annotated[int, Query(ge=0)] = 0,
                  format: Literal["json", "csv"] = "json") -> None:
         try:
