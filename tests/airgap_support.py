@@ -67,9 +67,21 @@ def traced(name: str, workdir: Path) -> str:
     return shlex.join([*STRACE, "-o", str(workdir / f"trace-{name}.log")])
 
 
-def client_command(url: str) -> str:
-    """Shell words for the openai client; $key and $server_pid come from the script."""
-    return f'{shlex.join([sys.executable, str(CLIENT), url])} "$key" "$server_pid"'
+def serve_then_ask(serve: str, workdir: Path) -> str:
+    """Bash that starts `serve` (shell words) under strace and has the openai client (tests/airgap_client.py)
+    ask it on port 8000 with $key; the answers land in workdir/result.json. STOP_SERVER ends it."""
+    client = shlex.join([sys.executable, str(CLIENT), "http://127.0.0.1:8000"])
+    return f"""
+{traced("serve", workdir)} bash -c 'echo $$ > {workdir}/server.pid; exec "$@"' serve {serve} > {workdir}/serve.log 2>&1 &
+tracer=$!
+for _ in $(seq 300); do [ -s {workdir}/server.pid ] && break; sleep 0.1; done
+server_pid=$(cat {workdir}/server.pid)
+trap 'kill "$server_pid" 2>/dev/null || true' EXIT
+{client} "$key" "$server_pid" > {workdir}/result.json || {{ tail -n 40 {workdir}/serve.log >&2; exit 1; }}
+"""
+
+
+STOP_SERVER = 'kill -INT "$server_pid"\nwait "$tracer" || true\n'
 
 
 def outbound_attempts(trace_lines: list[str]) -> list[str]:
@@ -91,8 +103,11 @@ def outbound_attempts(trace_lines: list[str]) -> list[str]:
     return flagged
 
 
-def audit(workdir: Path) -> tuple[int, list[str]]:
-    """(connection attempts seen, those outside loopback) over every trace log in workdir."""
+def assert_nothing_reached_out(workdir: Path) -> None:
+    """Over every trace log in workdir: no attempt off loopback, and strace did see the server bind its port."""
     lines = [line for path in sorted(workdir.glob("trace-*.log")) for line in path.read_text().splitlines()]
     attempts = [line for line in lines if "sa_family=" in line and not re.match(r"\d+\s+bind\(", line)]
-    return len(attempts), outbound_attempts(lines)
+    outbound = outbound_attempts(lines)
+    assert outbound == [], f"connection attempts off this machine ({len(attempts)} in all):\n" + "\n".join(outbound)
+    assert any(" bind(" in line and "htons(8000)" in line for line in
+               (workdir / "trace-serve.log").read_text().splitlines()), "strace did not see the server"

@@ -18,13 +18,14 @@ import pytest
 
 from tests.airgap_support import (
     ROOT,
-    audit,
+    STOP_SERVER,
+    assert_nothing_reached_out,
     built_bundle,
-    client_command,
     outbound_attempts,
     require_tools,
     run_without_network,
     scratch_dir,
+    serve_then_ask,
     traced,
 )
 
@@ -105,23 +106,12 @@ export TOKENMILL_DATA_DIR={work}/data TOKENMILL_HOST=127.0.0.1 TOKENMILL_PORT=80
 {traced("install", work)} {bundle}/install.sh --prefix {work}/venv --no-start
 {traced("teams", work)} {tokenmill} teams create airgap >/dev/null
 key=$({traced("keys", work)} {tokenmill} keys create --team airgap 2>/dev/null | grep '^sk-')
-{traced("serve", work)} bash -c 'echo $$ > {work}/server.pid; exec "$@"' serve {tokenmill} serve \\
-    > {work}/serve.log 2>&1 &
-tracer=$!
-while [ ! -s {work}/server.pid ]; do sleep 0.1; done
-server_pid=$(cat {work}/server.pid)
-trap 'kill "$server_pid" 2>/dev/null || true' EXIT
-{client_command("http://127.0.0.1:8000")} > {work}/result.json || {{ tail -n 40 {work}/serve.log >&2; exit 1; }}
-kill -INT "$server_pid"
-wait "$tracer" || true
-"""
+{serve_then_ask(f"{tokenmill} serve", work)}
+{STOP_SERVER}"""
     run_without_network(script, work, timeout=1200, what="offline install and serve")
     result = json.loads((work / "result.json").read_text())
     assert result["health"]["status"] == "ok"
     assert "Paris" in result["chat"]
     assert result["admin_login_status"] == 200  # templates and static files made it into the wheel
     assert result["embedding_dimensions"] == [384, 384]
-    attempts, outbound = audit(work)
-    assert outbound == [], f"connection attempts off this machine ({attempts} attempts in all):\n" + "\n".join(outbound)
-    assert "htons(8000)" in "".join(line for line in (work / "trace-serve.log").read_text().splitlines()
-                                    if " bind(" in line)  # strace did watch the server
+    assert_nothing_reached_out(work)

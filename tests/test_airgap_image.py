@@ -22,14 +22,14 @@ import pytest
 from tests.airgap_support import (
     CACHE_DIR,
     ROOT,
-    audit,
+    STOP_SERVER,
+    assert_nothing_reached_out,
     built_bundle,
-    client_command,
     require_tools,
     run,
     run_without_network,
     scratch_dir,
-    traced,
+    serve_then_ask,
 )
 
 pytestmark = pytest.mark.airgap
@@ -132,6 +132,7 @@ def test_image_builds_offline_and_serves_chat_with_no_network(built_image):
         in_image = (f"env -i {environment} {shutil.which('chroot')} --userspec={uid}:{gid} {rootfs} "
                     f"/usr/bin/env -C {config['WorkingDir'] or '/'}")
         entrypoint = shlex.join(config["Entrypoint"] or [])
+        entrypoint_and_command = shlex.join([*(config["Entrypoint"] or []), *(config["Cmd"] or [])])
         script = f"""
 mount -t proc proc {rootfs}/proc
 mount --rbind /dev {rootfs}/dev
@@ -139,18 +140,10 @@ mount --rbind /sys {rootfs}/sys
 mount --bind {work}/volume {rootfs}{volume}
 {in_image} {entrypoint} teams create airgap >/dev/null
 key=$({in_image} {entrypoint} keys create --team airgap 2>/dev/null | grep '^sk-')
-{traced("serve", work)} bash -c 'echo $$ > {work}/server.pid; exec "$@"' serve \\
-    {in_image} {shlex.join([*(config["Entrypoint"] or []), *(config["Cmd"] or [])])} > {work}/serve.log 2>&1 &
-tracer=$!
-while [ ! -s {work}/server.pid ]; do sleep 0.1; done
-server_pid=$(cat {work}/server.pid)
-trap 'kill "$server_pid" 2>/dev/null || true' EXIT
-{client_command("http://127.0.0.1:8000")} > {work}/result.json || {{ tail -n 40 {work}/serve.log >&2; exit 1; }}
+{serve_then_ask(f"{in_image} {entrypoint_and_command}", work)}
 {in_image} /bin/sh -c {shlex.quote(config["Healthcheck"]["Test"][1])}
 echo passed > {work}/healthcheck
-kill -INT "$server_pid"
-wait "$tracer" || true
-"""
+{STOP_SERVER}"""
         run_without_network(script, work, timeout=900, what="image serve")
     finally:
         run(["buildah", "umount", container], timeout=120, what="unmount")
@@ -161,8 +154,7 @@ wait "$tracer" || true
     assert result["embedding_dimensions"] == [384, 384]
     assert (work / "healthcheck").read_text().strip() == "passed"
     assert any(path.name.startswith("models") for path in (work / "volume").iterdir())  # data went to the volume
-    attempts, outbound = audit(work)
-    assert outbound == [], f"connection attempts off this machine ({attempts} attempts in all):\n" + "\n".join(outbound)
+    assert_nothing_reached_out(work)
 
 
 def test_compose_runs_the_image_against_its_postgres_with_data_in_the_image_volume():
