@@ -121,7 +121,7 @@ class Builder:
         self.torch_variant = args.torch
         self.torch_index = args.torch_index
         self.find_links = [Path(folder).resolve() for folder in args.find_links]
-        probe = "import platform, sys, sysconfig; print(platform.python_version(), sysconfig.get_platform())"
+        probe = "import platform, sysconfig; print(platform.python_version(), sysconfig.get_platform())"
         self.python_full_version, self.platform = subprocess.run(
             [self.python, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
         self.python_version = ".".join(self.python_full_version.split(".")[:2])
