@@ -6,6 +6,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+import app.offline  # noqa: F401  (Ray Serve replicas start here, not in app.cli)
 from app.settings import Settings
 
 
