@@ -15,13 +15,15 @@ Configurations:
     postgresql  the gateway on PostgreSQL, counters in process
     pg+redis    the gateway on PostgreSQL, counters in Redis
 
-Reported per configuration: req/s (closed), achieved rate and latency p50/p99 (paced) and their
-difference to the baseline (the gateway's overhead), server and client CPU per request, the time
-spent inside the gateway's hooks p50/p99, and usage rows answered vs written after a SIGTERM
+The configurations take turns for --rounds rounds (a noisy spell on a shared machine then hits them
+all), and each figure is the median over the rounds. Reported per configuration: req/s (closed),
+achieved rate and latency p50/p99 (paced) and their difference to the baseline (the gateway's
+overhead), server and client CPU per request, the time spent inside the gateway's hooks p50/p99,
+full garbage collections and their longest pause, and usage rows answered vs written after a SIGTERM
 shutdown (zero lost is the target). Target: 500 req/s sustained, p99 overhead < 10 ms, no row lost.
 
-    python bench/gateway_bench.py [--requests 6000] [--rate 500] [--duration 10] [--concurrency 50]
-        [--configs none,sqlite,postgresql,pg+redis] [--profile DIR]
+    python bench/gateway_bench.py [--rounds 3] [--requests 6000] [--rate 500] [--duration 10]
+        [--concurrency 50] [--configs none,sqlite,postgresql,pg+redis] [--profile DIR]
 """
 from __future__ import annotations
 
@@ -198,6 +200,15 @@ class Profiler:
             self.process.wait(60)
 
 
+def cpu_pressure_us() -> float:
+    """Microseconds that some task on this machine has waited for a CPU (Linux PSI), or nan."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return float("nan")
+    return float(line.rsplit("total=", 1)[1])
+
+
 def phase_report(result: load_client.LoadResult, server_cpu_s: float) -> dict:
     answered = max(result.answered, 1)
     return {"requests": result.answered, "failures": result.failures, "elapsed_s": result.elapsed_s,
@@ -235,7 +246,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT)
     server_log.close()
     url = f"http://127.0.0.1:{port}"
-    requests_by_phase, phase_times = {}, {}
+    requests_by_phase, phase_times, waited = {}, {}, {}
     try:
         try:
             wait_until_up(url, process)
@@ -248,7 +259,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         requests_by_phase["warmup"] = warmup
         for phase in ("closed", "paced"):
             profiler = Profiler(args.profile, process.pid, f"{mode}-{phase}")
-            server_cpu, started_at = cpu_seconds(process.pid), time.time()
+            server_cpu, started_at, pressure = cpu_seconds(process.pid), time.time(), cpu_pressure_us()
             if phase == "closed":
                 run = load_client.closed("127.0.0.1", port, payloads, args.requests, args.concurrency)
             else:
@@ -256,6 +267,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             result = load_client.run(run)
             requests_by_phase[phase] = (result, cpu_seconds(process.pid) - server_cpu)
             phase_times[phase] = (started_at, time.time())
+            waited[phase] = (cpu_pressure_us() - pressure) / 1e6 / (phase_times[phase][1] - started_at)
             profiler.stop()
     finally:
         process.send_signal(signal.SIGTERM)
@@ -264,6 +276,8 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     report = {"config": mode, "concurrency": args.concurrency, "server": server_info,
               **{phase: phase_report(*requests_by_phase[phase]) for phase in ("closed", "paced")}}
     report["paced"]["target_rate"] = args.rate
+    for phase, share in waited.items():  # how crowded the machine was: 0 alone, 1 always someone waiting
+        report[phase]["cpu_pressure"] = share
     collections = json.loads(Path(str(timings) + ".gc").read_text())
     for phase, (start, end) in phase_times.items():
         pauses = [seconds * 1000 for at, generation, seconds in collections if start <= at <= end and generation == 2]
@@ -336,7 +350,7 @@ def add_overheads(results: list[dict]) -> None:
 def print_table(results: list[dict]) -> None:
     nan = float("nan")
     head = (f"{'config':<11}{'req/s':>7}{'x base':>7}{'srv ms/req':>11}{'cli ms/req':>11} | {'paced r/s':>9}"
-            f"{'p50':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p99':>8} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
+            f"{'p50':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p99':>8}{'psi':>6} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
             f"{'fail':>5}")
     print(head)
     print("-" * len(head))
@@ -346,11 +360,12 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
               f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
               f"{p['p50_ms']:>7.2f}{p['p99_ms']:>8.2f}{span:>14}{p.get('p50_ms_added', nan):>7.2f}"
-              f"{p.get('p99_ms_added', nan):>8.2f}"
+              f"{p.get('p99_ms_added', nan):>8.2f}{p.get('cpu_pressure', nan):>6.2f}"
               f" | {p.get('gateway_hooks_p50_ms', nan):>9.3f}{p.get('gateway_hooks_p99_ms', nan):>9.3f}"
               f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5.0f}")
     print("closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
           "due; medians over the rounds (p99 range: min-max); +p50/+p99: over the no-gateway baseline (same run); "
+          "psi: share of the paced phase in which some task on the machine waited for a CPU; "
           "hook: time inside the gateway's hooks (paced)")
 
 
