@@ -12,6 +12,7 @@ Needs the `ray` extra (`pip install -e '.[ray]'`); deploy/ray_serve.py runs it.
 import asyncio
 import itertools
 import os
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -113,6 +114,12 @@ ingress_api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the re
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
+def _shutting_down() -> Response:
+    error = OpenAIError(503, "The server is shutting down; try again.", type="server_error", code="shutting_down",
+                        headers={"Retry-After": "2"})
+    return error.response()
+
+
 def _replica_lost() -> Response:
     error = OpenAIError(503, "No replica could take the request; try again.", type="server_error",
                         code="replica_unavailable")
@@ -123,9 +130,32 @@ class Ingress:
     def __init__(self, replicas: DeploymentHandle, prefix_chars: int = PREFIX_CHARS) -> None:
         self.replicas = replicas.options(stream=True, method_name="handle")
         self.prefix_chars = prefix_chars
+        self.draining = False
+        self.in_flight = 0  # requests forwarded whose response has not ended
+
+    def drain(self) -> int:
+        """From now on refuse new requests (503 shutting_down); returns how many are still in flight."""
+        self.draining = True
+        return self.in_flight
+
+    def in_flight_requests(self) -> int:
+        return self.in_flight
 
     @ingress_api.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def forward(self, request: Request, path: str) -> Response:
+        if self.draining:
+            return _shutting_down()
+        self.in_flight += 1
+        try:
+            response = await self._forward(request)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.in_flight -= 1
+        return response
+
+    async def _forward(self, request: Request) -> Response:
         body = await request.body()
         forwarded = ForwardedRequest(
             method=request.method, path=request.url.path, query_string=request.scope.get("query_string", b""),
@@ -138,28 +168,41 @@ class Ingress:
                 start = await stream.__anext__()
             except (RayActorError, ActorUnavailableError):
                 continue  # the replica died before it answered: nothing was sent, another one takes it
-            response = StreamingResponse(_rest_of(stream), status_code=start.status)
+            response = StreamingResponse(self._rest_of(stream), status_code=start.status)
             response.raw_headers = list(start.headers)  # as the replica sent them, repeated headers too
             return response
         return _replica_lost()
+
+    async def _rest_of(self, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for chunk in stream:
+                yield chunk
+            finished = True
+        finally:
+            self.in_flight -= 1
+            if not finished:
+                stream.cancel()  # the client went away: the replica sees a disconnect and aborts the generation
 
 
 # At import, in every process: serve.ingress turns `forward` into a route bound to the replica's instance.
 IngressDeployment = serve.deployment(serve.ingress(ingress_api)(Ingress), name="Ingress")
 
 
-async def _rest_of(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
-    finished = False
-    try:
-        async for chunk in stream:
-            yield chunk
-        finished = True
-    finally:
-        if not finished:
-            stream.cancel()  # the client went away: the replica sees a disconnect and aborts the generation
-
-
 # ---- the application ----
+
+def drain_and_shutdown(app_name: str = "tokenmill", timeout_s: float = DRAIN_TIMEOUT_S) -> int:
+    """Stop taking requests, let those in flight finish (up to `timeout_s`), then shut Serve down: its own
+    shutdown stops the HTTP proxy at once, cutting streams short. Returns the requests cut short."""
+    ingress = serve.get_app_handle(app_name)
+    in_flight = ingress.drain.remote().result()
+    deadline = time.monotonic() + timeout_s
+    while in_flight and time.monotonic() < deadline:
+        time.sleep(0.2)
+        in_flight = ingress.in_flight_requests.remote().result()
+    serve.shutdown()
+    return in_flight
+
 
 def forwarded_env() -> dict[str, str]:
     """Settings the replicas read from their environment (the gateway's TOKENMILL_* knobs among them)."""

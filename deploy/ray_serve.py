@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from app.gateway_hooks import provision_admin_key
-    from app.ray_serve import build_application
+    from app.ray_serve import build_application, drain_and_shutdown
 
     # Migrate once here, not in N replicas at the same time; create the admin key on first start.
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     stop.wait()
-    print("ray_serve: draining replicas", flush=True)
-    serve.shutdown()  # each replica finishes its requests (up to app.ray_serve.DRAIN_TIMEOUT_S), then stops
+    print("ray_serve: draining (new requests get 503 shutting_down)", flush=True)
+    cut_short = drain_and_shutdown("tokenmill")  # in-flight requests finish, then replicas flush usage and stop
+    if cut_short:
+        print(f"ray_serve: {cut_short} requests were still running after the drain timeout", flush=True)
     ray.shutdown()
     return 0
 

@@ -255,3 +255,20 @@ def test_scaling_down_drains_the_stopping_replica(cluster):
     redeploy.join(timeout=120)
     assert all(r.done and r.error is None for r in results), [r.error for r in results if not r.done]
     wait_for_replicas(1)
+
+
+def test_shutting_down_finishes_the_requests_in_flight_and_refuses_new_ones(cluster):
+    from app.ray_serve import drain_and_shutdown
+
+    _, key = cluster.new_key("shut-down")
+    late, cut_short = [], []
+
+    def shut_down(replica_id: str) -> None:
+        serve.get_app_handle("tokenmill").drain.remote().result()
+        late.append(cluster.chat(key, "a request after the drain began"))
+        cut_short.append(drain_and_shutdown("tokenmill"))
+
+    results, _ = run_streams(cluster, key, 12, shut_down)
+    assert all(r.done and r.error is None for r in results), [r.error for r in results if not r.done]
+    assert late[0].status_code == 503 and late[0].json()["error"]["code"] == "shutting_down"
+    assert cut_short == [0]
