@@ -36,9 +36,13 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.gateway_hooks import provision_admin_key
+    from app.ray_cli import apply_replica_count, serve_on_ray
     from app.replica_app import build_server
 
+    apply_replica_count(args)
     settings = load_settings(args)
+    if args.ray:
+        return serve_on_ray(settings, args)
     app, engine = build_server(settings)
     try:
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
@@ -55,6 +59,9 @@ def serve(args: argparse.Namespace) -> int:
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    from app.ray_cli import add_ray_arguments
+
+    add_ray_arguments(parser)
 
 
 COMMANDS: list[Command] = [
