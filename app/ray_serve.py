@@ -6,7 +6,7 @@ The ingress reads each request's body, keys it on the start of its prompt (app.p
 hands it to a replica through a deployment handle, whose request router (PrefixAwareRouter) sends
 prompts that begin alike to the same replica, so its prefix cache hits. Responses stream back
 chunk by chunk. A request whose replica dies before the response starts is sent to another one.
-Needs the `ray` extra (`pip install -e '.[ray]'`); deploy/ray_serve.py runs it.
+Needs the `ray` extra (`pip install -e '.[ray]'`); `tokenmill serve --ray` (app/ray_cli.py) runs it.
 """
 
 import asyncio
