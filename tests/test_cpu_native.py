@@ -14,6 +14,7 @@ from kernels import cpu_native_ops as native
 from kernels.activation import silu_and_mul_reference
 from kernels.cpu_attention import heads_major_cache
 from kernels.linear import Linear
+from kernels.linear import _can_pack as can_pack
 from kernels.paged_attention import paged_attention_decode_reference
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
@@ -113,12 +114,21 @@ def test_paged_decode_matches_reference(dtype, block_size, kv_heads, group, head
 
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 300])
-def test_packed_bfloat16_linear_is_bit_equal_to_f_linear(rows):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_matches_f_linear(rows, dtype):
     g = torch.Generator().manual_seed(4)
-    weight, bias = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
-    x = torch.randn(rows, 64, generator=g).bfloat16()
+    weight, bias = torch.randn(96, 576, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(2, rows, 576, generator=g).to(dtype)  # leading dimensions are kept
+    if not can_pack(weight):
+        pytest.skip("oneDNN can't pack this dtype on this CPU")
     for linear_bias in (None, bias):
-        assert torch.equal(Linear(weight, linear_bias)(x), F.linear(x, weight, linear_bias))
+        linear = Linear(weight, linear_bias)
+        assert linear.packed is not None and linear.weight is None  # one copy of the weights, packed
+        got, expected = linear(x), F.linear(x, weight, linear_bias)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, expected)
+        else:
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
 
 
 def run_without_native(tmp_path: Path, environment: dict[str, str]) -> str:
