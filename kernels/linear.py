@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
     if weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
         return False
     return weight.dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -28,7 +28,7 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight.contiguous()
-        if _can_pack(weight):
+        if can_pack(weight):
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows_hint)
                 self.weight = None  # the packed copy replaces it: no second copy of the weights in memory

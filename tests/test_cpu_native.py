@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from kernels import cpu_native_ops as native
 from kernels.activation import silu_and_mul_reference
 from kernels.cpu_attention import heads_major_cache
-from kernels.linear import Linear
-from kernels.linear import _can_pack as can_pack
+from kernels.linear import Linear, can_pack
 from kernels.paged_attention import paged_attention_decode_reference
 from kernels.rms_norm import rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
