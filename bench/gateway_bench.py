@@ -213,7 +213,7 @@ def phase_report(result: load_client.LoadResult, server_cpu_s: float) -> dict:
     answered = max(result.answered, 1)
     return {"requests": result.answered, "failures": result.failures, "elapsed_s": result.elapsed_s,
             "req_per_s": result.answered / result.elapsed_s, "p50_ms": percentile(result.latencies_s, 0.5) * 1000,
-            "p99_ms": percentile(result.latencies_s, 0.99) * 1000,
+            "p95_ms": percentile(result.latencies_s, 0.95) * 1000, "p99_ms": percentile(result.latencies_s, 0.99) * 1000,
             "mean_ms": statistics.fmean(result.latencies_s) * 1000 if result.latencies_s else float("nan"),
             "server_cpu_ms_per_req": server_cpu_s / answered * 1000,
             "client_cpu_ms_per_req": result.client_cpu_s / answered * 1000,
@@ -345,12 +345,13 @@ def add_overheads(results: list[dict]) -> None:
                                                       - base["closed"]["server_cpu_ms_per_req"])
         r["paced"]["p50_ms_added"] = r["paced"]["p50_ms"] - base["paced"]["p50_ms"]
         r["paced"]["p99_ms_added"] = r["paced"]["p99_ms"] - base["paced"]["p99_ms"]
+        r["paced"]["p95_ms_added"] = r["paced"]["p95_ms"] - base["paced"]["p95_ms"]
 
 
 def print_table(results: list[dict]) -> None:
     nan = float("nan")
     head = (f"{'config':<11}{'req/s':>7}{'x base':>7}{'srv ms/req':>11}{'cli ms/req':>11} | {'paced r/s':>9}"
-            f"{'p50':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p99':>8}{'psi':>6} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
+            f"{'p50':>7}{'p95':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p95':>7}{'+p99':>8}{'psi':>6} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
             f"{'fail':>5}")
     print(head)
     print("-" * len(head))
@@ -359,8 +360,8 @@ def print_table(results: list[dict]) -> None:
         span = "{:.1f}-{:.1f}".format(*p["p99_ms_range"]) if "p99_ms_range" in p else ""
         print(f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
               f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
-              f"{p['p50_ms']:>7.2f}{p['p99_ms']:>8.2f}{span:>14}{p.get('p50_ms_added', nan):>7.2f}"
-              f"{p.get('p99_ms_added', nan):>8.2f}{p.get('cpu_pressure', nan):>6.2f}"
+              f"{p['p50_ms']:>7.2f}{p['p95_ms']:>7.2f}{p['p99_ms']:>8.2f}{span:>14}{p.get('p50_ms_added', nan):>7.2f}"
+              f"{p.get('p95_ms_added', nan):>7.2f}{p.get('p99_ms_added', nan):>8.2f}{p.get('cpu_pressure', nan):>6.2f}"
               f" | {p.get('gateway_hooks_p50_ms', nan):>9.3f}{p.get('gateway_hooks_p99_ms', nan):>9.3f}"
               f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5.0f}")
     print("closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
