@@ -124,6 +124,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("--no-prefix-caching", "enable_prefix_caching", parse_bool, "turn off prefix caching", engine=True,
            switch=True, invert=True),
     Option("--num-threads", "num_threads", _optional_int, "torch threads (default: torch's choice)", engine=True),
+    Option("--device", "device", str, "auto (cuda when available), cpu, cuda or cuda:N", engine=True),
+    Option("--enforce-eager", "enforce_eager", parse_bool, "no CUDA-graph replay of decode steps", engine=True,
+           switch=True),
 )
 
 

@@ -1,10 +1,17 @@
-"""Every Triton kernel against its torch reference on a GPU: agreement (bf16 and fp32) and time.
+"""Every Triton kernel against its torch reference on a GPU, then the engine end to end on the GPU.
 
-    python bench/gpu_kernels.py
+    python bench/gpu_kernels.py            # about 3-5 minutes on one H200; must stay under 8
 
-Prints a table and writes bench/results/gpu_kernels.json. Without CUDA it says so and exits 0; on a
-disagreement beyond the tolerance it exits 1. Shapes are a small Llama (32 query heads, 8 kv heads,
-head_dim 64, hidden 2048, ffn 8192) serving a busy batch.
+On a lent device machine (python3 there holds torch, triton and transformers), as one run:
+    PYTHONUNBUFFERED=1 python3 bench/gpu_kernels.py; cp bench/results/gpu_* "$OUT"/
+
+Part 1: each kernel against its reference (bf16 and fp32): agreement and time. Shapes are a small Llama
+(32 query heads, 8 kv heads, head_dim 64, hidden 2048, ffn 8192) serving a busy batch.
+Part 2 (bench/gpu_e2e.py): the engine on device="cuda" through those kernels, with and without CUDA
+graphs, on SmolLM2 and a ~1B random Llama at 1 / 32 / 256 concurrent requests, and greedy checks.
+
+Writes bench/results/gpu_kernels.json and bench/results/gpu_e2e.png. Without CUDA it says so and exits 0;
+on a kernel disagreement beyond the tolerance, or a failed greedy check, it exits 1.
 """
 from __future__ import annotations
 
@@ -17,20 +24,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.paged_attention import (
     paged_attention_decode_reference,
     paged_attention_decode_triton,
     paged_attention_prefill_reference,
     paged_attention_prefill_triton,
 )
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton  # noqa: E402
-from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton  # noqa: E402
-from kernels.store_kv import store_kv_reference, store_kv_triton  # noqa: E402
+from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from kernels.store_kv import store_kv_reference, store_kv_triton
 
 DEVICE = "cuda"
 RESULTS = ROOT / "bench" / "results" / "gpu_kernels.json"
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, FFN, BLOCK_SIZE = 32, 8, 64, 2048, 8192, 16
 DECODE_SEQS, DECODE_CONTEXT = 32, 1000  # not a multiple of the block size on purpose
@@ -57,7 +64,7 @@ def paged_inputs(context_lens: list[int], dtype: torch.dtype):
 def cases(dtype: torch.dtype):
     """(kernel, shape, triton call, reference call) per kernel; the calls take no arguments."""
     scale = HEAD_DIM ** -0.5
-    randn = lambda *shape: torch.randn(*shape, device=DEVICE, dtype=dtype)  # noqa: E731
+    randn = lambda *shape: torch.randn(*shape, device=DEVICE, dtype=dtype)
 
     key_cache, value_cache, table, lens = paged_inputs([DECODE_CONTEXT] * DECODE_SEQS, dtype)
     query = randn(DECODE_SEQS, HEADS, HEAD_DIM)
@@ -150,16 +157,23 @@ def main() -> int:
               f"{'yes' if row['ok'] else 'NO':>3} {row['triton_ms']:>10.4f} {row['torch_ms']:>10.4f} "
               f"{row['torch_ms'] / row['triton_ms']:>7.2f}x")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "tolerance": {str(k).removeprefix("torch."): v for k, v in TOLERANCE.items()},
         "results": rows,
-    }, indent=2) + "\n")
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")  # the kernel part survives a failing engine part
+    kernels_ok = all(row["ok"] for row in rows)
+
+    from bench.gpu_e2e import run_end_to_end
+
+    report["end_to_end"] = run_end_to_end(RESULTS.parent)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {RESULTS}")
-    return 0 if all(row["ok"] for row in rows) else 1
+    return 0 if kernels_ok and report["end_to_end"]["ok"] else 1
 
 
 if __name__ == "__main__":

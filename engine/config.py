@@ -7,6 +7,28 @@ from typing import Literal
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_LAYOUTS = ("auto", "heads_major", "token_major")
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' (CUDA when torch sees a GPU, else the CPU), 'cpu', 'cuda' or 'cuda:N'."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but torch {torch.__version__} sees no CUDA device "
+                         "(a CPU-only build of torch, or no GPU/driver); use --device cpu or auto")
+    index = device.index or 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} was asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return torch.device("cuda", index)
 
 
 @dataclass(frozen=True)
@@ -26,6 +48,9 @@ class EngineConfig:
     data_dir: str = ".tokenmill"  # where converted weights are cached
     num_threads: int | None = None
     served_model_name: str | None = None
+    device: str = "auto"  # "auto" = cuda when available, else cpu; "cpu", "cuda", "cuda:N"
+    enforce_eager: bool = False  # on CUDA: no CUDA-graph replay of decode steps
+    kv_layout: Literal["auto", "heads_major", "token_major"] = "auto"  # auto: heads-major on the CPU
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,7 +69,20 @@ class EngineConfig:
             raise ValueError("preemption_mode must be 'recompute' or 'swap'")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.torch_device.type == "cuda" and self.kv_layout == "heads_major":
+            raise ValueError("the CUDA kernels read a token-major KV cache: kv_layout 'heads_major' is CPU-only")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    @property
+    def heads_major_kv(self) -> bool:
+        """The CPU attention paths gather heads-major blocks without copies; the Triton kernels want token-major."""
+        return self.kv_layout == "heads_major" or (self.kv_layout == "auto" and self.torch_device.type == "cpu")

@@ -11,13 +11,18 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
-from engine.models.llama import LlamaForCausalLM, LlamaShape, UnsupportedModel, rope_cos_sin_cache
+from engine.models.llama import (
+    LlamaForCausalLM,
+    LlamaShape,
+    UnsupportedModel,
+    rope_cos_sin_cache,
+)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -32,6 +37,7 @@ class LoadedModel:
     shape: LlamaShape
     folder: Path  # the safetensors folder the weights came from (HF can load it too)
     dtype: torch.dtype
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def _say(message: str) -> None:
@@ -132,11 +138,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     folder, name = checkpoint_folder(config)
     hf_config = AutoConfig.from_pretrained(folder)
     shape = LlamaShape.from_hf_config(hf_config)
-    weights = {key: tensor.to(config.torch_dtype) for key, tensor in _read_weights(folder).items()}
-    cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings)
+    device = config.torch_device
+    weights = {key: tensor.to(device=device, dtype=config.torch_dtype)
+               for key, tensor in _read_weights(folder).items()}
+    cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
     model = LlamaForCausalLM(shape, weights, cos_sin)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    _say(f"loaded {name} ({config.dtype}) in {time.monotonic() - started:.1f}s")
+    _say(f"loaded {name} ({config.dtype}, {device}) in {time.monotonic() - started:.1f}s")
     return LoadedModel(name=config.served_model_name or name, model=model, tokenizer=tokenizer,
-                       hf_config=hf_config, shape=shape, folder=folder, dtype=config.torch_dtype)
+                       hf_config=hf_config, shape=shape, folder=folder, dtype=config.torch_dtype, device=device)
 

@@ -1,17 +1,21 @@
 """Runs the model: owns the KV tensors, turns a scheduled batch into one flattened forward pass.
 
-It sees block ids, never the block manager.
+It sees block ids, never the block manager. Step inputs are built on the CPU and copied to the model's
+device; logits come back to the CPU, where the sampler runs.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from engine.config import EngineConfig
-from kernels.cpu_attention import heads_major_cache
+from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.loader import LoadedModel
 from engine.models.llama import AttentionMetadata
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
+from kernels.cpu_attention import heads_major_cache
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -20,44 +24,77 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
 
 
+def kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device, *, heads_major: bool, pin_memory: bool = False) -> torch.Tensor:
+    """A zeroed [blocks, block_size, kv_heads, head_dim] cache. Heads-major memory lets the CPU attention
+    gather whole blocks of a head without copies; the Triton kernels want plain (token-major) memory."""
+    if heads_major:
+        return heads_major_cache(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    return torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device, pin_memory=pin_memory)
+
+
+def uses_decode_graphs(config: EngineConfig, device: torch.device) -> bool:
+    return device.type == "cuda" and not config.enforce_eager
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
+        self.device = loaded.device
+        if config.torch_device != self.device:
+            raise ValueError(f"the model was loaded on {self.device}, but the engine is set to run on {config.torch_device}")
         self.block_size = config.block_size
         per_block = kv_bytes_per_block(loaded, config.block_size)
         self.num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gb * 2**30 // per_block))
         self.num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             self.num_cpu_blocks = config.num_cpu_blocks or self.num_blocks
+        on_cuda = self.device.type == "cuda"
+        use_graphs = uses_decode_graphs(config, self.device)
+        # Graph replays pad batches with rows that write one block past the pool the block manager hands out.
+        self.dummy_block = self.num_blocks if use_graphs else None
         shape = loaded.shape
-        layout = (shape.num_kv_heads, shape.head_dim)
+        layout = (config.block_size, shape.num_kv_heads, shape.head_dim, loaded.dtype)
 
-        def pool(blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-            # Heads-major memory: the CPU attention path gathers whole blocks of a head without copies.
-            return [
-                (heads_major_cache(blocks, config.block_size, *layout, dtype=loaded.dtype),
-                 heads_major_cache(blocks, config.block_size, *layout, dtype=loaded.dtype))
-                for _ in range(shape.num_layers)
-            ]
+        def pool(blocks: int, device: torch.device, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            heads_major = config.heads_major_kv and device.type == "cpu"
+            return [tuple(kv_cache(blocks, *layout, device, heads_major=heads_major, pin_memory=pin_memory)
+                          for _ in "kv") for _ in range(shape.num_layers)]
 
-        self.kv_caches = pool(self.num_blocks)
-        self.cpu_kv_caches = pool(self.num_cpu_blocks) if self.num_cpu_blocks else []
+        self.kv_caches = pool(self.num_blocks + (1 if use_graphs else 0), self.device)
+        # The swap pool stays in CPU memory (page-locked on CUDA, for full-speed copies), in the device's layout.
+        self.cpu_kv_caches = pool(self.num_cpu_blocks, torch.device("cpu"), on_cuda) if self.num_cpu_blocks else []
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            max_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, max_num_seqs=config.max_num_seqs,
+                max_blocks_per_seq=min(-(-max_len // config.block_size), self.num_blocks),
+                dummy_block=self.dummy_block, block_size=config.block_size, device=self.device)
+            with self._on_device():
+                self.graphs.capture()
+
+    def _on_device(self):
+        # Kernels launch on the current CUDA device, which is per thread: the engine steps in its own.
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     # ---- block moves, before the forward pass --------------------------------------------------
     @staticmethod
     def _move(pairs, sources, destinations) -> None:
+        """Copies blocks, also between the device and the CPU swap pool (blocking when they arrive on the CPU)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=sources[0][0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=destinations[0][0].device)
         for (src_k, src_v), (dst_k, dst_v) in zip(sources, destinations):
-            dst_k[dst] = src_k[src]
-            dst_v[dst] = src_v[src]
+            dst_k[dst] = src_k[src].to(dst_k.device)
+            dst_v[dst] = src_v[src].to(dst_v.device)
 
     def apply_block_moves(self, batch: ScheduledBatch) -> None:
-        self._move(batch.swap_out, self.kv_caches, self.cpu_kv_caches)
-        self._move(batch.swap_in, self.cpu_kv_caches, self.kv_caches)
-        self._move(batch.copies, self.kv_caches, self.kv_caches)
+        with self._on_device():
+            self._move(batch.swap_out, self.kv_caches, self.cpu_kv_caches)
+            self._move(batch.swap_in, self.cpu_kv_caches, self.kv_caches)
+            self._move(batch.copies, self.kv_caches, self.kv_caches)
 
     # ---- the forward pass ------------------------------------------------------------------------
     def forward(self, requests: list[Request], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[Request]]:
@@ -95,21 +132,35 @@ class ModelRunner:
         for row, request in enumerate(requests):
             tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
         lens = torch.tensor(context_lens, dtype=torch.int32)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        positions_cpu = torch.tensor(positions, dtype=torch.long)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        with self._on_device():
+            hidden = None
+            if self.graphs is not None and num_decodes == len(requests):
+                hidden = self.graphs.run(DecodeInputs(ids, positions_cpu, slot_mapping, tables, lens))
+            if hidden is None:
+                hidden = self._forward_eager(ids, positions_cpu, slot_mapping, tables, lens, num_new_tokens, num_decodes)
+            if not samplers:
+                return torch.empty(0), []
+            rows = torch.tensor(last_token_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])
+        return logits.to("cpu"), samplers
+
+    def _forward_eager(self, ids, positions, slot_mapping, tables, lens, num_new_tokens, num_decodes) -> torch.Tensor:
+        def to_device(tensor: torch.Tensor) -> torch.Tensor:  # a no-op on the CPU
+            return tensor.to(self.device, non_blocking=True)
+
+        tables, lens = to_device(tables), to_device(lens)
         prefill_counts = torch.tensor([0] + num_new_tokens[num_decodes:], dtype=torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=to_device(slot_mapping),
             num_decode_tokens=num_decodes,
             decode_block_tables=tables[:num_decodes],
             decode_context_lens=lens[:num_decodes],
             prefill_block_tables=tables[num_decodes:],
-            prefill_query_start_loc=torch.cumsum(prefill_counts, 0, dtype=torch.int32),
+            prefill_query_start_loc=to_device(torch.cumsum(prefill_counts, 0, dtype=torch.int32)),
             prefill_context_lens=lens[num_decodes:],
-            num_prefills=len(requests) - num_decodes,
+            num_prefills=len(tables) - num_decodes,
         )
-        hidden = self.model.forward(
-            torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, self.kv_caches
-        )
-        if not samplers:
-            return torch.empty(0), []
-        logits = self.model.compute_logits(hidden[torch.tensor(last_token_rows, dtype=torch.long)])
-        return logits, samplers
+        return self.model.forward(to_device(ids), to_device(positions), meta, self.kv_caches)
