@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_device
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.models.llama import LlamaForCausalLM, LlamaShape, rope_cos_sin_cache
@@ -99,7 +99,7 @@ def loaded_from(name, hf_config, shape, weights, dtype, tokenizer) -> LoadedMode
     cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(DEVICE)
     model = LlamaForCausalLM(shape, {k: v.to(dtype) for k, v in weights.items()}, cos_sin)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, hf_config=hf_config, shape=shape,
-                       folder=Path("."), dtype=dtype, device=torch.device(DEVICE))
+                       folder=Path("."), dtype=dtype, device=resolve_device(DEVICE))
 
 
 def smollm2(dtype: str, folder: str | None) -> tuple[LoadedModel | None, str]:

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_device
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.loader import LoadedModel
 from engine.models.llama import AttentionMetadata
@@ -40,7 +40,7 @@ def uses_decode_graphs(config: EngineConfig, device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
-        self.device = loaded.device
+        self.device = resolve_device(str(loaded.device))  # "cuda" and "cuda:0" are one device
         if config.torch_device != self.device:
             raise ValueError(f"the model was loaded on {self.device}, but the engine is set to run on {config.torch_device}")
         self.block_size = config.block_size
