@@ -1,12 +1,12 @@
 """Linear layers with weights prepared once at load time for the device's fastest matmul.
 
-On the CPU the weight is reordered once into oneDNN's blocked layout, where F.linear would reorder
-(bfloat16) or run MKL's unpacked sgemm (float32) on every call. Measured at decode shapes (64 rows,
-1 thread, 30 layers' weights so the cache is cold): bfloat16 156 -> 185 GFLOP/s and 160 -> 198 for the
-49152-wide logits, float32 76 -> 99; a float32 decode step at 64 sequences fell by a quarter.
-In bfloat16 the results are bit-equal to F.linear (oneDNN runs both). In float32 oneDNN sums in another
-order (about 3e-6 relative); greedy output still equals HF transformers token for token
-(tests/test_engine_correctness.py), which is the promise float32 keeps.
+On the CPU in bfloat16 the weight is reordered once into oneDNN's blocked layout, where F.linear would
+reorder it on every call. Measured at decode shapes (64 rows, 1 thread, 30 layers' weights so the
+cache is cold): 156 -> 185 GFLOP/s, and 160 -> 198 for the 49152-wide logits; bit-equal to F.linear
+(oneDNN runs both). float32 stays on F.linear (MKL's sgemm): packed float32 was a quarter faster per
+decode step, but oneDNN keeps a primitive per row count it meets; over 133 row counts the process grew
+by 365 MB against 114 MB with F.linear, and the CI soak test's flat-memory check failed. (bfloat16
+F.linear runs oneDNN too and grows the same way, packed or not; the growth stops once the shapes repeat.)
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    if weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
+    if weight.is_cuda or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
-    return weight.dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:
