@@ -1,6 +1,6 @@
 """torch-facing wrappers of the native CPU kernels (kernels/csrc), same contracts as the references.
 
-`available(...)` says whether a call can take the native path (a built library, float32 or bfloat16,
+The `*_available(...)` functions say whether a call can take the native path (a built library, float32 or bfloat16,
 contiguous rows where the kernel needs them); kernels/__init__.py asks before dispatching here.
 """
 from __future__ import annotations
