@@ -15,7 +15,7 @@ from kernels.cpu_native import library
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    ("paged_decode_cpu", "tokenmill_paged_decode"): [_P] * 6 + [_I64] * 7 + [_F, _I],
+    ("paged_decode_cpu", "tokenmill_paged_decode"): [_P] * 6 + [_I64] * 8 + [_F, _I],
     ("elementwise_cpu", "tokenmill_rms_norm"): [_P] * 5 + [_I64, _I64, _F, _I],
     ("elementwise_cpu", "tokenmill_rotary"): [_P, _I64, _P, _P, _I64, _I64, _I64, _I],
     ("elementwise_cpu", "tokenmill_silu_and_mul"): [_P, _P, _I64, _I64, _I],
@@ -57,13 +57,15 @@ def paged_attention_decode_native(query, key_cache, value_cache, block_tables, c
     """The caches must be heads-major (kernels.cpu_attention.heads_major_cache)."""
     seqs, heads, head_dim = query.shape
     pool_blocks, block_size, kv_heads = key_cache.shape[0], key_cache.shape[1], key_cache.shape[2]
-    query = query.contiguous()
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()  # rows at any stride are read in place (views into the fused qkv output)
     tables = block_tables.to(torch.int32).contiguous()
     lengths = context_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(query)
+    out = torch.empty(seqs, heads, head_dim, dtype=query.dtype)
     _function("paged_decode_cpu", "tokenmill_paged_decode", query.dtype)(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
-        out.data_ptr(), seqs, heads, kv_heads, head_dim, block_size, pool_blocks, tables.shape[1], scale, _threads(),
+        out.data_ptr(), seqs, heads, kv_heads, head_dim, block_size, pool_blocks, tables.shape[1], query.stride(0),
+        scale, _threads(),
     )
     return out
 

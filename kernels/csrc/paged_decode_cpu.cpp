@@ -47,8 +47,8 @@ constexpr int kMaxHeadDim = 256;
 template <typename T, int64_t HeadDim, int64_t Group>
 void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
             const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
-            int64_t runtime_head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride, float scale,
-            int threads) {
+            int64_t runtime_head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride,
+            int64_t query_stride, float scale, int threads) {
     const int64_t head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
     const int64_t group = Group > 0 ? Group : heads / kv_heads;
     const int64_t head_stride = pool_blocks * block_size * head_dim;  // one kv head's whole pool
@@ -65,7 +65,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
 
         float q[kMaxGroup][kMaxHeadDim];
         for (int64_t g = 0; g < group; ++g) {
-            const T* row = query + (seq * heads + kv_head * group + g) * head_dim;
+            const T* row = query + seq * query_stride + (kv_head * group + g) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) q[g][d] = to_float(row[d]) * scale;
         }
 
@@ -180,13 +180,13 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
 template <typename T>
 void decode_any(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
                 const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
-                int64_t head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride, float scale,
-                int threads) {
+                int64_t head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride,
+                int64_t query_stride, float scale, int threads) {
     const int64_t group = heads / kv_heads;
     auto run = [&](auto fixed_head_dim, auto fixed_group) {
         decode<T, decltype(fixed_head_dim)::value, decltype(fixed_group)::value>(
             query, key_cache, value_cache, block_tables, context_lens, out, seqs, heads, kv_heads, head_dim,
-            block_size, pool_blocks, table_stride, scale, threads);
+            block_size, pool_blocks, table_stride, query_stride, scale, threads);
     };
     auto with_group = [&](auto fixed_head_dim) {
         switch (group) {
@@ -214,9 +214,9 @@ void decode_any(const T* query, const T* key_cache, const T* value_cache, const 
                                          const int32_t* block_tables, const int32_t* context_lens, T* out,   \
                                          int64_t seqs, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
                                          int64_t block_size, int64_t pool_blocks, int64_t table_stride,      \
-                                         float scale, int threads) {                                         \
+                                         int64_t query_stride, float scale, int threads) {                   \
         decode_any(query, key_cache, value_cache, block_tables, context_lens, out, seqs, heads, kv_heads,    \
-                   head_dim, block_size, pool_blocks, table_stride, scale, threads);                         \
+                   head_dim, block_size, pool_blocks, table_stride, query_stride, scale, threads);           \
     }
 
 extern "C" {
