@@ -19,8 +19,10 @@ using tokenmill::round_to;
 using tokenmill::store;
 using tokenmill::to_float;
 
-// Below this many elements a thread-pool wake-up costs more than the loop.
+// Below this many elements a thread-pool wake-up costs more than the loop. SiLU does about ten times
+// the work per element (an exp and a division), so it splits sooner: 64 rows of 1536 went 61 -> 35 us.
 constexpr int64_t kParallelElements = 1 << 17;
+constexpr int64_t kParallelSiluElements = 1 << 14;
 
 template <typename T>
 void rms_norm(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows, int64_t hidden,
@@ -82,7 +84,7 @@ void rotate(T* x, int64_t token_stride, const int64_t* positions, const float* c
 
 template <typename T>
 void silu_and_mul(const T* x, T* out, int64_t rows, int64_t ffn, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * ffn >= kParallelElements)
+#pragma omp parallel for num_threads(threads) if (rows * ffn >= kParallelSiluElements)
     for (int64_t r = 0; r < rows; ++r) {
         const T* gate = x + r * 2 * ffn;
         const T* up = gate + ffn;
