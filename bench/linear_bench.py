@@ -143,7 +143,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    report = {"threads": args.threads, "torch": torch.__version__, "results": measure(args.rows, args.dtypes, args.budget)}
+    report = {"threads": args.threads, "torch": torch.__version__,
+              "results": measure(args.rows, args.dtypes, args.budget)}
     if args.sweep_rows:
         report["memory_sweep_float32"] = sweep_memory(args.sweep_rows)
     print(f"\n{'dtype':9s}{'shape':9s}{'rows':>6s}{'F.linear':>10s}{'Linear':>9s}{'speedup':>9s}")
