@@ -36,6 +36,28 @@ inline __m512 load16(const uint16_t* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+// {sum(a), sum(b), sum(c), sum(d)}: four horizontal sums sharing their shuffles, where four
+// _mm512_reduce_add_ps would each pay for a full tree.
+inline __m128 reduce_add4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    // Per 128-bit lane: {a0+a2, b0+b2, a1+a3, b1+b3}, and the same for c and d.
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    // Per 128-bit lane: {a, b, c, d} summed over the lane's four elements.
+    const __m512 abcd = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+inline __m512 dot64(const __m512* q, __m512 k0, __m512 k1, __m512 k2, __m512 k3) {
+    __m512 dot = _mm512_mul_ps(q[0], k0);
+    dot = _mm512_fmadd_ps(q[1], k1, dot);
+    dot = _mm512_fmadd_ps(q[2], k2, dot);
+    return _mm512_fmadd_ps(q[3], k3, dot);
+}
 #endif
 
 constexpr int kMaxGroup = 16;
@@ -72,8 +94,6 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         // Two passes over the keys' scores (kept in a small buffer) instead of an online softmax:
         // at these lengths the buffer stays in L1/L2 and the rescaling work disappears.
         std::vector<float> scores(static_cast<size_t>(group * length));
-        float row_max[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) row_max[g] = -INFINITY;
 #if TOKENMILL_AVX512
         if constexpr (HeadDim == 64 && Group > 0) {
             // Each key row is loaded and widened once, then dotted with every query of the group.
@@ -83,18 +103,25 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const T* block = keys + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
-                for (int64_t j = 0; j < rows; ++j) {
+                int64_t j = 0;
+                for (; j + 4 <= rows; j += 4) {  // four keys at a time, their four sums reduced together
+                    const T* key = block + j * 64;
+                    __m512 k[4][4];
+                    for (int r = 0; r < 4; ++r)
+                        for (int i = 0; i < 4; ++i) k[r][i] = load16(key + r * 64 + 16 * i);
+                    for (int64_t g = 0; g < Group; ++g) {
+                        const __m128 four = reduce_add4(dot64(q_vectors[g], k[0][0], k[0][1], k[0][2], k[0][3]),
+                                                        dot64(q_vectors[g], k[1][0], k[1][1], k[1][2], k[1][3]),
+                                                        dot64(q_vectors[g], k[2][0], k[2][1], k[2][2], k[2][3]),
+                                                        dot64(q_vectors[g], k[3][0], k[3][1], k[3][2], k[3][3]));
+                        _mm_storeu_ps(&scores[g * length + first + j], four);
+                    }
+                }
+                for (; j < rows; ++j) {
                     const T* key = block + j * 64;
                     const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32), k3 = load16(key + 48);
-                    for (int64_t g = 0; g < Group; ++g) {
-                        __m512 dot = _mm512_mul_ps(q_vectors[g][0], k0);
-                        dot = _mm512_fmadd_ps(q_vectors[g][1], k1, dot);
-                        dot = _mm512_fmadd_ps(q_vectors[g][2], k2, dot);
-                        dot = _mm512_fmadd_ps(q_vectors[g][3], k3, dot);
-                        const float score = _mm512_reduce_add_ps(dot);
-                        scores[g * length + first + j] = score;
-                        row_max[g] = score > row_max[g] ? score : row_max[g];
-                    }
+                    for (int64_t g = 0; g < Group; ++g)
+                        scores[g * length + first + j] = _mm512_reduce_add_ps(dot64(q_vectors[g], k0, k1, k2, k3));
                 }
             }
         } else
@@ -113,10 +140,17 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
     #pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < head_dim; ++d) dot += q[g][d] * key_row[d];
                         scores[g * length + first + j] = dot;
-                        row_max[g] = dot > row_max[g] ? dot : row_max[g];
                     }
                 }
             }
+        }
+        float row_max[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) {
+            float best = -INFINITY;
+            const float* s = scores.data() + g * length;
+#pragma omp simd reduction(max : best)
+            for (int64_t pos = 0; pos < length; ++pos) best = s[pos] > best ? s[pos] : best;
+            row_max[g] = best;
         }
         float row_sum[kMaxGroup];
         for (int64_t g = 0; g < group; ++g) {
