@@ -120,6 +120,16 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def converted_folder(config: EngineConfig) -> Path | None:
+    """The safetensors folder a load would read without converting anything, or None (a GGUF not yet
+    converted)."""
+    path, _ = resolve_source(config.model)
+    if path.is_dir():
+        return path
+    folder = _gguf_cache_folder(path, Path(config.data_dir))
+    return folder if (folder / "model.safetensors").exists() else None
+
+
 def checkpoint_folder(config: EngineConfig) -> tuple[Path, str]:
     """The safetensors folder for a model setting (converting a GGUF first if needed), and its name."""
     path, name = resolve_source(config.model)

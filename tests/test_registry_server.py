@@ -275,3 +275,24 @@ def test_with_load_on_demand_a_request_loads_the_model_it_names(tiny_llama_dir, 
         reply = server.client(server.key()).chat.completions.create(model="lazy", messages=QUESTION, max_tokens=3)
         assert reply.model == "on-demand" and server.state("on-demand") == "loaded"
         server.admin("DELETE", "/models/on-demand")
+
+
+def test_a_model_that_would_not_fit_in_memory_is_refused_before_it_loads(server, tiny_llama_dir):
+    before = resident_mb()
+    huge = {"num_kv_blocks": 10**10}  # 10 billion blocks of 8 KiB: a KV pool no machine here has
+    response = server.admin("POST", "/models", json={"name": "too-big", "path": str(tiny_llama_dir),
+                                                    "engine_settings": huge, "load": True})
+    assert response.status_code == 409
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("insufficient_memory", "engine_settings")
+    assert "not enough memory to load 'too-big'" in error["message"] and "GiB is available" in error["message"]
+    assert server.state("too-big") == "unloaded"  # registered, not loaded; nothing was allocated
+    assert server.admin("POST", "/models/too-big/load").status_code == 409
+    assert resident_mb() - before < 100
+
+    # With a pool that fits, the same model loads and serves; the server served others all along.
+    assert server.admin("PATCH", "/models/too-big", json={"engine_settings": SMALL_KV}).status_code == 200
+    assert server.admin("POST", "/models/too-big/load").status_code == 200
+    reply = server.client(server.key()).chat.completions.create(model="too-big", messages=QUESTION, max_tokens=2)
+    assert reply.model == "too-big"
+    server.admin("DELETE", "/models/too-big")

@@ -22,7 +22,7 @@ def _view(pool: ModelPool, name: str) -> ModelView:
 
 
 def refused(error: RegistryError) -> OpenAIError:
-    if error.code == "conflict":
+    if error.code in ("conflict", "insufficient_memory"):  # the server's state, not the request, is in the way
         return OpenAIError(409, str(error), param=error.param, code=error.code)
     return invalid_request(str(error), param=error.param, code=error.code)
 

@@ -1,4 +1,5 @@
-"""A GGUF file's metadata, read from its header without touching its tensors."""
+"""A GGUF file's metadata, read from its header without touching its tensors; the readers of its values
+serve app/registry/memory.py too, which walks on to the tensor index."""
 from __future__ import annotations
 
 import struct
@@ -20,10 +21,10 @@ def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dic
             raise ValueError(f"not a GGUF v2+ file (magic {magic!r}, version {version})")
         _tensors, kv_count = struct.unpack("<QQ", file.read(16))
         for _ in range(kv_count):
-            key = _read_string(file)
+            key = read_string(file)
             if key.startswith(stop_prefix):
                 break
-            value = _read_value(file, struct.unpack("<I", file.read(4))[0])
+            value = read_value(file, struct.unpack("<I", file.read(4))[0])
             if key in wanted:
                 found[key] = value
                 if len(found) == len(wanted):
@@ -31,20 +32,20 @@ def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dic
     return found
 
 
-def _read_string(file: BinaryIO) -> str:
+def read_string(file: BinaryIO) -> str:
     (length,) = struct.unpack("<Q", file.read(8))
     if length > 1 << 20:
         raise ValueError(f"implausible string length {length}")
     return file.read(length).decode("utf-8", errors="replace")
 
 
-def _read_value(file: BinaryIO, kind: int) -> object:
+def read_value(file: BinaryIO, kind: int) -> object:
     if kind in _SCALARS:
         fmt = "<" + _SCALARS[kind]
         return struct.unpack(fmt, file.read(struct.calcsize(fmt)))[0]
     if kind == 8:
-        return _read_string(file)
+        return read_string(file)
     if kind == 9:
         item_kind, count = struct.unpack("<IQ", file.read(12))
-        return [_read_value(file, item_kind) for _ in range(count)]
+        return [read_value(file, item_kind) for _ in range(count)]
     raise ValueError(f"unknown GGUF value type {kind}")

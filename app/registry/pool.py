@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from app.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
 from app.registry.loading import load_model, preloaded_spec, return_memory_to_os
+from app.registry.memory import check_fits
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
 from app.registry.served import DRAINING, LOADED, ServedModel
 from app.registry.spec import ModelSpec, RegistryError
@@ -287,6 +288,7 @@ class ModelPool:
 
     async def _load(self, spec: ModelSpec) -> ServedModel:
         started = time.monotonic()
+        await run_in_threadpool(check_fits, spec, self.base)  # refused before a byte is loaded
         try:
             loaded = await run_in_threadpool(load_model, spec, self.base)
         except Exception as error:
