@@ -35,12 +35,20 @@ def load_settings(args: argparse.Namespace) -> Settings:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from app.gateway.wiring import provision_configured_key
     from app.gateway_hooks import provision_admin_key
     from app.ray_cli import apply_replica_count, serve_on_ray
     from app.replica_app import build_server
 
     apply_replica_count(args)
     settings = load_settings(args)
+    try:
+        configured = provision_configured_key(settings)  # before the model loads: a bad key fails fast
+    except ValueError as error:
+        print(f"tokenmill: {error}", file=sys.stderr)
+        return 2
+    if configured:
+        print(f"tokenmill: {configured}", flush=True)
     if args.ray:
         return serve_on_ray(settings, args)
     app, engine = build_server(settings)

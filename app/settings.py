@@ -25,7 +25,7 @@ class Settings:
     data_dir: str = ".tokenmill"
     database_url: str = ""  # empty: a SQLite file in data_dir
     redis_url: str | None = None
-    api_key: str | None = None  # single shared key until the gateway lands; None: no auth
+    api_key: str | None = None  # serve: a key of team 'default'; without the gateway (tests): the only key
     admin_key: str | None = None
     max_request_bytes: int = 2 * 1024 * 1024
     max_tokens_cap: int = 4096  # upper bound for max_tokens, and the default when a request omits it
@@ -97,7 +97,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--database-url", "database_url", str, "SQLAlchemy URL (default: SQLite in the data folder)",
            fallback_env="DATABASE_URL"),
     Option("--redis-url", "redis_url", str, "Redis for shared rate-limit counters", fallback_env="REDIS_URL"),
-    Option("--api-key", "api_key", str, "single API key required on /v1 (unset: no auth)"),
+    Option("--api-key", "api_key", str, "a key clients may use, stored hashed under team 'default' "
+           "(more keys: tokenmill keys create)"),
     Option("--admin-key", "admin_key", str, "admin key (default: created on first start)"),
     Option("--max-request-bytes", "max_request_bytes", int, "largest request body accepted"),
     Option("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens a request may ask for"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
@@ -267,3 +268,23 @@ def test_a_busy_server_refreshes_keys_in_the_background(make_gateway):
         revoke_elsewhere(gateway, key_id)
         time.sleep(0.45)
         assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)).status_code == 401
+
+
+def test_a_key_chosen_with_api_key_is_stored_hashed_once_and_stays_revoked(make_gateway):
+    from app.gateway.admin_identity import ensure_configured_key
+
+    gateway = make_gateway()
+    chosen = "sk-chosen-up-front-0123456789"
+    assert "added as a key of team 'default'" in ensure_configured_key(gateway.sessions, chosen)
+    assert "is a key of team 'default'" in ensure_configured_key(gateway.sessions, chosen)  # a restart: no copy
+    with client_for(gateway) as client:
+        assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(chosen)).status_code == 200
+        [row] = client.get("/admin/api/keys", headers=admin_headers()).json()["data"]
+        assert client.delete(f"/admin/api/keys/{row['id']}", headers=admin_headers()).status_code == 200
+    assert "revoked" in ensure_configured_key(gateway.sessions, chosen)  # the next start does not revive it
+    with gateway.sessions() as session:
+        [stored] = session.scalars(select(ApiKey)).all()
+        assert stored.key_hash == hash_key(chosen) and chosen not in stored.key_prefix + stored.name
+    for weak in ("short", "sk-admin-" + "x" * 30):
+        with pytest.raises(ValueError):
+            ensure_configured_key(gateway.sessions, weak)

@@ -53,12 +53,15 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
     assert main(["keys", "create", "--team", "cli-team", *database]) == 0
     key = capsys.readouterr().out.strip().splitlines()[-1]
     port = free_port()
+    configured_key = "sk-chosen-by-the-operator-0123456789"
     process = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--num-kv-blocks", "128",
          "--data-dir", str(smollm2.folder.parents[1]),  # where the converted weights are cached already
-         *database, "--log-level", "warning"],
+         *database, "--log-level", "warning", "--api-key", configured_key],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
+        said = process.stdout.readline()
+        assert "--api-key added as a key of team 'default'" in said and configured_key not in said
         assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in process.stdout.readline()
         assert "admin key" in process.stdout.readline()  # first start on this database
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
@@ -73,6 +76,20 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
         assert reply.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-nope", max_retries=0).models.list()
+        # The --api-key works like any key made by the CLI, and is metered under team "default".
+        chosen = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=configured_key, max_retries=0)
+        assert chosen.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2).usage.completion_tokens >= 1
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+    assert main(["keys", "list", "--team", "default", *database]) == 0
+    assert "--api-key" in capsys.readouterr().out  # stored as a key of its own (hashed, like the rest)
+
+
+def test_a_weak_api_key_is_refused_before_the_model_loads(tmp_path, capsys):
+    database = ("--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}")
+    started = time.monotonic()
+    assert main(["serve", "--api-key", "short", "--data-dir", str(tmp_path), *database]) == 2
+    assert "--api-key must be at least 16 characters" in capsys.readouterr().err
+    assert time.monotonic() - started < 10  # refused up front, not after a model load

@@ -6,7 +6,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.gateway.crud import utcnow
+from app.gateway.crud import create_key, create_team, find_key, get_team_by_name, utcnow
 from app.gateway.keys import ADMIN_KEY_PREFIX, generate_key, hash_key, hashes_match, visible_prefix
 from app.gateway.models import AdminCredential
 
@@ -38,3 +38,30 @@ def ensure_admin_identity(sessions: sessionmaker[Session], *, configured_key: st
             stored = session.scalar(select(AdminCredential).order_by(AdminCredential.id).limit(1))
             return AdminIdentity(stored.key_hash), None
     return AdminIdentity(hash_key(plaintext)), plaintext
+
+
+CONFIGURED_KEY_TEAM = "default"
+CONFIGURED_KEY_NAME = "--api-key"
+MIN_CONFIGURED_KEY_CHARS = 16
+
+
+def ensure_configured_key(sessions: sessionmaker[Session], key: str) -> str:
+    """`tokenmill serve --api-key KEY`: KEY becomes a key of team "default" (both made on first start,
+    stored hashed like every other key), so clients configured with it work and are metered. A key an
+    admin revoked stays revoked. Returns what happened, for the start-up line."""
+    if len(key) < MIN_CONFIGURED_KEY_CHARS or key.startswith(ADMIN_KEY_PREFIX):
+        raise ValueError(f"--api-key must be at least {MIN_CONFIGURED_KEY_CHARS} characters and not an admin key "
+                         f"({ADMIN_KEY_PREFIX}...); `tokenmill keys create` makes a strong one")
+    with sessions() as session:
+        found = find_key(session, key_hash=hash_key(key))
+        if found is not None:
+            row, team = found
+            return (f"--api-key is a key of team {team.name!r}"
+                    + (", revoked: requests with it are refused" if row.revoked_at is not None else ""))
+        team = get_team_by_name(session, name=CONFIGURED_KEY_TEAM) or create_team(session, name=CONFIGURED_KEY_TEAM)
+        create_key(session, team=team, name=CONFIGURED_KEY_NAME, plaintext=key)
+        try:
+            session.commit()
+        except IntegrityError:  # another replica stored it first
+            session.rollback()
+    return f"--api-key added as a key of team {CONFIGURED_KEY_TEAM!r}"

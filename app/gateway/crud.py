@@ -92,9 +92,11 @@ def delete_team(session: Session, *, team: Team) -> list[str]:
 
 # keys
 
-def create_key(session: Session, *, team: Team, name: str = "", **limits: Any) -> tuple[ApiKey, str]:
-    """Returns the row and the plaintext key; the plaintext exists nowhere else afterwards."""
-    plaintext = generate_key()
+def create_key(session: Session, *, team: Team, name: str = "", plaintext: str | None = None,
+               **limits: Any) -> tuple[ApiKey, str]:
+    """Returns the row and the plaintext key (generated unless the operator chose one, as with
+    `tokenmill serve --api-key`); the plaintext exists nowhere else afterwards."""
+    plaintext = plaintext or generate_key()
     fields = _clean({"allowed_models": [], "budget_period": "month", **limits})
     key = ApiKey(team_id=team.id, name=name, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext),
                  created_at=utcnow(), **fields)
