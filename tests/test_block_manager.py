@@ -17,7 +17,8 @@ def check_invariants(manager: BlockManager, live: list[Request]) -> None:
         for block_id in request.block_ids:
             expected[block_id] += 1
     assert manager.ref_counts == expected, "reference counts must equal the block-table references"
-    assert set(manager.free_queue) == {b for b, count in enumerate(expected) if count == 0}
+    assert manager.free_block_ids() == {b for b, count in enumerate(expected) if count == 0}
+    assert manager.num_free_blocks == len(manager.free_block_ids())  # no block free twice
     for block_hash, block_id in manager.cached_blocks.items():
         assert manager.block_hash[block_id] == block_hash
     assert len(manager.free_cpu_blocks) + sum(len(r.cpu_block_ids) for r in live) == manager.num_cpu_blocks
@@ -126,3 +127,20 @@ def test_evicted_cached_block_is_forgotten():
     manager.allocate_slots(other, 8)  # takes both blocks, evicting the cached one
     assert manager.cached_blocks == {}
     assert manager.find_cached_prefix(new_request(2, [1, 2, 3, 4, 5])) == []
+
+
+def test_blocks_holding_nothing_reusable_go_before_a_cached_prefix():
+    manager = BlockManager(num_blocks=8, block_size=BLOCK, num_cpu_blocks=0, enable_prefix_caching=True)
+    partial = new_request(0, [9, 9, 9])  # one block, never full: nothing to cache
+    manager.allocate_slots(partial, 3)
+    prefix = new_request(1, list(range(8)))  # two full blocks
+    manager.allocate_slots(prefix, 8)
+    prefix.num_computed_tokens = 8
+    manager.register_full_blocks(prefix)
+    manager.free(prefix)
+    manager.free(partial)  # freed last: a least-recently-freed queue would hand the prefix out first
+    other = new_request(2, [7] * 24)
+    assert manager.allocate_slots(other, 24) == []  # six blocks: every free block without a cached prefix
+    again = new_request(3, list(range(8)) + [5])
+    assert len(manager.find_cached_prefix(again)) == 2  # the prefix survived
+    assert sorted(other.block_ids) == other.block_ids  # handed out lowest id first: neighbours in the pool
