@@ -51,6 +51,10 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def prebuilt_folder() -> Path:
     return Path(os.environ.get(PREBUILT_ENV) or Path(__file__).parent / "prebuilt")
 
@@ -86,7 +90,7 @@ def prebuild(destination: Path, compiler: str | None = None,
              targets: tuple[str, ...] = tuple(PORTABLE_TARGETS)) -> list[Path]:
     """Builds every kernel for every portable level into `destination` (deploy/bundle.py, for images
     without a compiler). Returns the libraries written."""
-    compiler = compiler or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler: install g++ to prebuild the CPU kernels")
     written = []
@@ -110,7 +114,7 @@ def _build(compiler: str, source: Path, flags: list[str], target: Path) -> None:
 
 
 def _load_built_here(name: str) -> ctypes.CDLL:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found")
     source, flags = CSRC / f"{name}.cpp", FLAGS[name]
