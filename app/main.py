@@ -5,6 +5,7 @@ import gc
 
 from fastapi import FastAPI
 
+from app.body_limit import install_body_limit
 from app.costs import HardwareCostMeter
 from app.dashboard.wiring import install_dashboard
 from app.deps import ServerContext
@@ -44,6 +45,7 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
 
         app.include_router(admin_routes.router)
     install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
+    install_body_limit(app, settings.max_request_bytes)  # last added runs first: before any other middleware
     return app
 
 

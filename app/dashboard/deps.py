@@ -68,13 +68,19 @@ DataSession = Annotated[AdminSession, Depends(data_session)]
 
 
 async def read_form(request: Request) -> dict[str, str]:
-    """An urlencoded form body (the only kind our pages post), first value per field."""
-    body = await request.body()
-    if len(body) > MAX_FORM_BYTES:
-        raise OpenAIError(413, "The form is too large.")
+    """An urlencoded form body (the only kind our pages post), first value per field. Read up to the
+    form cap and no further: the login form is posted before anyone is authenticated."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     if content_type != "application/x-www-form-urlencoded":
         raise OpenAIError(415, "Expected a form (application/x-www-form-urlencoded).")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_FORM_BYTES:
+            raise OpenAIError(413, "The form is too large.", code="request_too_large")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     form: dict[str, str] = {}
     for name, value in parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True):
         form.setdefault(name, value)
