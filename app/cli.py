@@ -57,8 +57,10 @@ def serve(args: argparse.Namespace) -> int:
         admin_key = settings.admin_key or provision_admin_key(settings)
         if admin_key and not settings.admin_key:
             print(f"tokenmill: admin key (shown once, keep it): {admin_key}", flush=True)
+        # proxy_headers=False: uvicorn would believe X-Forwarded-For from 127.0.0.1; the app itself trusts
+        # only --forwarded-allow-ips.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, proxy_headers=False)
     finally:
         engine.shutdown()
     return 0

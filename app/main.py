@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 
 from fastapi import FastAPI
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.body_limit import install_body_limit
 from app.costs import HardwareCostMeter
@@ -46,6 +47,8 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
         app.include_router(admin_routes.router)
     install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
     install_body_limit(app, settings.max_request_bytes)  # last added runs first: before any other middleware
+    if settings.forwarded_allow_ips:  # the client address the trusted proxies vouch for, before any route sees it
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     return app
 
 

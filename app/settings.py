@@ -6,6 +6,7 @@ Every flag `--some-name` has the variable `TOKENMILL_SOME_NAME`.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,9 @@ class Settings:
     max_tokens_cap: int = 4096  # upper bound for max_tokens, and the default when a request omits it
     hardware_cost_per_hour: float = 0.0  # USD per hour of this machine: the dashboard's real cost per token
     session_secret: str | None = None  # signs admin dashboard sessions; None: random per process
+    # Proxies whose X-Forwarded-For / -Proto are believed (comma-separated IPs or CIDRs, "*": any);
+    # empty: none, the peer's own address is the client's.
+    forwarded_allow_ips: str = ""
     load_on_demand: bool = False  # a request for an enabled, unloaded model loads it (else 503 model_not_loaded)
     min_replicas: int = 1  # Ray Serve autoscaling bounds (deploy/ray_serve.py); plain `serve` is one process
     max_replicas: int = 1
@@ -47,6 +51,12 @@ class Settings:
             raise SettingsError("hardware_cost_per_hour must not be negative")
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise SettingsError("replicas: need 1 <= min_replicas <= max_replicas")
+        for entry in filter(None, (part.strip() for part in self.forwarded_allow_ips.split(","))):
+            if entry != "*":
+                try:
+                    ipaddress.ip_network(entry, strict=False)
+                except ValueError:
+                    raise SettingsError(f"forwarded_allow_ips: {entry!r} is not an IP address or network") from None
         if not self.database_url:
             sqlite_path = Path(self.data_dir) / "tokenmill.db"
             object.__setattr__(self, "database_url", f"sqlite:///{sqlite_path}")
@@ -105,6 +115,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--hardware-cost-per-hour", "hardware_cost_per_hour", float,
            "USD per hour this machine costs (the dashboard's real cost per token)"),
     Option("--session-secret", "session_secret", str, "signs admin dashboard sessions (default: random per process)"),
+    Option("--forwarded-allow-ips", "forwarded_allow_ips", str,
+           "proxies trusted to set X-Forwarded-For / -Proto: comma-separated IPs or CIDRs (default: none)"),
     Option("--load-on-demand", "load_on_demand", parse_bool,
            "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)", switch=True),
     Option("--min-replicas", "min_replicas", int, "fewest replicas Ray Serve keeps (deploy/ray_serve.py)"),

@@ -22,7 +22,8 @@ def main() -> None:
     delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     grace = float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
     app = create_app(Settings(), FakeEngine(token_delay_s=delay), gateway=Gateway(GatewayConfig.from_env()))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=grace,
+                proxy_headers=False)  # as `tokenmill serve` runs it
 
 
 if __name__ == "__main__":

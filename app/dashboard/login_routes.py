@@ -45,16 +45,14 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
     if not dashboard.signer.login_token_ok(request.cookies.get(LOGIN_COOKIE), form.get("csrf_token")):
         return login_page(request, dashboard, next_path=next_path, status_code=403,
                           error="The form expired or was not ours. Please try again.")
-    try:
-        client = dashboard.gateway.check_auth_attempts(request)  # the same per-address limit as the API's keys
-    except OpenAIError as refused:
-        response = login_page(request, dashboard, next_path=next_path, status_code=429, error=refused.message)
+    admin = dashboard.gateway.admin
+    presented = form.get("admin_key", "").strip()
+    if admin is None or not admin.matches(presented):  # the same failure limit as the API's keys
+        refused = dashboard.gateway.auth_failure(request, presented, OpenAIError(401, "That is not the admin key."))
+        response = login_page(request, dashboard, next_path=next_path, status_code=refused.status,
+                              error=refused.message)
         response.headers.update(refused.headers)
         return response
-    admin = dashboard.gateway.admin
-    if admin is None or not admin.matches(form.get("admin_key", "").strip()):
-        dashboard.gateway.auth_failures.failed(client)
-        return login_page(request, dashboard, next_path=next_path, status_code=401, error="That is not the admin key.")
     session, cookie = dashboard.signer.issue()
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(SESSION_COOKIE, cookie, max_age=int(dashboard.signer.lifetime_s), path="/admin",

@@ -173,8 +173,10 @@ class KeyCache:
 
 
 class FailedAuthLimiter:
-    """Failed authentications per client address in a sliding window. Past `limit` the address is
-    refused (429) before any key it sends is looked at, so keys can't be guessed at speed."""
+    """Failed authentications per subject (a client address, a presented key's prefix) in a sliding
+    window. A subject past `limit` failures gets 429 instead of 401 for its next wrong keys, so keys
+    can't be guessed at speed. It is asked only after a key failed: a valid key is never refused, so
+    nobody behind the same NAT or proxy can lock a team or the admin out."""
 
     def __init__(self, limit: int = 10, *, window_s: float = 60.0, max_clients: int = 100_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -184,34 +186,34 @@ class FailedAuthLimiter:
         self.clock = clock
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
 
-    def retry_after(self, client: str) -> float | None:
-        """Seconds until `client` may try again, or None when it may try now."""
+    def retry_after(self, *subjects: str) -> float | None:
+        """Seconds until every one of `subjects` may fail again without a 429, or None when all may now."""
         if self.limit <= 0:
             return None
-        failures = self._recent(client)
-        if failures is None or len(failures) < self.limit:
-            return None
-        return max(failures[0] + self.window_s - self.clock(), 0.0)
+        waits = [max(failures[0] + self.window_s - self.clock(), 0.0) for subject in subjects
+                 if (failures := self._recent(subject)) is not None and len(failures) >= self.limit]
+        return max(waits) if waits else None
 
-    def failed(self, client: str) -> None:
+    def failed(self, *subjects: str) -> None:
         if self.limit <= 0:
             return
-        failures = self._recent(client)
-        if failures is None:
-            failures = self._failures[client] = deque()
-        failures.append(self.clock())
-        self._failures.move_to_end(client)
+        for subject in subjects:
+            failures = self._recent(subject)
+            if failures is None:
+                failures = self._failures[subject] = deque(maxlen=self.limit)
+            failures.append(self.clock())
+            self._failures.move_to_end(subject)
         while len(self._failures) > self.max_clients:
             self._failures.popitem(last=False)
 
-    def _recent(self, client: str) -> deque[float] | None:
-        failures = self._failures.get(client)
+    def _recent(self, subject: str) -> deque[float] | None:
+        failures = self._failures.get(subject)
         if failures is None:
             return None
         horizon = self.clock() - self.window_s
         while failures and failures[0] <= horizon:
             failures.popleft()
         if not failures:
-            del self._failures[client]
+            del self._failures[subject]
             return None
         return failures

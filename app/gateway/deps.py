@@ -24,12 +24,10 @@ async def require_team_key(request: Request, gateway: GatewayDep) -> Principal:
 
 
 async def require_admin(request: Request, gateway: GatewayDep) -> None:
-    client = gateway.check_auth_attempts(request)
     token = bearer_token(request.headers.get("authorization"))
     if gateway.admin is None or not gateway.admin.matches(token):
-        gateway.auth_failures.failed(client)
-        raise OpenAIError(401, "This endpoint needs the admin key: 'Authorization: Bearer <admin key>'.",
-                          code="invalid_api_key")
+        raise gateway.auth_failure(request, token, OpenAIError(
+            401, "This endpoint needs the admin key: 'Authorization: Bearer <admin key>'.", code="invalid_api_key"))
 
 
 TeamKeyDep = Annotated[Principal, Depends(require_team_key)]

@@ -21,7 +21,7 @@ from app.gateway.auth import FailedAuthLimiter, KeyCache, Principal
 from app.gateway.budget import BudgetTracker
 from app.gateway.config import GatewayConfig
 from app.gateway.headers import offer_headers
-from app.gateway.keys import bearer_token
+from app.gateway.keys import bearer_token, visible_prefix
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters
 from app.gateway.usage import UsageEvent, UsageWriter
 from app.gateway_hooks import UsageRecord
@@ -98,12 +98,11 @@ class Gateway:
     # the hooks the /v1 routes call (app.gateway_hooks.Gateway)
 
     async def authenticate(self, request: Request) -> Principal:
-        client = self.check_auth_attempts(request)
         token = bearer_token(request.headers.get("authorization"))
         if not token:
-            self.auth_failures.failed(client)
-            raise OpenAIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer sk-...'.",
-                              code="invalid_api_key")
+            raise self.auth_failure(request, None, OpenAIError(
+                401, "You didn't provide an API key. Pass it as 'Authorization: Bearer sk-...'.",
+                code="invalid_api_key"))
         hit, principal = self.keys.cached(token)
         if not hit:
             try:
@@ -113,20 +112,24 @@ class Gateway:
                 if not known:
                     raise store_unavailable(error) from None
         if principal is None or not principal.valid_at(self.clock()):
-            self.auth_failures.failed(client)
-            raise invalid_api_key()
+            raise self.auth_failure(request, token, invalid_api_key())
         return principal
 
-    def check_auth_attempts(self, request: Request) -> str:
-        """Refuse (429) an address with too many failed authentications; return the address, so a
-        failure can be counted against it."""
-        client = request.client.host if request.client else "unknown"
-        wait = self.auth_failures.retry_after(client)
-        if wait is not None:
-            raise OpenAIError(429, "Too many failed authentication attempts from your address. "
-                              f"Try again in {math.ceil(wait)}s.", type="requests", code="too_many_auth_failures",
-                              headers={"Retry-After": str(max(math.ceil(wait), 1))})
-        return client
+    def auth_failure(self, request: Request, presented: str | None, unauthorized: OpenAIError) -> OpenAIError:
+        """A key was missing or wrong: the error to answer with. `unauthorized` (counted against the
+        client's address and the presented key's prefix), or 429 once either has failed too often, so
+        keys can't be guessed at speed from one address or against one key. Only failures come here:
+        a valid key is never refused by this limit."""
+        subjects = [f"address:{client_address(request)}"]
+        if presented:
+            subjects.append(f"prefix:{visible_prefix(presented)}")
+        wait = self.auth_failures.retry_after(*subjects)
+        if wait is None:
+            self.auth_failures.failed(*subjects)
+            return unauthorized
+        return OpenAIError(429, "Too many failed authentication attempts from your address or with this key. "
+                           f"Try again in {math.ceil(wait)}s.", type="requests", code="too_many_auth_failures",
+                           headers={"Retry-After": str(max(math.ceil(wait), 1))})
 
     async def admit(self, principal: Principal, *, model: str, prompt_tokens: int,
                     max_tokens: int | None) -> dict[str, str]:
@@ -213,6 +216,12 @@ class Gateway:
     def forget_keys(self, key_hashes: list[str] | None = None) -> None:
         """Drop cached principals after an admin change (None: all of them, e.g. a team changed)."""
         self.keys.invalidate(key_hashes)
+
+
+def client_address(request: Request) -> str:
+    """The peer's address, or the one a trusted proxy vouches for (--forwarded-allow-ips rewrites the
+    peer before any route runs; X-Forwarded-For from anyone else is never read)."""
+    return request.client.host if request.client else "unknown"
 
 
 def store_unavailable(error: Exception) -> OpenAIError:
