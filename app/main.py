@@ -6,16 +6,16 @@ import gc
 from fastapi import FastAPI
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from app.body_limit import install_body_limit
-from app.costs import HardwareCostMeter
+from app.serving.body_limit import install_body_limit
+from app.observability.costs import HardwareCostMeter
 from app.dashboard.wiring import install_dashboard
-from app.deps import ServerContext
+from app.serving.context import ServerContext
 from app.errors import install_error_handlers
-from app.gateway_hooks import Gateway, SingleKeyGateway
+from app.gateway.contract import Gateway, SingleKeyGateway
 from app.lifespan import around_lifespan
 from app.registry.pool import ModelPool
 from app.registry.store import RegistryStore
-from app.routes import chat, completions, embeddings, models, operations
+from app.api import chat, completions, embeddings, models, operations
 from app.settings import Settings
 
 
@@ -23,7 +23,7 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
                pool: ModelPool | None = None) -> FastAPI:
     """Serves the models in `pool`, or a pool of one: `engine`, an engine.async_engine.AsyncEngine the
     caller started (and will shut down). `gateway` authenticates, admits and meters requests (see
-    app.gateway_hooks); by default a single key from settings.api_key, or none. With the real gateway
+    app.gateway.contract); by default a single key from settings.api_key, or none. With the real gateway
     the registry lives in its database and /admin/api/models manages it."""
     gateway = gateway if gateway is not None else SingleKeyGateway(settings.api_key)
     if pool is None:
@@ -42,9 +42,9 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     install = getattr(gateway, "install", None)
     if install is not None:  # the gateway's admin and usage routes, headers, start and flush with the lifespan
         install(app)
-        from app.registry import admin_routes
+        from app.api import admin_models
 
-        app.include_router(admin_routes.router)
+        app.include_router(admin_models.router)
     install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
     install_body_limit(app, settings.max_request_bytes)  # last added runs first: before any other middleware
     if settings.forwarded_allow_ips:  # the client address the trusted proxies vouch for, before any route sees it

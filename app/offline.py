@@ -1,6 +1,6 @@
 """tokenmill never reaches out: the hub libraries are told they are offline before any of them is imported.
 
-Imported first by app.cli. huggingface_hub, transformers and datasets read these variables once, at
+Imported first by app.cli.main. huggingface_hub, transformers and datasets read these variables once, at
 import, so setting them later has no effect. They are forced, not defaulted: an air-gapped install must
 not be talked back online by a variable left in the environment.
 """

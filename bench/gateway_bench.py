@@ -289,7 +289,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             report[phase].update(gateway_hooks_p50_ms=percentile(hooks, 0.5) * 1000,
                                  gateway_hooks_p99_ms=percentile(hooks, 0.99) * 1000)
         engine = create_engine(database_url)
-        from app.gateway.models import UsageRow
+        from app.tables import UsageRow
 
         with engine.connect() as c:
             rows = c.scalar(select(func.count()).select_from(UsageRow))

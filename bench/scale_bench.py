@@ -1,5 +1,5 @@
 """Replicas on Ray Serve with shared system prompts: prefix-cache hit rate and throughput with prefix-aware
-routing against round-robin, in one run (app/ray_serve.py).
+routing against round-robin, in one run (app/scaleout/ray_serve.py).
 
 Several tenants each send chats that start with their own long system prompt, interleaved. Each replica's
 KV pool holds only some of the tenants' prefixes: prefix-aware routing keeps a tenant on one replica, so
@@ -68,7 +68,7 @@ def workload(tenants: int, chats_per_tenant: int, system_words: int, seed: int =
 
 async def run_chats(base_url: str, key: str, model: str, chats: list[list[dict]], concurrency: int,
                     max_tokens: int) -> tuple[list[dict], float]:
-    from app.ray_serve import REPLICA_HEADER
+    from app.scaleout.ray_serve import REPLICA_HEADER
 
     queue: asyncio.Queue = asyncio.Queue()
     for index, messages in enumerate(chats):
@@ -183,8 +183,8 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from app.gateway_hooks import provision_admin_key
-    from app.ray_serve import build_application
+    from app.gateway.contract import provision_admin_key
+    from app.scaleout.ray_serve import build_application
     from app.settings import Settings
     from engine.config import EngineConfig
 

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.structured.guides import compiler_for, json_schema_grammar  # noqa: E402
+from app.serving.structured.guides import compiler_for, json_schema_grammar  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import load_model  # noqa: E402

@@ -7,7 +7,7 @@ import os
 from alembic import context
 
 from app.db import make_engine, normalize_url
-from app.gateway.models import Base
+from app.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -45,7 +45,7 @@ class DashboardClient:
     def usage_rows(self) -> list:
         from sqlalchemy import select
 
-        from app.gateway.models import UsageRow
+        from app.tables import UsageRow
 
         assert self.gateway.writer.flush(10)
         with self.gateway.sessions() as session:

@@ -282,7 +282,7 @@ def usage_rows(gateway) -> list:  # noqa: ANN001
     """Every usage row, oldest first, after the writer has flushed."""
     from sqlalchemy import select
 
-    from app.gateway.models import UsageRow
+    from app.tables import UsageRow
 
     assert gateway.writer.flush(10)
     with gateway.sessions() as session:

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.airgap
 
 
 def test_cli_switches_the_hub_libraries_offline_before_they_load():
-    probe = ("import os; os.environ['HF_HUB_OFFLINE'] = '0'; import app.cli; "
+    probe = ("import os; os.environ['HF_HUB_OFFLINE'] = '0'; import app.cli.main; "
              "import huggingface_hub.constants as hub; print(hub.HF_HUB_OFFLINE, os.environ['TRANSFORMERS_OFFLINE'])")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "0"})

@@ -1,11 +1,11 @@
-"""Real cost per token (app/costs.py) on a synthetic clock: the hardware hour is fixed, tokens vary."""
+"""Real cost per token (app/observability/costs.py) on a synthetic clock: the hardware hour is fixed, tokens vary."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from app.costs import HardwareCostMeter, TokenBuckets
+from app.observability.costs import HardwareCostMeter, TokenBuckets
 
 
 class SyntheticClock:

@@ -18,7 +18,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from app.gateway.models import Team, UsageRow
+from app.tables import Team, UsageRow
 from tests.dashboard_support import ADMIN_KEY, make_dashboard_gateway
 from tests.server_helpers import MODEL, running_server
 

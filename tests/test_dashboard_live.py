@@ -8,7 +8,7 @@ import pytest
 
 from app.dashboard.histograms import HistogramCounts, quantile
 from app.dashboard.live import LiveSampler, ModelSource, cost_per_million
-from app.prometheus import Histogram
+from app.observability.prometheus import Histogram
 from engine.stats import EngineStats
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc).timestamp()

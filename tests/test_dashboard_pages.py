@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sqlalchemy import insert, select
 
-from app.gateway.models import ApiKey, Team, UsageDaily, UsageRow
+from app.tables import ApiKey, Team, UsageDaily, UsageRow
 from tests.dashboard_support import admin, bearer, chat, dashboard, shown_key  # noqa: F401
 from tests.gateway_support import FAKE_MODEL
 

@@ -1,4 +1,4 @@
-"""app/encoder_queue.py: one worker, batches of concurrent requests run together, failures and
+"""app/serving/encoder_queue.py: one worker, batches of concurrent requests run together, failures and
 cancellations stay with their own requests. A fake model records the batches it is given."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from app.encoder_queue import EncoderQueue
+from app.serving.encoder_queue import EncoderQueue
 
 
 class RecordingModel:

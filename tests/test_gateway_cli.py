@@ -5,7 +5,7 @@ import time
 
 from fastapi.testclient import TestClient
 
-from app.cli import main
+from app.cli.main import main
 from tests.gateway_support import (bearer, build_app, chat_body, database_url, make_gateway,  # noqa: F401
                                    pg_databases, pg_session_url)
 

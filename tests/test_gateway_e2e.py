@@ -16,7 +16,7 @@ import openai
 import pytest
 from sqlalchemy import create_engine, select
 
-from app.gateway.models import UsageRow
+from app.tables import UsageRow
 from tests.conftest import MODEL_CACHE
 from tests.gateway_support import (admin_headers, bearer, database_url, free_port, make_gateway,  # noqa: F401
                                    pg_databases, pg_session_url, usage_rows)

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.gateway.keys import hash_key
-from app.gateway.models import ApiKey
+from app.tables import ApiKey
 from tests.gateway_support import (FAKE_MODEL, FakeClock, admin_headers, bearer, build_app, chat_body,  # noqa: F401
                                    create_key, create_team, database_url, make_gateway, pg_databases,
                                    pg_session_url)

@@ -13,7 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
 
 from app.db import current_revision, make_engine, migrate
-from app.gateway.models import Base
+from app.tables import Base
 from tests.gateway_support import database_url, pg_databases, pg_session_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine, func, select
 
-from app.gateway.models import UsageRow
+from app.tables import UsageRow
 from tests.gateway_support import (ADMIN_KEY, admin_headers, bearer, chat_body, database_url,  # noqa: F401
                                    free_port, pg_databases, pg_session_url)
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, func, select, text
 
 from app.gateway import usage as usage_module
-from app.gateway.models import ApiKey, UsageDaily, UsageRow
+from app.tables import ApiKey, UsageDaily, UsageRow
 from app.gateway.usage import UsageEvent
 from tests.gateway_support import (FAKE_MODEL, FakeEngine, admin_headers, bearer, build_app,  # noqa: F401
                                    chat_body, create_key, create_team, database_url, make_gateway, pg_databases,

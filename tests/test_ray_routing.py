@@ -1,5 +1,5 @@
-"""Prefix-aware routing as pure functions (app.prefix_routing) and the ASGI forwarding the replicas run
-(app.asgi_forward): no Ray needed."""
+"""Prefix-aware routing as pure functions (app.scaleout.prefix_routing) and the ASGI forwarding the replicas run
+(app.scaleout.asgi_forward): no Ray needed."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,8 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from app.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
-from app.prefix_routing import prefix_key, rank_replicas, rendezvous_order, routing_text
+from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
+from app.scaleout.prefix_routing import prefix_key, rank_replicas, rendezvous_order, routing_text
 
 SYSTEM = "You are the support assistant of ACME. " * 20
 

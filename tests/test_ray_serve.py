@@ -27,7 +27,7 @@ from tests.gateway_support import (  # noqa: F401  (fixtures)
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from app.ray_serve import REPLICA_HEADER, build_application
+from app.scaleout.ray_serve import REPLICA_HEADER, build_application
 
 pytestmark = pytest.mark.ray
 
@@ -73,7 +73,7 @@ def clear_redis(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):  # noqa: F811
-    from app.gateway_hooks import provision_admin_key
+    from app.gateway.contract import provision_admin_key
     from app.settings import Settings
     from engine.config import EngineConfig
 
@@ -269,7 +269,7 @@ def test_scaling_down_drains_the_stopping_replica(cluster):
 
 
 def test_shutting_down_finishes_the_requests_in_flight_and_refuses_new_ones(cluster):
-    from app.ray_serve import drain_and_shutdown
+    from app.scaleout.ray_serve import drain_and_shutdown
 
     _, key = cluster.new_key("shut-down")
     late, cut_short = [], []

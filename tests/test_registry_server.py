@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from app.cli import main as tokenmill
+from app.cli.main import main as tokenmill
 from app.gateway.config import GatewayConfig
 from app.gateway.service import Gateway
 from app.main import create_app

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from app.gateway.models import UsageRow
+from app.tables import UsageRow
 from app.gateway.usage import UsageEvent
 from engine.config import EngineConfig
 from tests.gateway_support import ADMIN_KEY, FAKE_MODEL, admin_headers, bearer, chat_body, free_port

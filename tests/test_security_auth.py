@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.gateway.auth import FailedAuthLimiter
-from app.gateway.models import ApiKey
+from app.tables import ApiKey
 from tests.gateway_support import (ADMIN_KEY, FakeClock, admin_headers, bearer, build_app, chat_body, create_key, create_team,
                                    make_gateway)  # noqa: F401
 

@@ -6,7 +6,7 @@ import httpx
 import pytest
 import uvicorn
 
-from app.cli import main
+from app.cli.main import main
 from app.settings import Settings, SettingsError
 from tests.gateway_support import ADMIN_KEY, FakeEngine, serve_in_thread
 
@@ -23,7 +23,7 @@ def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str) -> list:  # noqa:
     from app.main import create_app
 
     monkeypatch.setenv("TOKENMILL_ADMIN_KEY", ADMIN_KEY)
-    monkeypatch.setattr("app.replica_app.build_server", lambda settings: (
+    monkeypatch.setattr("app.scaleout.replica_app.build_server", lambda settings: (
         create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)), engine))
     results = []
 

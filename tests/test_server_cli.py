@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from app.cli import main
+from app.cli.main import main
 from app.registry.loading import embedded_defaults
 from tests.server_helpers import MODEL
 

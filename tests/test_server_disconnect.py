@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.gateway_hooks import Principal, UsageRecord
+from app.gateway.contract import Principal, UsageRecord
 from tests.server_helpers import MODEL, running_server
 
 pytestmark = pytest.mark.real_model

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli import build_parser
+from app.cli.main import build_parser
 from app.settings import Settings, SettingsError, settings_from
 
 

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from app.structured.guides import GrammarError, compiler_for, json_schema_grammar
+from app.serving.structured.guides import GrammarError, compiler_for, json_schema_grammar
 from engine.sampling_params import SamplingParams
 from tests.engine_helpers import chat_prompt, make_engine
 

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from app.errors import OpenAIError
-from app.schemas import ChatCompletionRequest
-from app.structured.guides import compiler_for
-from app.structured.plan import plan_request, prepare_chat
-from app.structured.tool_calls import ToolCallParser, parse_message
-from app.structured.tools import ToolChoice, parse_tools, tools_grammar
+from app.serving.schemas import ChatCompletionRequest
+from app.serving.structured.guides import compiler_for
+from app.serving.structured.plan import plan_request, prepare_chat
+from app.serving.structured.tool_calls import ToolCallParser, parse_message
+from app.serving.structured.tools import ToolChoice, parse_tools, tools_grammar
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -11,7 +11,7 @@ class HistogramCounts:
     counts: tuple[int, ...]  # per bucket, not cumulative; one more than bounds (+Inf)
 
     @classmethod
-    def of(cls, histogram) -> HistogramCounts:  # noqa: ANN001 - app.prometheus.Histogram
+    def of(cls, histogram) -> HistogramCounts:  # noqa: ANN001 - app.observability.prometheus.Histogram
         return cls(tuple(histogram.bounds), tuple(histogram.bucket_counts))
 
     @classmethod

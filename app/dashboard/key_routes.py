@@ -10,8 +10,9 @@ from app.dashboard.limit_forms import FormError, body_from
 from app.dashboard.rendering import render
 from app.dashboard.team_routes import PAGE_SIZE, team_page
 from app.errors import OpenAIError
-from app.gateway import admin_api, crud
-from app.gateway.models import Team
+from app.api import admin
+from app.gateway import crud
+from app.tables import Team
 from app.gateway.schemas import KeyCreate, KeyUpdate
 
 router = APIRouter()
@@ -41,7 +42,7 @@ def create_key(request: Request, session: PageSession, dashboard: DashboardDep, 
     try:
         body = body_from(form, KeyCreate, team_id=team_id, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:
-            created = admin_api.create_key(body, db)
+            created = admin.create_key(body, db)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return team_page(request, session, dashboard, team_id, error=message, status_code=400)
@@ -66,7 +67,7 @@ def update_key(request: Request, key_id: int, session: PageSession, dashboard: D
     try:
         body = body_from(form, KeyUpdate, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:
-            admin_api.update_key(key_id, body, db, dashboard.gateway)
+            admin.update_key(key_id, body, db, dashboard.gateway)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return show_key(request, key_id, session, dashboard, error=message, status_code=400)
@@ -76,6 +77,6 @@ def update_key(request: Request, key_id: int, session: PageSession, dashboard: D
 @router.post("/admin/keys/{key_id}/revoke", include_in_schema=False)
 def revoke_key(key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
     with dashboard.gateway.sessions() as db:
-        key = admin_api.revoke_key(key_id, db, dashboard.gateway)
+        key = admin.revoke_key(key_id, db, dashboard.gateway)
     back = safe_next(form.get("back") or f"/admin/teams/{key.team_id}")
     return RedirectResponse(back + ("&" if "?" in back else "?") + "done=revoked", status_code=303)

@@ -13,7 +13,8 @@ from datetime import datetime, timezone
 from sqlalchemy.exc import IntegrityError
 
 from app.errors import OpenAIError
-from app.gateway import admin_api, crud
+from app.api import admin
+from app.gateway import crud
 from app.gateway.schemas import KeyCreate, TeamCreate
 
 PLAYGROUND_TEAM = "playground"
@@ -51,7 +52,7 @@ class PlaygroundKeys:
         expires = datetime.fromtimestamp(expires_at, timezone.utc)
         with self.gateway.sessions() as session:
             team_id = self._team_id(session)
-            created = admin_api.create_key(KeyCreate(team_id=team_id, name="dashboard playground",
+            created = admin.create_key(KeyCreate(team_id=team_id, name="dashboard playground",
                                                      expires_at=expires), session)
         return PlaygroundKey(created.key, created.id, team_id, expires_at)
 
@@ -61,7 +62,7 @@ class PlaygroundKeys:
         if team is not None:
             return team.id
         try:
-            return admin_api.create_team(TeamCreate(name=PLAYGROUND_TEAM), session).id
+            return admin.create_team(TeamCreate(name=PLAYGROUND_TEAM), session).id
         except (OpenAIError, IntegrityError):  # another replica made it first
             session.rollback()
             return crud.get_team_by_name(session, name=PLAYGROUND_TEAM).id
@@ -73,4 +74,4 @@ class PlaygroundKeys:
         if minted is None:
             return
         with self.gateway.sessions() as session:
-            admin_api.revoke_key(minted.key_id, session, self.gateway)
+            admin.revoke_key(minted.key_id, session, self.gateway)

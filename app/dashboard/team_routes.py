@@ -10,8 +10,9 @@ from app.dashboard.deps import CheckedForm, DashboardDep, PageSession
 from app.dashboard.limit_forms import FormError, body_from
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
-from app.gateway import admin_api, crud
-from app.gateway.models import ApiKey
+from app.api import admin
+from app.gateway import crud
+from app.tables import ApiKey
 from app.gateway.schemas import TeamCreate, TeamUpdate
 
 router = APIRouter()
@@ -48,7 +49,7 @@ def create_team(request: Request, session: PageSession, dashboard: DashboardDep,
     try:
         body = body_from(form, TeamCreate, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:
-            team = admin_api.create_team(body, db)
+            team = admin.create_team(body, db)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return teams_page(request, session, dashboard, after=None, error=message, form=form, status_code=400)
@@ -83,7 +84,7 @@ def update_team(request: Request, team_id: int, session: PageSession, dashboard:
         name = form.get("name", "").strip()
         body = body_from(form, TeamUpdate, blocked=form.get("blocked") == "on", **({"name": name} if name else {}))
         with dashboard.gateway.sessions() as db:
-            admin_api.update_team(team_id, body, db, dashboard.gateway)
+            admin.update_team(team_id, body, db, dashboard.gateway)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return team_page(request, session, dashboard, team_id, error=message, status_code=400)
@@ -93,5 +94,5 @@ def update_team(request: Request, team_id: int, session: PageSession, dashboard:
 @router.post("/admin/teams/{team_id}/delete", include_in_schema=False)
 def delete_team(team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
     with dashboard.gateway.sessions() as db:
-        admin_api.delete_team(team_id, db, dashboard.gateway)
+        admin.delete_team(team_id, db, dashboard.gateway)
     return RedirectResponse("/admin/teams", status_code=303)

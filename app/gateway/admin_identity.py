@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.gateway.crud import create_key, create_team, find_key, get_team_by_name, utcnow
 from app.gateway.keys import ADMIN_KEY_PREFIX, generate_key, hash_key, hashes_match, visible_prefix
-from app.gateway.models import AdminCredential
+from app.tables import AdminCredential
 
 
 class AdminIdentity:

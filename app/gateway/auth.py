@@ -18,17 +18,17 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app import gateway_hooks as hooks
+from app.gateway import contract
 from app.gateway.budget import BudgetScope
 from app.gateway.crud import find_key
 from app.gateway.keys import hash_key
-from app.gateway.models import ApiKey, Team
+from app.tables import ApiKey, Team
 from app.gateway.ratelimit import Scope
 from app.gateway.refresh import RefreshRounds
 
 
 @dataclass(frozen=True)
-class Principal(hooks.Principal):
+class Principal(contract.Principal):
     """A team's key and the limits that apply to it. team_id / key_id are the database ids."""
 
     key_prefix: str = ""

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.gateway.models import NANO, UsageDaily
+from app.tables import NANO, UsageDaily
 from app.gateway.refresh import RefreshRounds
 from app.gateway.usage import UsageEvent
 

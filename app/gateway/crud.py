@@ -8,7 +8,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from app.gateway.keys import generate_key, hash_key, visible_prefix
-from app.gateway.models import ApiKey, Team
+from app.tables import ApiKey, Team
 
 BUDGET_PERIODS = ("day", "month")
 LIMIT_FIELDS = ("allowed_models", "rpm_limit", "tpm_limit", "max_budget_usd", "budget_period", "expires_at")

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from app.gateway.models import NANO, ApiKey, Team, UsageDaily, UsageRow
+from app.tables import NANO, ApiKey, Team, UsageDaily, UsageRow
 from app.gateway.usage import ABORTED, OK
 
 GROUPS = ("day", "team", "key", "model", "replica")

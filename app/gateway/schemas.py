@@ -6,7 +6,7 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from app.gateway.models import ApiKey, Team
+from app.tables import ApiKey, Team
 
 Period = Literal["day", "month"]
 

@@ -1,5 +1,5 @@
 """The Gateway: one object per process holding the store, the key cache, the limiter, the budget
-tracker and the usage writer. It implements app.gateway_hooks.Gateway (authenticate, admit,
+tracker and the usage writer. It implements app.gateway.contract.Gateway (authenticate, admit,
 request_finished); install_gateway() adds its routers and starts / stops it with the app."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from app.gateway.headers import offer_headers
 from app.gateway.keys import bearer_token, visible_prefix
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters
 from app.gateway.usage import UsageEvent, UsageWriter
-from app.gateway_hooks import UsageRecord
+from app.gateway.contract import UsageRecord
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -95,7 +95,7 @@ class Gateway:
         if getattr(app.state, "gateway", None) is not self:
             install_gateway(app, self)
 
-    # the hooks the /v1 routes call (app.gateway_hooks.Gateway)
+    # the hooks the /v1 routes call (app.gateway.contract.Gateway)
 
     async def authenticate(self, request: Request) -> Principal:
         token = bearer_token(request.headers.get("authorization"))

@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from app.gateway.crud import touch_last_used
-from app.gateway.models import UsageDaily, UsageRow
+from app.tables import UsageDaily, UsageRow
 
 log = logging.getLogger("tokenmill.gateway.usage")
 

@@ -9,7 +9,7 @@ from sqlalchemy.exc import DataError
 from app.errors import invalid_request
 from app.lifespan import around_lifespan
 
-from app.gateway import admin_api, team_api
+from app.api import admin, usage
 from app.gateway.headers import RateLimitHeadersMiddleware
 from app.gateway.service import Gateway
 
@@ -23,8 +23,8 @@ def install_gateway(app: FastAPI, gateway: Gateway) -> None:
     app.state.gateway = gateway
     app.add_exception_handler(OverflowError, _out_of_range)
     app.add_exception_handler(DataError, _out_of_range)
-    app.include_router(admin_api.router)
-    app.include_router(team_api.router)
+    app.include_router(admin.router)
+    app.include_router(usage.router)
     app.add_middleware(RateLimitHeadersMiddleware)
     around_lifespan(app, gateway.astart, gateway.astop)
 

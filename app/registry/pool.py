@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
-from app.costs import HardwareCostMeter
+from app.observability.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
 from app.registry.loading import load_model, preloaded_spec, return_memory_to_os
 from app.registry.memory import check_fits

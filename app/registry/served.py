@@ -2,9 +2,9 @@
 metrics, and how many requests are using it, so that unloading can wait for them (drain)."""
 from __future__ import annotations
 
-from app.metrics import ServerMetrics
+from app.observability.metrics import ServerMetrics
 from app.registry.spec import ModelSpec
-from app.token_text import TokenTexts
+from app.serving.token_text import TokenTexts
 
 LOADED, DRAINING = "loaded", "draining"
 

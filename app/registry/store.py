@@ -8,7 +8,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.gateway.crud import utcnow
-from app.gateway.models import RegisteredModel
+from app.tables import RegisteredModel
 from app.registry.spec import ModelSpec, price_of
 
 PRICE_COLUMNS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")

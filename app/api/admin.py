@@ -1,0 +1,219 @@
+"""/admin/api: teams, keys and usage, for the admin key only. JSON, keyset-paginated lists."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Response
+from sqlalchemy.orm import Session
+
+from app.errors import OpenAIError, invalid_request
+from app.gateway import crud
+from app.api.deps import AdminDep, GatewayDep
+from app.tables import NANO
+from app.gateway.reports import list_requests, parse_group_by, parse_when, to_csv, usage_report
+from app.gateway.schemas import (KeyCreate, KeyCreated, KeyUpdate, KeyView, Page, TeamCreate, TeamUpdate,
+                                 TeamView, UsageReport, UsageRequestView)
+
+router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[AdminDep])
+
+
+def get_session(gateway: GatewayDep) -> Iterator[Session]:
+    with gateway.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+
+
+def not_found(what: str, ident: int) -> OpenAIError:
+    return OpenAIError(404, f"No {what} with id {ident}.", code="not_found")
+
+
+def _commit(session: Session) -> None:
+    try:
+        session.commit()
+    except Exception:
+        session.rollback()
+        raise
+
+
+def _changes(body) -> dict:  # noqa: ANN001
+    return body.model_dump(exclude_unset=True)
+
+
+def _page(items: list, limit: int, view) -> dict:  # noqa: ANN001
+    data = [view.of(item) for item in items[:limit]]
+    return {"data": data, "has_more": len(items) > limit,
+            "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}
+
+
+def _conflict(error: crud.Conflict) -> OpenAIError:
+    return OpenAIError(409, str(error), code="conflict")
+
+
+# teams
+
+@router.post("/teams", status_code=201, response_model=TeamView)
+def create_team(body: TeamCreate, session: SessionDep) -> TeamView:
+    try:
+        team = crud.create_team(session, **_changes(body))
+    except crud.Conflict as error:
+        raise _conflict(error) from None
+    _commit(session)
+    return TeamView.of(team)
+
+
+@router.get("/teams", response_model=Page[TeamView])
+def list_teams(session: SessionDep, limit: Limit = 100, after: int | None = None) -> dict:
+    return _page(list(crud.list_teams(session, limit=limit + 1, after=after)), limit, TeamView)
+
+
+@router.get("/teams/{team_id}", response_model=TeamView)
+def get_team(team_id: int, session: SessionDep) -> TeamView:
+    team = crud.get_team(session, team_id=team_id)
+    if team is None:
+        raise not_found("team", team_id)
+    return TeamView.of(team)
+
+
+@router.patch("/teams/{team_id}", response_model=TeamView)
+def update_team(team_id: int, body: TeamUpdate, session: SessionDep, gateway: GatewayDep) -> TeamView:
+    team = crud.get_team(session, team_id=team_id)
+    if team is None:
+        raise not_found("team", team_id)
+    try:
+        crud.update_team(session, team=team, **_changes(body))
+    except crud.Conflict as error:
+        raise _conflict(error) from None
+    _commit(session)
+    gateway.forget_keys()
+    return TeamView.of(team)
+
+
+@router.delete("/teams/{team_id}")
+def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep) -> dict:
+    team = crud.get_team(session, team_id=team_id)
+    if team is None:
+        raise not_found("team", team_id)
+    revoked = crud.delete_team(session, team=team)
+    _commit(session)
+    gateway.forget_keys(revoked)
+    gateway.forget_keys()
+    return {"id": team_id, "object": "team", "deleted": True, "keys_revoked": len(revoked)}
+
+
+# keys
+
+@router.post("/keys", status_code=201, response_model=KeyCreated)
+def create_key(body: KeyCreate, session: SessionDep) -> KeyCreated:
+    fields = _changes(body)
+    team = crud.get_team(session, team_id=fields.pop("team_id"))
+    if team is None:
+        raise OpenAIError(404, f"No team with id {body.team_id}.", param="team_id", code="not_found")
+    key, plaintext = crud.create_key(session, team=team, **fields)
+    _commit(session)
+    return KeyCreated(**KeyView.of(key).model_dump(), key=plaintext)
+
+
+@router.get("/keys", response_model=Page[KeyView])
+def list_keys(session: SessionDep, limit: Limit = 100, after: int | None = None, team_id: int | None = None,
+              include_revoked: bool = False) -> dict:
+    keys = crud.list_keys(session, team_id=team_id, include_revoked=include_revoked, limit=limit + 1, after=after)
+    return _page(list(keys), limit, KeyView)
+
+
+@router.get("/keys/{key_id}", response_model=KeyView)
+def get_key(key_id: int, session: SessionDep) -> KeyView:
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    return KeyView.of(key)
+
+
+@router.patch("/keys/{key_id}", response_model=KeyView)
+def update_key(key_id: int, body: KeyUpdate, session: SessionDep, gateway: GatewayDep) -> KeyView:
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    crud.update_key(session, key=key, **_changes(body))
+    _commit(session)
+    gateway.forget_keys([key.key_hash])
+    return KeyView.of(key)
+
+
+@router.delete("/keys/{key_id}", response_model=KeyView)
+def revoke_key(key_id: int, session: SessionDep, gateway: GatewayDep) -> KeyView:
+    """Revokes the key (rows keep pointing at it; it answers 401 from now on)."""
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    crud.revoke_key(session, key=key)
+    _commit(session)
+    gateway.forget_keys([key.key_hash])
+    return KeyView.of(key)
+
+
+# usage
+
+class UsageQuery:
+    def __init__(self, team_id: int | None = None, key_id: int | None = None, model: str | None = None,
+                 since: Annotated[str | None, Query(description="inclusive; date or ISO time, UTC")] = None,
+                 until: Annotated[str | None, Query(description="exclusive; date or ISO time, UTC")] = None,
+                 group_by: Annotated[str, Query(description="comma-separated: day, team, key, model, replica")] = "day",
+                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000, offset: Annotated[int, Query(ge=0)] = 0,
+                 format: Literal["json", "csv"] = "json") -> None:
+        try:
+            self.since = parse_when(since)
+            self.until = parse_when(until)
+            self.group_by = parse_group_by(group_by)
+        except ValueError as error:
+            raise invalid_request(str(error)) from None
+        self.team_id, self.key_id, self.model = team_id, key_id, model
+        self.limit, self.offset, self.format = limit, offset, format
+
+    def filters(self) -> dict:
+        return {"team_id": self.team_id, "key_id": self.key_id, "model": self.model, "since": self.since,
+                "until": self.until}
+
+
+def usage_response(session: Session, query: UsageQuery, *, csv: bool = False) -> Response | dict:
+    if csv or query.format == "csv":
+        rows = usage_report(session, group_by=query.group_by, **query.filters())
+        return Response(to_csv(rows, query.group_by), media_type="text/csv",
+                        headers={"content-disposition": 'attachment; filename="usage.csv"'})
+    rows = usage_report(session, group_by=query.group_by, limit=query.limit + 1, offset=query.offset,
+                        **query.filters())
+    return {"group_by": list(query.group_by), "since": _iso(query.since), "until": _iso(query.until),
+            "data": rows[:query.limit], "has_more": len(rows) > query.limit}
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat() + "Z"
+
+
+CSV_RESPONSE = {200: {"content": {"text/csv": {}}, "description": "with format=csv"}}
+
+
+@router.get("/usage", response_model=UsageReport, responses=CSV_RESPONSE)
+def usage(session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> Response | dict:
+    return usage_response(session, query)
+
+
+@router.get("/usage.csv", response_class=Response, responses=CSV_RESPONSE)
+def usage_csv(session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> Response:
+    return usage_response(session, query, csv=True)
+
+
+@router.get("/usage/requests", response_model=Page[UsageRequestView])
+def usage_requests(session: SessionDep, query: Annotated[UsageQuery, Depends()],
+                   before: int | None = None) -> dict:
+    """Request rows, newest first; page with `before` = the last id seen."""
+    rows = list(list_requests(session, limit=query.limit + 1, before=before, **query.filters()))
+    data = [UsageRequestView.model_validate({**{c: getattr(r, c) for c in UsageRequestView.model_fields
+                                                 if hasattr(r, c)}, "cost_usd": r.cost_nano_usd / NANO})
+            for r in rows[:query.limit]]
+    return {"data": data, "has_more": len(rows) > query.limit,
+            "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}

@@ -1,0 +1,55 @@
+"""GET /v1/models and /v1/models/{id}: the enabled models of the registry, and their aliases, that the
+caller's key may use. An alias is listed as a model of its own, as OpenAI clients expect."""
+from __future__ import annotations
+
+import time
+from datetime import UTC
+
+from fastapi import APIRouter
+
+from app.api.deps import ContextDep, PrincipalDep
+from app.errors import model_not_found
+from app.gateway.contract import Principal
+from app.registry.pool import ModelPool
+from app.registry.spec import ModelSpec
+
+router = APIRouter()
+STARTED_AT = int(time.time())  # what a model registered only in memory says it was created at
+
+
+def visible_names(spec: ModelSpec, principal: Principal) -> list[str]:
+    """All its names when the key may use the model; else only the aliases the key lists itself."""
+    if not spec.enabled:
+        return []
+    if principal.allows(spec.name):
+        return list(spec.names)
+    return [alias for alias in spec.aliases if principal.allows(alias)]
+
+
+def model_card(pool: ModelPool, spec: ModelSpec, model_id: str) -> dict:
+    created = int(spec.created_at.replace(tzinfo=UTC).timestamp()) if spec.created_at else STARTED_AT
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "tokenmill", "kind": spec.kind,
+            "status": pool.state(spec.name)}
+    if model_id != spec.name:
+        card["root"] = spec.name  # what the alias points at
+    served = pool.served.get(spec.name)
+    if served is not None and served.engine is not None:
+        card["max_model_len"] = served.engine.max_model_len
+    elif spec.max_model_len is not None:
+        card["max_model_len"] = spec.max_model_len
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(context: ContextDep, principal: PrincipalDep) -> dict:
+    pool = context.models
+    return {"object": "list", "data": [model_card(pool, spec, name) for spec in pool.specs.values()
+                                       for name in visible_names(spec, principal)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, context: ContextDep, principal: PrincipalDep) -> dict:
+    spec = context.models.spec(model_id)
+    if spec is None or model_id not in visible_names(spec, principal):
+        raise model_not_found(model_id)
+    return model_card(context.models, spec, model_id)

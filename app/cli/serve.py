@@ -1,0 +1,58 @@
+"""`tokenmill serve`: the OpenAI-compatible server in this process, or on Ray Serve with --ray."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from app.settings import Settings, SettingsError, add_arguments, settings_from
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    try:
+        return settings_from(vars(args), os.environ)
+    except SettingsError as error:
+        print(f"tokenmill: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.gateway.wiring import provision_configured_key
+    from app.gateway.contract import provision_admin_key
+    from app.cli.ray import apply_replica_count, serve_on_ray
+    from app.scaleout.replica_app import build_server
+
+    apply_replica_count(args)
+    settings = load_settings(args)
+    try:
+        configured = provision_configured_key(settings)  # before the model loads: a bad key fails fast
+    except ValueError as error:
+        print(f"tokenmill: {error}", file=sys.stderr)
+        return 2
+    if configured:
+        print(f"tokenmill: {configured}", flush=True)
+    if args.ray:
+        return serve_on_ray(settings, args)
+    app, engine = build_server(settings)
+    try:
+        print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
+        admin_key = settings.admin_key or provision_admin_key(settings)
+        if admin_key and not settings.admin_key:
+            print(f"tokenmill: admin key (shown once, keep it): {admin_key}", flush=True)
+        # proxy_headers=False: uvicorn would believe X-Forwarded-For from 127.0.0.1; the app itself trusts
+        # only --forwarded-allow-ips.
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5, proxy_headers=False)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    from app.cli.ray import add_ray_arguments
+
+    add_ray_arguments(parser)

@@ -1,0 +1,1 @@
+"""What the server measures: Prometheus metrics, their exposition, and the hardware cost per token."""

@@ -1,0 +1,243 @@
+"""tokenmill on Ray Serve: N replicas, each a whole tokenmill server (engine, pool, gateway), behind one
+HTTP ingress. Replicas share their state through PostgreSQL (keys, usage, registry) and Redis
+(rate-limit counters); Ray Serve starts, scales, health-checks and drains them.
+
+The ingress reads each request's body, keys it on the start of its prompt (app.scaleout.prefix_routing) and
+hands it to a replica through a deployment handle, whose request router (PrefixAwareRouter) sends
+prompts that begin alike to the same replica, so its prefix cache hits. Responses stream back
+chunk by chunk. A request whose replica dies before the response starts is sent to another one.
+Needs the `ray` extra (`pip install -e '.[ray]'`); `tokenmill serve --ray` (app/cli/ray.py) runs it.
+"""
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
+from app.errors import OpenAIError
+from app.scaleout.prefix_routing import (
+    IMBALANCE,
+    PREFIX_CHARS,
+    prefix_key,
+    rank_replicas,
+    routing_text,
+)
+from app.settings import Settings
+
+REPLICA_HEADER = "x-tokenmill-replica"  # which replica answered: for operators, tests and the bench
+DRAIN_TIMEOUT_S = 60.0  # a stopping replica finishes its requests for this long, then it is killed
+ATTEMPTS = 3  # tries for a request whose replica dies before answering
+ROUTERS = {"prefix": "app.scaleout.ray_serve.PrefixAwareRouter", "round-robin": "app.scaleout.ray_serve.RoundRobinRouter"}
+FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "HF_", "TRANSFORMERS_")
+
+
+# ---- request routers (they run in the ingress, beside its handle to the replicas) ----
+
+def _prefix_key_of(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request.prefix_key if isinstance(request, ForwardedRequest) else None
+
+
+class PrefixAwareRouter(RequestRouter):
+    """The replica the prompt's prefix hashes to, unless it runs `imbalance` more requests than the
+    least-loaded one; then least-loaded first. Serve probes the ranks in order and skips replicas at
+    max_ongoing_requests, so a full replica is passed over too."""
+
+    def initialize_state(self, imbalance: int = IMBALANCE, **_: object) -> None:
+        self.imbalance = imbalance
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        loads = {unique_id: self.replica_queue_len_cache.get(replica.replica_id)
+                 for unique_id, replica in by_id.items()}
+        ranks = rank_replicas(_prefix_key_of(pending_request), loads, self.imbalance)
+        return [[by_id[unique_id] for unique_id in rank] for rank in ranks]
+
+
+class RoundRobinRouter(RequestRouter):
+    """Replicas in turn, whatever the prompt: the baseline bench/scale_bench.py compares against."""
+
+    def initialize_state(self, **_: object) -> None:
+        self.turns = itertools.count()
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
+        first = next(self.turns) % len(ordered)
+        return [[ordered[first]], ordered[first + 1:] + ordered[:first]]
+
+
+# ---- the replica: one tokenmill server ----
+
+class TokenmillReplica:
+    async def __init__(self, settings: Settings) -> None:
+        from app.scaleout.replica_app import build_server
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        os.environ["TOKENMILL_INSTANCE_ID"] = self.replica_id  # the gateway names its usage rows after it
+        # Loading the model blocks for seconds: off this replica's event loop.
+        self.app, self.engine = await asyncio.to_thread(build_server, settings)
+        self.identity = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
+        self.lifespan = self.app.router.lifespan_context(self.app)
+        await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them
+
+    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
+        async for item in run_asgi(self.app, request, self.identity):
+            yield item
+
+    async def __del__(self) -> None:
+        # Serve calls this after the drain: in-flight requests have finished; flush usage, stop the engine.
+        try:
+            await self.lifespan.__aexit__(None, None, None)
+        finally:
+            await asyncio.to_thread(self.engine.shutdown)
+
+
+# ---- the ingress: one HTTP front for all replicas ----
+
+ingress_api = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the replicas' own docs pass through
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def _shutting_down() -> Response:
+    error = OpenAIError(503, "The server is shutting down; try again.", type="server_error", code="shutting_down",
+                        headers={"Retry-After": "2"})
+    return error.response()
+
+
+def _replica_lost() -> Response:
+    error = OpenAIError(503, "No replica could take the request; try again.", type="server_error",
+                        code="replica_unavailable")
+    return error.response()
+
+
+class Ingress:
+    def __init__(self, replicas: DeploymentHandle, prefix_chars: int = PREFIX_CHARS) -> None:
+        self.replicas = replicas.options(stream=True, method_name="handle")
+        self.prefix_chars = prefix_chars
+        self.draining = False
+        self.in_flight = 0  # requests forwarded whose response has not ended
+
+    def drain(self) -> int:
+        """From now on refuse new requests (503 shutting_down); returns how many are still in flight."""
+        self.draining = True
+        return self.in_flight
+
+    def in_flight_requests(self) -> int:
+        return self.in_flight
+
+    @ingress_api.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
+    async def forward(self, request: Request, path: str) -> Response:
+        if self.draining:
+            return _shutting_down()
+        self.in_flight += 1
+        try:
+            response = await self._forward(request)
+        except BaseException:
+            self.in_flight -= 1
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.in_flight -= 1
+        return response
+
+    async def _forward(self, request: Request) -> Response:
+        body = await request.body()
+        forwarded = ForwardedRequest(
+            method=request.method, path=request.url.path, query_string=request.scope.get("query_string", b""),
+            headers=list(request.scope["headers"]), body=body, client=request.scope.get("client"),
+            prefix_key=prefix_key(routing_text(request.url.path, body), self.prefix_chars),
+            scheme=request.url.scheme)
+        for _ in range(ATTEMPTS):
+            stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
+            try:
+                start = await stream.__anext__()
+            except (RayActorError, ActorUnavailableError):
+                continue  # the replica died before it answered: nothing was sent, another one takes it
+            response = StreamingResponse(self._rest_of(stream), status_code=start.status)
+            response.raw_headers = list(start.headers)  # as the replica sent them, repeated headers too
+            return response
+        return _replica_lost()
+
+    async def _rest_of(self, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for chunk in stream:
+                yield chunk
+            finished = True
+        finally:
+            self.in_flight -= 1
+            if not finished:
+                stream.cancel()  # the client went away: the replica sees a disconnect and aborts the generation
+
+
+# At import, in every process: serve.ingress turns `forward` into a route bound to the replica's instance.
+IngressDeployment = serve.deployment(serve.ingress(ingress_api)(Ingress), name="Ingress")
+
+
+# ---- the application ----
+
+def drain_and_shutdown(app_name: str = "tokenmill", timeout_s: float = DRAIN_TIMEOUT_S) -> int:
+    """Stop taking requests, let those in flight finish (up to `timeout_s`), then shut Serve down: its own
+    shutdown stops the HTTP proxy at once, cutting streams short. Returns the requests cut short."""
+    ingress = serve.get_app_handle(app_name)
+    in_flight = ingress.drain.remote().result()
+    deadline = time.monotonic() + timeout_s
+    while in_flight and time.monotonic() < deadline:
+        time.sleep(0.2)
+        in_flight = ingress.in_flight_requests.remote().result()
+    serve.shutdown()
+    return in_flight
+
+
+def forwarded_env() -> dict[str, str]:
+    """Settings the replicas read from their environment (the gateway's TOKENMILL_* knobs among them)."""
+    return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
+
+
+def build_application(settings: Settings, *, router: str = "prefix", initial_replicas: int | None = None,
+                      replica_cpus: float = 1.0, prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE,
+                      app_name_suffix: str = "") -> serve.Application:
+    """The Ingress bound to the TokenmillReplica deployment, with autoscaling between the settings'
+    min_replicas and max_replicas (a fixed count when they are equal)."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
+    max_ongoing = settings.engine.max_num_seqs  # more than the engine batches would only queue inside it
+    if settings.min_replicas == settings.max_replicas:
+        scaling = {"num_replicas": settings.min_replicas}
+    else:
+        scaling = {"autoscaling_config": {
+            "min_replicas": settings.min_replicas, "max_replicas": settings.max_replicas,
+            "initial_replicas": initial_replicas or settings.min_replicas,
+            "target_ongoing_requests": max(1, max_ongoing // 2)}}
+    router_kwargs = {"imbalance": imbalance} if router == "prefix" else {}
+    # The classes stay undecorated module names, so Ray pickles them by reference (by value, their
+    # methods would not see this module's other functions).
+    replica = serve.deployment(TokenmillReplica).options(
+        name="TokenmillReplica" + app_name_suffix,
+        max_ongoing_requests=max_ongoing,
+        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
+        graceful_shutdown_wait_loop_s=0.5,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
+                                                  request_router_kwargs=router_kwargs),
+        ray_actor_options={"num_cpus": replica_cpus, "runtime_env": {"env_vars": forwarded_env()}},
+        **scaling,
+    ).bind(settings)
+    return IngressDeployment.options(
+        name="Ingress" + app_name_suffix, num_replicas=1, max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": 0},  # it only forwards: leave the cores to the engines
+    ).bind(replica, prefix_chars)

@@ -1,0 +1,33 @@
+"""One tokenmill server as an ASGI app: its engine (--model), the registry's pool and the gateway.
+`tokenmill serve` runs it under uvicorn; each Ray Serve replica (app.scaleout.ray_serve) holds one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+
+import app.offline  # noqa: F401  (Ray Serve replicas start here, not in app.cli.main)
+from app.settings import Settings
+
+
+def build_server(settings: Settings) -> tuple[FastAPI, object]:
+    """The app and its engine (an engine.async_engine.AsyncEngine the caller shuts down after the app's
+    lifespan has ended)."""
+    from app.gateway.wiring import gateway_from_settings
+    from app.main import create_app
+    from app.registry.loading import embedded_defaults
+    from app.registry.pool import ModelPool
+    from app.registry.store import RegistryStore
+    from engine.async_engine import AsyncEngine
+
+    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    engine = AsyncEngine.start(settings.engine)
+    try:
+        gateway = gateway_from_settings(settings)
+        # --model is served as before; every other enabled model of the registry loads in the background.
+        pool = ModelPool(settings.engine, store=RegistryStore(gateway.sessions), load_enabled_at_start=True,
+                         first_start=embedded_defaults(), refresh_interval_s=15.0)
+        return create_app(settings, engine, gateway=gateway, pool=pool), engine
+    except BaseException:
+        engine.shutdown()
+        raise

@@ -1,0 +1,99 @@
+"""The server context a request runs in: the settings, the model pool and the gateway; and one request's
+view of the model it names (`ModelContext`), held in flight until release()."""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Response
+
+from app.observability.costs import HardwareCostMeter
+from app.errors import invalid_request
+from app.gateway.contract import Gateway, Principal
+from app.registry.pool import ModelPool
+from app.registry.served import ServedModel
+from app.serving.sampling import TokenBudget
+from app.settings import Settings
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    settings: Settings
+    models: ModelPool
+    gateway: Gateway
+    cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
+
+    def bind(self, requested_model: str, kind: str | None = None) -> ModelContext:
+        """The loaded model a request names (name or alias), of `kind` when given, counted in flight
+        until release()."""
+        served = self.models.resolve(requested_model)
+        if kind is not None and served.kind != kind:
+            raise invalid_request(f"`{requested_model}` is a model of kind {served.kind}; this endpoint needs kind "
+                                  f"{kind}.", param="model", code="wrong_model_kind")
+        served.acquire()
+        return ModelContext(self.settings, self.gateway, served, self.cost_meter)
+
+    async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]], *,
+                         kind: str | None = None) -> Response:
+        """handle(context) for the model a request names; the model counts it in flight until the
+        response is complete (a streamed one: until its tracker finishes)."""
+        if self.settings.load_on_demand:
+            await self.models.load_on_demand(requested_model)
+        context = self.bind(requested_model, kind)
+        try:
+            response = await handle(context)
+        finally:
+            if not context.streaming:
+                context.release()
+        if context.streaming:  # also when the stream never starts (client gone first): no drain waits forever
+            weakref.finalize(response.body_iterator, context.release)
+        return response
+
+
+@dataclass
+class ModelContext:
+    """One request's view of the server: its model's engine, metrics and token texts. release() once
+    the request is over (RequestTracker.finish does), so an unload can drain."""
+    settings: Settings
+    gateway: Gateway
+    served: ServedModel
+    cost_meter: HardwareCostMeter | None = None
+    streaming: bool = False  # the response outlives the route: its tracker releases the model
+    released: bool = field(default=False)
+
+    @property
+    def engine(self):
+        return self.served.engine
+
+    @property
+    def metrics(self):
+        return self.served.metrics
+
+    @property
+    def token_texts(self):
+        return self.served.token_texts
+
+    @property
+    def model_name(self) -> str:
+        return self.served.name
+
+    @property
+    def price(self):
+        return self.served.spec.price
+
+    @property
+    def token_budget(self) -> TokenBudget:
+        """A default max_tokens must fit the context and the KV pool, or the engine refuses it."""
+        pool_tokens = self.engine.stats().kv_blocks_total * self.engine.config.block_size
+        return TokenBudget(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap)
+
+    def access_name(self, principal: Principal, requested: str) -> str:
+        """What the gateway checks access against: the name the caller used if its key lists it (an
+        alias), else the registered name."""
+        return requested if requested != self.model_name and principal.allows(requested) else self.model_name
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.served.release()

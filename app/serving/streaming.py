@@ -1,0 +1,84 @@
+"""Server-sent events: chunk encoding, the [DONE] terminator, errors after the headers went out, and
+several engine streams merged into one."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi.responses import StreamingResponse
+
+from app.errors import server_error
+from app.serving.tracker import EngineFailure, RequestTracker, rejection_error
+from engine.async_engine import EngineRejected
+
+log = logging.getLogger("tokenmill.streaming")
+
+SSE_DONE = "data: [DONE]\n\n"
+Item = TypeVar("Item")
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_response(events: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+
+
+async def finished_stream(tracker: RequestTracker, events: AsyncIterator[str], *, prompt_param: str,
+                          max_tokens_param: str) -> AsyncIterator[str]:
+    """Ends every stream with [DONE], turns late failures into an error event (the status line is already
+    sent), and reports the request once. A client that goes away cancels us: that is an abort."""
+    status = "aborted"
+    try:
+        try:
+            async for event in events:
+                yield event
+            status = tracker.final_status()
+        except EngineRejected as error:
+            status = "rejected"
+            yield sse(rejection_error(error, prompt_param=prompt_param, max_tokens_param=max_tokens_param).body())
+        except EngineFailure as error:
+            status = "error"
+            yield sse(server_error(f"The engine failed this request: {error}").body())
+        except Exception:
+            status = "error"
+            log.exception("stream %s failed", tracker.request_id)
+            yield sse(server_error().body())
+        yield SSE_DONE
+    finally:
+        tracker.finish(status)
+
+
+async def merge(streams: list[AsyncIterator[Item]]) -> AsyncIterator[tuple[int, Item]]:
+    """Items of several streams as they arrive, tagged with the stream's index; the first error wins."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: AsyncIterator[Item]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item, None))
+            await queue.put((index, end, None))
+        except Exception as error:
+            await queue.put((index, end, error))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
