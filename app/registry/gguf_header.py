@@ -2,12 +2,17 @@
 serve app/registry/memory.py too, which walks on to the tensor index."""
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from app.registry.files import open_regular
+
 # GGUF metadata value types: struct formats of the scalars; 8 = string, 9 = array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# Real files nest at most an array of arrays; deeper is a crafted file (and Python's recursion limit).
+MAX_ARRAY_DEPTH = 4
 
 
 def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dict:
@@ -15,7 +20,7 @@ def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dic
     maps the whole file: seconds for a 100 MB model). Stops at the first key starting with stop_prefix
     (the tokenizer's big arrays come last), or when every wanted key is found."""
     found: dict = {}
-    with open(path, "rb") as file:
+    with open_regular(path) as file:
         magic, version = struct.unpack("<4sI", file.read(8))
         if magic != b"GGUF" or version < 2:
             raise ValueError(f"not a GGUF v2+ file (magic {magic!r}, version {version})")
@@ -39,13 +44,17 @@ def read_string(file: BinaryIO) -> str:
     return file.read(length).decode("utf-8", errors="replace")
 
 
-def read_value(file: BinaryIO, kind: int) -> object:
+def read_value(file: BinaryIO, kind: int, depth: int = 0) -> object:
     if kind in _SCALARS:
         fmt = "<" + _SCALARS[kind]
         return struct.unpack(fmt, file.read(struct.calcsize(fmt)))[0]
     if kind == 8:
         return read_string(file)
     if kind == 9:
+        if depth >= MAX_ARRAY_DEPTH:
+            raise ValueError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
         item_kind, count = struct.unpack("<IQ", file.read(12))
-        return [read_value(file, item_kind) for _ in range(count)]
+        if count > os.fstat(file.fileno()).st_size - file.tell():  # every item takes a byte at least
+            raise ValueError(f"implausible array length {count}")
+        return [read_value(file, item_kind, depth + 1) for _ in range(count)]
     raise ValueError(f"unknown GGUF value type {kind}")

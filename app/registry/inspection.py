@@ -8,11 +8,21 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.registry.files import read_regular
 from app.registry.gguf_header import gguf_header
 from app.registry.spec import DEFAULT_SOURCE, RegistryError
 
 # What kind="embedding" runs: the BERT-family encoders sentence-transformers ships (all-MiniLM-L6-v2).
 EMBEDDING_ARCHITECTURES = frozenset({"bert"})
+MAX_CONFIG_BYTES = 4 * 2**20  # a real config.json is a few KB
+# The sizes a config.json gives that the engine and the memory check use, and the largest believed:
+# anything not a whole number in 1..limit is a broken or crafted checkpoint.
+SHAPE_LIMITS = {"max_position_embeddings": 2**26, "hidden_size": 2**20, "intermediate_size": 2**22,
+                "num_hidden_layers": 2**12, "num_attention_heads": 2**14, "num_key_value_heads": 2**14,
+                "head_dim": 2**14, "vocab_size": 2**24}
+GGUF_SHAPES = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
+               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads"}
 
 
 @dataclass(frozen=True)
@@ -99,16 +109,26 @@ def _embedding_facts(source: str) -> SourceFacts:
 
 def _folder_config(path: Path) -> dict:
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads(read_regular(path / "config.json", MAX_CONFIG_BYTES))
     except FileNotFoundError:
         raise RegistryError(f"{path} has no config.json: not a transformers checkpoint folder.", param="path",
                             code="unsupported_model") from None
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # a FIFO, a device, too big, too deep, not JSON
         raise RegistryError(f"{path}/config.json is unreadable: {error}", param="path",
                             code="unsupported_model") from None
     if not isinstance(config, dict):
         raise RegistryError(f"{path}/config.json is not a JSON object.", param="path", code="unsupported_model")
+    for field, limit in SHAPE_LIMITS.items():
+        _check_shape(config.get(field), field, limit, path / "config.json")
     return config
+
+
+def _check_shape(value: object, field: str, limit: int, where: Path) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise RegistryError(f"{where}: {field} is {value!r}; it must be a whole number from 1 to {limit}.",
+                            param="path", code="unsupported_model")
 
 
 def _require_weights(path: Path) -> None:
@@ -121,9 +141,11 @@ def _gguf_facts(path: Path) -> tuple[str, int | None]:
     try:
         header = gguf_header(path, wanted=("general.architecture",), stop_prefix="tokenizer.")
         architecture = str(header["general.architecture"])
-        header.update(gguf_header(path, wanted=(f"{architecture}.context_length",), stop_prefix="tokenizer."))
-    except (OSError, ValueError, KeyError, struct.error) as error:
+        header.update(gguf_header(path, wanted=tuple(f"{architecture}.{key}" for key in GGUF_SHAPES),
+                                  stop_prefix="tokenizer."))
+    except (OSError, ValueError, KeyError, struct.error, RecursionError) as error:
         raise RegistryError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}", param="path",
                             code="unsupported_model") from None
-    context = header.get(f"{architecture}.context_length")
-    return architecture, None if context is None else int(context)
+    for key, field in GGUF_SHAPES.items():
+        _check_shape(header.get(f"{architecture}.{key}"), f"{architecture}.{key}", SHAPE_LIMITS[field], path)
+    return architecture, header.get(f"{architecture}.context_length")

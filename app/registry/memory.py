@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from app.registry.files import open_regular
 from app.registry.gguf_header import read_string, read_value
 from app.registry.inspection import default_source_path
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
@@ -68,7 +69,7 @@ def safetensors_footprint(folder: Path) -> Footprint | None:
     parameters = layers = kv_width = stored = 0
     for path in files:
         try:
-            with open(path, "rb") as file:
+            with open_regular(path) as file:
                 (length,) = struct.unpack("<Q", file.read(8))
                 if length > 100 * 2**20:
                     return None
@@ -90,7 +91,7 @@ def safetensors_footprint(folder: Path) -> Footprint | None:
 def gguf_footprint(path: Path) -> Footprint | None:
     """From a GGUF file's tensor index (after its metadata); None when the file can't be read."""
     try:
-        with open(path, "rb") as file:
+        with open_regular(path) as file:
             magic, version = struct.unpack("<4sI", file.read(8))
             if magic != b"GGUF" or version < 2:
                 return None

@@ -19,11 +19,12 @@ from starlette.concurrency import run_in_threadpool
 
 from app.observability.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
+from app.registry.inspection import SourceFacts, inspect_source
 from app.registry.loading import load_model, preloaded_spec, return_memory_to_os
 from app.registry.memory import check_fits
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
 from app.registry.served import DRAINING, LOADED, ServedModel
-from app.registry.spec import ModelSpec, RegistryError
+from app.registry.spec import KINDS, ModelSpec, RegistryError
 from app.registry.store import RegistryStore
 from engine.config import EngineConfig
 
@@ -58,6 +59,7 @@ class ModelPool:
         self._loading: dict[str, asyncio.Task] = {}
         self._draining: dict[str, asyncio.Task] = {}
         self._changes = asyncio.Lock()  # registry changes one at a time: names and aliases stay unique
+        self.inspect_timeout_s = 30.0  # reading a source's config / header; it is small and local
 
     # ---- what routes use ---------------------------------------------------------------------
     def spec(self, requested: str) -> ModelSpec | None:
@@ -178,9 +180,11 @@ class ModelPool:
                 log.warning("could not re-read the model registry: %s", error)
 
     async def register(self, fields: Mapping[str, Any], *, load: bool = False) -> ModelSpec:
+        facts = await self._inspect(fields.get("kind") or "chat", str(fields.get("path")))
         async with self._changes:
             await self.refresh()
-            spec = await run_in_threadpool(new_spec, fields, base=self.base, others=list(self.specs.values()))
+            spec = await run_in_threadpool(new_spec, fields, base=self.base, others=list(self.specs.values()),
+                                           facts=facts)
             if self.store is not None:
                 try:
                     spec = await run_in_threadpool(self.store.insert, spec=spec)
@@ -194,11 +198,14 @@ class ModelPool:
         return spec
 
     async def update(self, name: str, changes: Mapping[str, Any]) -> ModelSpec:
+        facts = None
+        if changes.get("path") is not None:
+            facts = await self._inspect(self._known(name).kind, str(changes["path"]))
         async with self._changes:
             await self.refresh()
             spec = self._known(name)
             updated = await run_in_threadpool(changed_spec, spec, changes, base=self.base,
-                                              others=list(self.specs.values()))
+                                              others=list(self.specs.values()), facts=facts)
             if self.store is not None:
                 updated = await run_in_threadpool(self.store.replace, name=name, spec=updated)
             self.specs[name] = updated
@@ -263,6 +270,17 @@ class ModelPool:
             await asyncio.shield(drain)
 
     # ---- internals ---------------------------------------------------------------------------
+    async def _inspect(self, kind: str, source: str) -> SourceFacts | None:
+        """The source's facts, read before the registry lock is taken (a slow disk must not hold up every
+        other change) and given up after inspect_timeout_s. None for a kind the registration refuses."""
+        if kind not in KINDS:
+            return None
+        try:
+            return await asyncio.wait_for(run_in_threadpool(inspect_source, kind, source), self.inspect_timeout_s)
+        except TimeoutError:
+            raise RegistryError(f"reading the model at {source!r} took longer than {self.inspect_timeout_s:g}s.",
+                                param="path", code="model_source_timeout") from None
+
     def _tell_costs(self) -> None:
         """Models with their own hardware cost per hour, to the real-cost meter (only changes: the meter
         counts a model's cost from when it is set)."""

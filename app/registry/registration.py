@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from app.registry.inspection import inspect_source
+from app.registry.inspection import SourceFacts, inspect_source
 from app.registry.spec import (
     DTYPES,
     KINDS,
@@ -23,9 +23,10 @@ PRICE_FIELDS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output
 LIVE_FIELDS = ("aliases", "enabled", "hardware_cost_per_hour", *PRICE_FIELDS)  # take effect at once; the rest at the next load
 
 
-def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec]) -> ModelSpec:
+def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec],
+             facts: SourceFacts | None = None) -> ModelSpec:
     """fields: name, path, and optionally kind, dtype, max_model_len, engine_settings, aliases, prices,
-    enabled."""
+    enabled. `facts`: the path's, when the caller inspected it already."""
     kind = fields.get("kind") or "chat"
     if kind not in KINDS:
         raise RegistryError(f"kind must be one of {list(KINDS)}, got {kind!r}.", param="kind")
@@ -34,18 +35,19 @@ def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[
     others = list(others)
     _check_unique(spec, others)  # changed_spec() below sets aside a model of the same name: it is this one
     return changed_spec(spec, {k: v for k, v in fields.items() if k not in ("name", "kind", "path")},
-                        base=base, others=others, source=str(fields.get("path")))
+                        base=base, others=others, source=str(fields.get("path")), facts=facts)
 
 
 def changed_spec(spec: ModelSpec, changes: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec],
-                 source: str | None = None) -> ModelSpec:
-    """`spec` with `changes` applied and checked. `source` (a new path) is inspected again."""
+                 source: str | None = None, facts: SourceFacts | None = None) -> ModelSpec:
+    """`spec` with `changes` applied and checked. `source` (a new path) is inspected again, unless the
+    caller gives its `facts`."""
     others = [other for other in others if other.name != spec.name]
     values: dict[str, Any] = {}
     if "path" in changes:
         source = str(changes["path"])
     if source is not None:
-        facts = inspect_source(spec.kind, source)
+        facts = facts or inspect_source(spec.kind, source)
         values.update(source=source, architecture=facts.architecture)
         max_context = facts.max_context
     else:
