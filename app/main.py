@@ -31,7 +31,10 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
         pool = ModelPool(settings.engine, store=RegistryStore(sessions) if sessions is not None else None)
     if engine is not None:
         pool.add_loaded(engine)
-    app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine")
+    # /docs loads Swagger UI from a CDN and, like /openapi.json, maps every route for anyone: both are off
+    # unless --api-docs turns them on. (app.openapi() still builds the schema, for tests and tools.)
+    docs = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine", **docs)
     around_lifespan(app, freeze_startup_heap, thaw)  # wrapped first, so it runs once all the rest has started
     pool.cost_meter = HardwareCostMeter(settings.hardware_cost_per_hour)
     app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter)

@@ -36,6 +36,7 @@ class Settings:
     # empty: none, the peer's own address is the client's.
     forwarded_allow_ips: str = ""
     load_on_demand: bool = False  # a request for an enabled, unloaded model loads it (else 503 model_not_loaded)
+    api_docs: bool = False  # /docs (Swagger UI, from a CDN) and /openapi.json, open to anyone who can connect
     min_replicas: int = 1  # Ray Serve autoscaling bounds (deploy/ray_serve.py); plain `serve` is one process
     max_replicas: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -119,6 +120,8 @@ OPTIONS: tuple[Option, ...] = (
            "proxies trusted to set X-Forwarded-For / -Proto: comma-separated IPs or CIDRs (default: none)"),
     Option("--load-on-demand", "load_on_demand", parse_bool,
            "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)", switch=True),
+    Option("--api-docs", "api_docs", parse_bool,
+           "serve /docs and /openapi.json to anyone (Swagger UI loads from a CDN; default: off)", switch=True),
     Option("--min-replicas", "min_replicas", int, "fewest replicas Ray Serve keeps (deploy/ray_serve.py)"),
     Option("--max-replicas", "max_replicas", int, "most replicas Ray Serve scales to (deploy/ray_serve.py)"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),

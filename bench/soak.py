@@ -162,10 +162,10 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         try:
-            health = httpx.get(url + "/health", timeout=1)
+            models = httpx.get(url + "/admin/api/models", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=1)
             # Enabled models (the embedded MiniLM too) load in the background after start-up; memory is
             # measured against a server that has finished loading.
-            if health.status_code == 200 and "loading" not in health.json().get("models", {}).values():
+            if models.status_code == 200 and "loading" not in [model["state"] for model in models.json()["data"]]:
                 return process, url
             time.sleep(0.3)
         except httpx.TransportError:

@@ -227,7 +227,7 @@ def test_the_cli_registers_lists_loads_and_unloads_on_the_server(server, tiny_ll
 def test_health_and_metrics_cover_every_loaded_model(server, tiny_llama_dir):
     server.register("metered", tiny_llama_dir, engine_settings=SMALL_KV, load=True)
     try:
-        assert httpx.get(f"{server.url}/health").json()["models"]["metered"] == "loaded"
+        assert server.admin("GET", "/models/metered").json()["state"] == "loaded"
         text = httpx.get(f"{server.url}/metrics").text
         assert text.count("# TYPE vllm:num_requests_running gauge") == 1
         for name in (MODEL, "metered"):

@@ -38,10 +38,11 @@ def wait_for_models(client: openai.OpenAI, timeout: float = 30.0):
             time.sleep(0.2)
 
 
-def wait_until_loaded(port: int, name: str, timeout: float = 60.0) -> bool:
+def wait_until_loaded(port: int, name: str, key: str, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if httpx.get(f"http://127.0.0.1:{port}/health").json()["models"].get(name) == "loaded":
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models/{name}", headers={"Authorization": f"Bearer {key}"})
+        if card.json()["status"] == "loaded":
             return True
         time.sleep(0.2)
     return False
@@ -69,7 +70,7 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
         embedded = [spec["name"] for spec in embedded_defaults()]
         assert [model.id for model in wait_for_models(client)] == [MODEL, *embedded]
         for name in embedded:
-            assert wait_until_loaded(port, name)
+            assert wait_until_loaded(port, name, key)
             assert len(client.embeddings.create(model=name, input="Hi").data[0].embedding) == 384
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=3)

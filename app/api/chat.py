@@ -43,7 +43,7 @@ async def create_chat_completion(request: Request, server: ContextDep, principal
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
     return await server.with_model(body.model, lambda context: chat_completion(request, context, principal, body),
-                                   kind="chat")
+                                   principal=principal, kind="chat")
 
 
 async def chat_completion(request: Request, context: ModelContext, principal: Principal,

@@ -61,7 +61,7 @@ async def create_completion(request: Request, server: ContextDep, principal: Pri
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
     return await server.with_model(body.model, lambda context: completion(request, context, principal, body),
-                                   kind="chat")
+                                   principal=principal, kind="chat")
 
 
 async def completion(request: Request, context: ModelContext, principal: Principal, body: CompletionRequest):

@@ -142,7 +142,8 @@ def report_usage(context: ModelContext, principal: Principal, *, request_id: str
 @router.post("/v1/embeddings")
 async def create_embeddings(request: Request, context: ContextDep, principal: PrincipalDep):
     body = await read_body(request, EmbeddingRequest, context.settings.max_request_bytes)
-    return await context.with_model(body.model, lambda bound: serve_embeddings(request, bound, principal, body))
+    return await context.with_model(body.model, lambda bound: serve_embeddings(request, bound, principal, body),
+                                    principal=principal)
 
 
 async def serve_embeddings(request: Request, context: ModelContext, principal: Principal,

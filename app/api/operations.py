@@ -11,11 +11,10 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health(context: ContextDep) -> dict:
-    pool = context.models
-    default = pool.default
-    return {"status": "ok", "model": default.name if default is not None else None,
-            "models": {name: pool.state(name) for name in pool.specs}}
+async def health() -> dict:
+    """What a load balancer needs and no more: which models exist is for keys that may use them
+    (/v1/models) and for the admin (/admin/api/models)."""
+    return {"status": "ok"}
 
 
 @router.get("/metrics")

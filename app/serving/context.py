@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fastapi import Response
 
 from app.observability.costs import HardwareCostMeter
-from app.errors import invalid_request
+from app.errors import invalid_request, model_not_found
 from app.gateway.contract import Gateway, Principal
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
@@ -24,6 +24,16 @@ class ServerContext:
     gateway: Gateway
     cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
 
+    async def check_access(self, principal: Principal, requested_model: str) -> None:
+        spec = self.models.spec(requested_model)
+        if spec is None:
+            raise model_not_found(requested_model)
+        if principal.allows(requested_model) or principal.allows(spec.name):  # an alias the key lists, or the model
+            return
+        # The gateway refuses it (and meters the refusal) in the words of what was asked for.
+        await self.gateway.admit(principal, model=requested_model, prompt_tokens=0, max_tokens=0)
+        raise model_not_found(requested_model)
+
     def bind(self, requested_model: str, kind: str | None = None) -> ModelContext:
         """The loaded model a request names (name or alias), of `kind` when given, counted in flight
         until release()."""
@@ -35,9 +45,12 @@ class ServerContext:
         return ModelContext(self.settings, self.gateway, served, self.cost_meter)
 
     async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]], *,
-                         kind: str | None = None) -> Response:
+                         principal: Principal, kind: str | None = None) -> Response:
         """handle(context) for the model a request names; the model counts it in flight until the
-        response is complete (a streamed one: until its tracker finishes)."""
+        response is complete (a streamed one: until its tracker finishes). The caller's access comes
+        first: a model the key may not use is a 404 naming only what was asked for, before its kind,
+        its state or a load on demand could tell that it exists."""
+        await self.check_access(principal, requested_model)
         if self.settings.load_on_demand:
             await self.models.load_on_demand(requested_model)
         context = self.bind(requested_model, kind)
