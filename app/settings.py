@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +49,8 @@ class Settings:
             raise SettingsError("max_request_bytes must be at least 1024")
         if self.max_tokens_cap < 1:
             raise SettingsError("max_tokens_cap must be at least 1")
-        if self.hardware_cost_per_hour < 0:
-            raise SettingsError("hardware_cost_per_hour must not be negative")
+        if not 0 <= self.hardware_cost_per_hour < math.inf:
+            raise SettingsError("hardware_cost_per_hour must be a finite number, not negative")
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise SettingsError("replicas: need 1 <= min_replicas <= max_replicas")
         for entry in filter(None, (part.strip() for part in self.forwarded_allow_ips.split(","))):

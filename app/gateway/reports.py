@@ -138,12 +138,23 @@ def report_columns(group_by: Sequence[str]) -> list[str]:
     return [c for g in group_by for c in names[g]] + list(SUMS)
 
 
+# A cell starting with one of these is a formula to Excel, LibreOffice and Google Sheets
+# (=HYPERLINK(...) in a team name); a leading apostrophe makes it text, as spreadsheets expect.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(value: Any) -> Any:
+    """Text as a spreadsheet shows it, never runs it; numbers are left alone."""
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_STARTS) else value
+
+
 def to_csv(rows: Iterable[dict[str, Any]], group_by: Sequence[str]) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=report_columns(group_by), extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({**row, "cost_usd": f"{row['cost_usd']:.9f}".rstrip("0").rstrip(".") or "0"})
+        cells = {name: spreadsheet_safe(value) for name, value in row.items()}
+        writer.writerow({**cells, "cost_usd": f"{row['cost_usd']:.9f}".rstrip("0").rstrip(".") or "0"})
     return buffer.getvalue()
 
 

@@ -12,7 +12,7 @@ Period = Literal["day", "month"]
 
 
 class Limits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # 1e999 is infinity: no budget at all
 
     allowed_models: list[str] | None = Field(None, description="models this may use; empty = all")
     rpm_limit: int | None = Field(None, ge=0)

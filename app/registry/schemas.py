@@ -13,7 +13,7 @@ Price = Field(None, ge=0, description="USD per 1M tokens")
 
 
 class ModelChanges(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite or NaN price is no price
 
     path: str | None = Field(None, min_length=1, max_length=1024,
                              description="absolute path of a safetensors folder or .gguf file, or 'default'")

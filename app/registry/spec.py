@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -67,6 +68,10 @@ def check_engine_settings(settings: dict[str, Any], base: EngineConfig) -> dict[
     if unknown:
         raise RegistryError(f"unknown engine settings {unknown}; known: {list(ENGINE_SETTINGS)}.",
                             param="engine_settings")
+    for name, value in settings.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RegistryError(f"engine setting {name} must be a finite number, got {value}.",
+                                param="engine_settings")
     try:
         dataclasses.replace(base, **settings)
     except (TypeError, ValueError) as error:
