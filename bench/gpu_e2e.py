@@ -281,7 +281,7 @@ def main() -> int:
     parser.add_argument("--smollm2", help="a safetensors folder of SmolLM2 (default: the embedded model)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_e2e: no CUDA device here; the CPU tests cover the device code paths (tests/test_engine_device.py)")
+        print("gpu_e2e: no CUDA device here; the CPU tests cover the device code paths (tests/engine/test_engine_device.py)")
         return 0
     results = ROOT / "bench" / "results"
     report = run_end_to_end(results, args.smollm2)

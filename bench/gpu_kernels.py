@@ -127,7 +127,7 @@ def agrees(actual, expected, dtype: torch.dtype) -> bool:
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_kernels: no CUDA device here, nothing to check or time. "
-              "(On CPU the kernels are tested under TRITON_INTERPRET=1 by tests/test_kernels.py.)")
+              "(On CPU the kernels are tested under TRITON_INTERPRET=1 by tests/kernels/test_kernels.py.)")
         return 0
     import triton
     from triton.testing import do_bench

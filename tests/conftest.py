@@ -1,8 +1,9 @@
-"""Shared fixtures: the real model is loaded once per test session; tiny models are built in temp dirs."""
+"""Fixtures every folder uses: the real models are loaded once per test session, a tiny Llama is built in a
+temp dir; the databases, Redis and gateway fixtures come from tests/support/gateway.py. A folder's own
+fixtures live in its conftest.py."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 # Idle OpenMP threads sleep instead of spinning: the test process also runs servers, HF and the engine
 # thread on 2 cores, and spinning workers starve them (a prefill step measured 10x slower).
@@ -11,9 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-# Converted weights are cached here across sessions (CI converts the GGUF once per run).
-MODEL_CACHE = Path(os.environ.get("TOKENMILL_TEST_DATA_DIR", ROOT / ".tokenmill"))
+from tests.support import MODEL_CACHE
+
+pytest_plugins = ["tests.support.gateway"]  # database_url, pg_databases, pg_session_url, redis_url, make_gateway
 
 
 @pytest.fixture(scope="session")
@@ -23,34 +24,6 @@ def smollm2():
     from engine.loader import load_model
 
     return load_model(EngineConfig(dtype="float32", data_dir=str(MODEL_CACHE)))
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2):
-    """The same weights through HF transformers: the correctness oracle."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2.folder, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="session")
-def hf_greedy(hf_smollm2):
-    """Greedy continuation by HF `generate`, memoised per (prompt, length)."""
-    memo: dict[tuple[tuple[int, ...], int], list[int]] = {}
-
-    def generate(prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-        key = (tuple(prompt_token_ids), max_new_tokens)
-        if key not in memo:
-            with torch.inference_mode():
-                out = hf_smollm2.generate(
-                    torch.tensor([prompt_token_ids]), attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf_smollm2.config.eos_token_id,
-                )
-            memo[key] = out[0, len(prompt_token_ids):].tolist()
-        return memo[key]
-
-    return generate
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,96 @@
+"""`tokenmill serve` as a user runs it: a real process on a port, found through its printed URL, with a
+key made by `tokenmill keys create` against the same database."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from app.cli.main import main
+from app.registry.loading import embedded_defaults
+from tests.support.server import MODEL
+
+pytestmark = pytest.mark.real_model
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_models(client: openai.OpenAI, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return client.models.list()
+        except openai.APIConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def wait_until_loaded(port: int, name: str, key: str, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models/{name}", headers={"Authorization": f"Bearer {key}"})
+        if card.json()["status"] == "loaded":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, capsys):
+    database = ("--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}")
+    assert main(["teams", "create", "cli-team", *database]) == 0
+    assert main(["keys", "create", "--team", "cli-team", *database]) == 0
+    key = capsys.readouterr().out.strip().splitlines()[-1]
+    port = free_port()
+    configured_key = "sk-chosen-by-the-operator-0123456789"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--num-kv-blocks", "128",
+         "--data-dir", str(smollm2.folder.parents[1]),  # where the converted weights are cached already
+         *database, "--log-level", "warning", "--api-key", configured_key],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        said = process.stdout.readline()
+        assert "--api-key added as a key of team 'default'" in said and configured_key not in said
+        assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in process.stdout.readline()
+        assert "admin key" in process.stdout.readline()  # first start on this database
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        # --model, and the embedded embedding model registered beside it on first start (loading in the background)
+        embedded = [spec["name"] for spec in embedded_defaults()]
+        assert [model.id for model in wait_for_models(client)] == [MODEL, *embedded]
+        for name in embedded:
+            assert wait_until_loaded(port, name, key)
+            assert len(client.embeddings.create(model=name, input="Hi").data[0].embedding) == 384
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3)
+        assert reply.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-nope", max_retries=0).models.list()
+        # The --api-key works like any key made by the CLI, and is metered under team "default".
+        chosen = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=configured_key, max_retries=0)
+        assert chosen.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    assert main(["keys", "list", "--team", "default", *database]) == 0
+    assert "--api-key" in capsys.readouterr().out  # stored as a key of its own (hashed, like the rest)
+
+
+def test_a_weak_api_key_is_refused_before_the_model_loads(tmp_path, capsys):
+    database = ("--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}")
+    started = time.monotonic()
+    assert main(["serve", "--api-key", "short", "--data-dir", str(tmp_path), *database]) == 2
+    assert "--api-key must be at least 16 characters" in capsys.readouterr().err
+    assert time.monotonic() - started < 10  # refused up front, not after a model load

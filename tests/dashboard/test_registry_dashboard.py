@@ -1,0 +1,48 @@
+"""The Models page shows the registry (state, aliases, prices) and its Load / Unload buttons act on the
+pool: unloading the served model makes /v1 answer 503 model_not_loaded; a model that cannot load says
+why."""
+from __future__ import annotations
+
+import time
+
+from tests.support.dashboard import bearer, chat
+from tests.support.gateway import FAKE_MODEL, admin_headers
+from tests.registry.test_registry import checkpoint
+
+
+def models_page(admin) -> str:  # noqa: F811
+    return admin.client.get("/admin/models").text
+
+
+def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):  # noqa: F811
+    response = admin.client.post("/admin/api/models", headers=admin_headers(), json={
+        "name": "tiny", "path": str(checkpoint(tmp_path / "tiny")), "aliases": ["gpt-4o-mini"],
+        "price_input_per_1m": 0.15, "price_output_per_1m": 0.6})
+    assert response.status_code == 201, response.text
+    page = models_page(admin)
+    assert f'data-model="{FAKE_MODEL}" data-state="loaded"' in page
+    assert 'data-model="tiny" data-state="unloaded"' in page
+    assert "gpt-4o-mini" in page and "$0.15 in" in page and "$0.6 out" in page
+    assert f'action="/admin/models/{FAKE_MODEL}/unload"' in page and 'action="/admin/models/tiny/load"' in page
+
+
+def test_the_unload_button_stops_serving_the_model(admin):  # noqa: F811
+    key = admin.create_key(admin.create_team())
+    assert chat(admin.client, key).status_code == 200
+    response = admin.post(f"/admin/models/{FAKE_MODEL}/unload")
+    assert response.status_code == 303 and response.headers["location"].startswith("/admin/models")
+    deadline = time.monotonic() + 10
+    while 'data-state="unloaded"' not in models_page(admin):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    refused = chat(admin.client, key)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_not_loaded"
+    assert admin.client.get("/v1/models", headers=bearer(key)).json()["data"][0]["status"] == "unloaded"
+
+
+def test_a_model_that_cannot_load_says_why(admin, tmp_path):  # noqa: F811
+    admin.client.post("/admin/api/models", headers=admin_headers(),
+                      json={"name": "hollow", "path": str(checkpoint(tmp_path / "hollow"))})
+    response = admin.post("/admin/models/hollow/load")
+    assert response.status_code == 400 and "could not load" in response.text
+    assert 'data-model="hollow" data-state="unloaded"' in models_page(admin)

@@ -1,0 +1,289 @@
+"""Test support for the gateway: databases (SQLite and PostgreSQL), Redis, a fake engine behind the
+real /v1 routes, a fake clock, and uvicorn in a thread. Imported by the gateway tests; its fixtures are a plugin of tests/conftest.py."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from engine.llm_engine import EngineRejected
+from engine.outputs import RequestOutput, SequenceDelta
+
+PG_SERVER = os.environ.get("TOKENMILL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS", "redis://127.0.0.1:6379/0")
+FAKE_MODEL = "fake-model"
+TABLES = ("usage_daily", "usage", "admin_credentials", "api_keys", "teams", "models", "alembic_version")
+
+
+def unavailable(what: str, error: Exception) -> None:
+    """Skip when a service is missing on a developer's machine; fail in CI, where it must be there."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is required in CI: {error}")
+    pytest.skip(f"{what} not reachable: {error}")
+
+
+# ---- PostgreSQL: one fresh database per test session, dropped at the end ----
+
+class PgDatabases:
+    def __init__(self) -> None:
+        self.admin = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT")
+        self.created: list[str] = []
+
+    def create(self, suffix: str = "") -> str:
+        name = f"tokenmill_test_{os.getpid()}{suffix}"
+        with self.admin.connect() as c:
+            c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            c.execute(text(f'CREATE DATABASE "{name}"'))
+        self.created.append(name)
+        return PG_SERVER.rsplit("/", 1)[0] + "/" + name
+
+    def drop_all(self) -> None:
+        with self.admin.connect() as c:
+            for name in self.created:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        self.admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_databases():
+    try:
+        databases = PgDatabases()
+        with databases.admin.connect() as c:
+            c.execute(text("SELECT 1"))
+    except Exception as error:  # noqa: BLE001
+        unavailable("PostgreSQL", error)
+    yield databases
+    databases.drop_all()
+
+
+@pytest.fixture(scope="session")
+def pg_session_url(pg_databases):
+    return pg_databases.create()
+
+
+def reset_pg(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as c:
+        existing = set(c.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")).scalars())
+        present = [t for t in TABLES if t in existing and t != "alembic_version"]
+        if present:
+            c.execute(text(f"TRUNCATE {', '.join(present)} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    """A clean database per test, on both back ends."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'tokenmill.db'}"
+    url = request.getfixturevalue("pg_session_url")
+    reset_pg(url)
+    return url
+
+
+# ---- Redis ----
+
+@pytest.fixture(scope="session")
+def redis_url():
+    import redis
+
+    try:
+        client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1)
+        client.ping()
+        client.close()
+    except Exception as error:  # noqa: BLE001
+        unavailable("Redis", error)
+    return REDIS_URL
+
+
+def redis_prefix() -> str:
+    return f"tokenmill-test:{os.getpid()}:{uuid.uuid4().hex[:8]}:"
+
+
+# ---- time ----
+
+class FakeClock:
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# ---- a fake engine behind the real routes ----
+
+@functools.lru_cache(maxsize=1)
+def fake_tokenizer():
+    """A word-level tokenizer with a chat template: one token per word, so counts are easy to predict."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for word in "tok hello world user assistant system : say hi one two three".split():
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}assistant :{% endif %}")
+    return tokenizer
+
+
+class FakeEngine:
+    """Answers instantly (or `token_delay_s` per token) with max_tokens copies of " tok"."""
+
+    def __init__(self, token_delay_s: float = 0.0, model_name: str = FAKE_MODEL) -> None:
+        from engine.config import EngineConfig
+
+        self.config = EngineConfig()
+        self.tokenizer = fake_tokenizer()
+        self.model_name = model_name
+        self.max_model_len = 4096
+        self.token_delay_s = token_delay_s
+        self.aborted: list[str] = []
+        self.queue_full = False  # set to make it refuse after admission, as a full engine does
+
+    def check_request(self, prompt_token_ids, params) -> None:  # noqa: ANN001
+        if not prompt_token_ids:
+            raise EngineRejected("invalid_prompt", "the prompt is empty", "prompt")
+        if self.queue_full:
+            raise EngineRejected("queue_full", "too many requests are waiting")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params):  # noqa: ANN001
+        total = params.max_tokens or 16
+        for i in range(total):
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            last = i == total - 1
+            yield RequestOutput(
+                request_id, len(prompt_token_ids), 0,
+                [SequenceDelta(index, " tok", [3], None, "length" if last else None) for index in range(params.n)],
+                finished=last)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self):
+        from engine.stats import EngineStats
+
+        return EngineStats(max_num_seqs=64, max_num_batched_tokens=2048, kv_blocks_total=100_000)
+
+
+def prompt_tokens_of(content: str) -> int:
+    """What the fake tokenizer makes of one user message under the fake chat template."""
+    return len(f"user : {content} assistant :".split())
+
+
+def build_app(gateway, engine=None, **settings_values):  # noqa: ANN001
+    from app.main import create_app
+    from app.settings import Settings
+
+    app = create_app(Settings(**settings_values), engine or FakeEngine(), gateway=gateway)
+    gateway.install(app)
+    return app
+
+
+# ---- uvicorn in a thread ----
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_in_thread(app, **config) -> Iterator[str]:  # noqa: ANN001
+    import uvicorn
+
+    port = free_port()
+    config = {"log_level": "warning", "lifespan": "on", **config}
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+# ---- gateways ----
+
+ADMIN_KEY = "sk-admin-test-" + "x" * 24
+
+
+@pytest.fixture
+def make_gateway(database_url, tmp_path):
+    """Gateway factory on the test's database; every gateway is stopped (flushed) at the end."""
+    from app.gateway.config import GatewayConfig
+    from app.gateway.service import Gateway
+
+    made = []
+
+    def make(*, clock=None, start: bool = True, **overrides):  # noqa: ANN001, ANN202
+        values = {"database_url": database_url, "admin_key": ADMIN_KEY, "spill_dir": str(tmp_path / "spill"),
+                  "usage_flush_interval_s": 0.05, **overrides}
+        gateway = Gateway(GatewayConfig(**values), clock=clock or time.time)
+        made.append(gateway)
+        if start:
+            gateway.start()
+        return gateway
+
+    yield make
+    for gateway in made:
+        gateway.stop()
+        gateway.engine.dispose()
+
+
+def admin_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def chat_body(content: str = "say hello", max_tokens: int = 5, model: str = FAKE_MODEL, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+
+
+def create_team(client, name: str = "alpha", **limits) -> dict:  # noqa: ANN001
+    response = client.post("/admin/api/teams", json={"name": name, **limits}, headers=admin_headers())
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def create_key(client, team_id: int, **limits) -> dict:  # noqa: ANN001
+    response = client.post("/admin/api/keys", json={"team_id": team_id, **limits}, headers=admin_headers())
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def usage_rows(gateway) -> list:  # noqa: ANN001
+    """Every usage row, oldest first, after the writer has flushed."""
+    from sqlalchemy import select
+
+    from app.tables import UsageRow
+
+    assert gateway.writer.flush(10)
+    with gateway.sessions() as session:
+        return list(session.scalars(select(UsageRow).order_by(UsageRow.id)))
