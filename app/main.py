@@ -15,7 +15,8 @@ from app.gateway.contract import Gateway, SingleKeyGateway
 from app.lifespan import around_lifespan
 from app.registry.pool import ModelPool
 from app.registry.store import RegistryStore
-from app.api import chat, completions, embeddings, models, operations
+from app.api import chat, completions, embeddings, models, operations, responses, tokenize
+from app.serving.responses.store import response_store
 from app.settings import Settings
 
 
@@ -37,9 +38,11 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine", **docs)
     around_lifespan(app, freeze_startup_heap, thaw)  # wrapped first, so it runs once all the rest has started
     pool.cost_meter = HardwareCostMeter(settings.hardware_cost_per_hour)
-    app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter)
+    stored_responses = response_store(getattr(gateway, "sessions", None), settings.response_retention_s)
+    app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter,
+                                      responses=stored_responses)
     install_error_handlers(app)
-    for module in (models, chat, completions, embeddings, operations):
+    for module in (models, chat, completions, embeddings, operations, responses, tokenize):
         app.include_router(module.router)
     around_lifespan(app, pool.start, pool.stop)  # inside the gateway's: the registry's tables exist by then
     install = getattr(gateway, "install", None)

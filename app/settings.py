@@ -40,6 +40,7 @@ class Settings:
     api_docs: bool = False  # /docs (Swagger UI, from a CDN) and /openapi.json, open to anyone who can connect
     min_replicas: int = 1  # Ray Serve autoscaling bounds (deploy/ray_serve.py); plain `serve` is one process
     max_replicas: int = 1
+    response_retention_days: float = 30.0  # stored responses (Responses API, store=true) are deleted after this
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -51,6 +52,8 @@ class Settings:
             raise SettingsError("max_tokens_cap must be at least 1")
         if not 0 <= self.hardware_cost_per_hour < math.inf:
             raise SettingsError("hardware_cost_per_hour must be a finite number, not negative")
+        if not 0 < self.response_retention_days < math.inf:
+            raise SettingsError("response_retention_days must be a positive, finite number")
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise SettingsError("replicas: need 1 <= min_replicas <= max_replicas")
         for entry in filter(None, (part.strip() for part in self.forwarded_allow_ips.split(","))):
@@ -62,6 +65,10 @@ class Settings:
         if not self.database_url:
             sqlite_path = Path(self.data_dir) / "tokenmill.db"
             object.__setattr__(self, "database_url", f"sqlite:///{sqlite_path}")
+
+    @property
+    def response_retention_s(self) -> float:
+        return self.response_retention_days * 86400
 
     @property
     def base_url(self) -> str:
@@ -125,6 +132,8 @@ OPTIONS: tuple[Option, ...] = (
            "serve /docs and /openapi.json to anyone (Swagger UI loads from a CDN; default: off)", switch=True),
     Option("--min-replicas", "min_replicas", int, "fewest replicas Ray Serve keeps (deploy/ray_serve.py)"),
     Option("--max-replicas", "max_replicas", int, "most replicas Ray Serve scales to (deploy/ray_serve.py)"),
+    Option("--response-retention-days", "response_retention_days", float,
+           "how long stored responses (Responses API) are kept before they are pruned"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),

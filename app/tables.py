@@ -149,3 +149,36 @@ class RegisteredModel(Base):
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     updated_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class StoredResponse(Base):
+    """A response made with `store` (POST /v1/responses), as it was returned; readable by its team only
+    until it expires (the retention setting)."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_...
+    team_id: Mapped[int | None] = mapped_column(Integer)  # None: a server without teams (one shared key)
+    model: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
+    body: Mapped[dict] = mapped_column(JSON)  # the Response object
+
+    __table_args__ = (
+        Index("ix_responses_team_created", "team_id", "created_at"),
+        Index("ix_responses_expires_at", "expires_at"),
+    )
+
+
+class StoredResponseItem(Base):
+    """One input item of a stored response, in order: the whole conversation it answered, so turn n+1
+    (previous_response_id) reads turn n's items and output without walking a chain."""
+
+    __tablename__ = "response_input_items"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    response_id: Mapped[str] = mapped_column(ForeignKey("responses.id", ondelete="CASCADE"))
+    position: Mapped[int] = mapped_column(Integer)
+    item: Mapped[dict] = mapped_column(JSON)
+
+    __table_args__ = (Index("uq_response_input_items_position", "response_id", "position", unique=True),)

@@ -33,10 +33,10 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str) -> dict:
     if model_id != spec.name:
         card["root"] = spec.name  # what the alias points at
     served = pool.served.get(spec.name)
-    if served is not None and served.engine is not None:
-        card["max_model_len"] = served.engine.max_model_len
-    elif spec.max_model_len is not None:
-        card["max_model_len"] = spec.max_model_len
+    context_length = served.engine.max_model_len if served is not None and served.engine is not None \
+        else spec.max_model_len
+    if context_length is not None:  # vLLM's name and the one OpenRouter-style clients (Codex, LiteLLM) read
+        card["max_model_len"] = card["context_length"] = context_length
     return card
 
 

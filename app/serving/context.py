@@ -13,6 +13,7 @@ from app.errors import invalid_request, model_not_found
 from app.gateway.contract import Gateway, Principal
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
+from app.serving.responses.store import ResponseStore
 from app.serving.sampling import TokenBudget
 from app.settings import Settings
 
@@ -23,6 +24,7 @@ class ServerContext:
     models: ModelPool
     gateway: Gateway
     cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
+    responses: ResponseStore | None = None  # stored responses of the Responses API
 
     async def check_access(self, principal: Principal, requested_model: str) -> None:
         spec = self.models.spec(requested_model)

@@ -21,7 +21,8 @@ from engine.outputs import RequestOutput, SequenceDelta
 PG_SERVER = os.environ.get("TOKENMILL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 FAKE_MODEL = "fake-model"
-TABLES = ("usage_daily", "usage", "admin_credentials", "api_keys", "teams", "models", "alembic_version")
+TABLES = ("response_input_items", "responses", "usage_daily", "usage", "admin_credentials", "api_keys", "teams",
+          "models", "alembic_version")
 
 
 def unavailable(what: str, error: Exception) -> None:

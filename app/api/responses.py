@@ -1,0 +1,235 @@
+"""The Responses API: POST /v1/responses (whole or streamed), GET and DELETE /v1/responses/{id}, its
+input items, and cancel (which only background responses allow; we run none).
+
+A response runs as a chat completion does (app.structured plans tools and formats, the gateway admits
+and meters, the engine generates); only the shapes in and out differ (app.serving.responses)."""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from app.serving.body import read_body
+from app.api.deps import ContextDep, PrincipalDep
+from app.serving.context import ModelContext
+from app.errors import OpenAIError, invalid_request, server_error
+from app.gateway.contract import Principal
+from app.serving.tracker import (Choice, EngineFailure, RequestTracker, abort_on_disconnect, check_fits,
+                            engine_outputs, rejection_error)
+from app.serving.sampling import chat_sampling_params
+from app.serving.schemas import ChatCompletionRequest
+from app.serving.responses.items import chat_messages, new_item_id, normalize_input, output_items
+from app.serving.responses.output import ResponseEvents, ResponseHeader, final_status, response_usage
+from app.serving.responses.request import ResponsesRequest, check_fields
+from app.serving.responses.store import ResponseStore
+from app.serving.responses.translate import chat_request, renamed_errors
+from app.serving.streaming import sse_response
+from app.serving.structured.plan import StructuredPlan, prepare_chat
+from engine.async_engine import EngineRejected
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenmill.responses")
+router = APIRouter()
+PROMPT_PARAM, MAX_TOKENS_PARAM = "input", "max_output_tokens"
+
+Saver = Callable[[dict], None]
+
+
+def response_not_found(response_id: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request, server: ContextDep, principal: PrincipalDep):
+    body = await read_body(request, ResponsesRequest, server.settings.max_request_bytes)
+    check_fields(body)
+    earlier: list[dict] = []
+    if body.previous_response_id is not None:  # another team's response is as absent as a missing one
+        previous = await run_in_threadpool(server.responses.get, body.previous_response_id, principal.team_id)
+        if previous is None:
+            raise response_not_found(body.previous_response_id, param="previous_response_id")
+        earlier = previous.conversation
+    conversation = [*earlier, *normalize_input(body.input, earlier)]
+    return await server.with_model(
+        body.model, lambda context: run_response(request, context, principal, body, conversation, server.responses),
+        kind="chat")
+
+
+async def run_response(request: Request, context: ModelContext, principal: Principal, body: ResponsesRequest,
+                       conversation: list[dict], store: ResponseStore):
+    chat_body, plan, prompt_ids = await run_in_threadpool(prepare, context.engine.tokenizer, body, conversation,
+                                                          context.engine.max_model_len)
+    tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict resolved
+    params = renamed_errors(lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids),
+                                                                         context.token_budget)))
+    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
+                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
+    header = ResponseHeader(id=new_item_id("resp"), model=context.model_name, body=body, tools=tools)
+    tracker = RequestTracker(context, principal, request_id=header.id, endpoint="responses")
+    try:
+        check_fits(context, prompt_ids, params, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM)
+    except Exception:
+        tracker.finish("rejected")
+        raise
+    save = functools.partial(store.save, principal.team_id, input_items=conversation) if body.stores else None
+    if body.stream:
+        obfuscate = bool((body.stream_options or {}).get("include_obfuscation"))
+        context.streaming = True
+        return sse_response(response_events(context, tracker, header, prompt_ids, params, plan, save, obfuscate),
+                            headers)
+    response = await whole_response(request, context, tracker, header, prompt_ids, params, plan, save)
+    return JSONResponse(response, headers=headers)
+
+
+def prepare(tokenizer, body: ResponsesRequest, conversation: list[dict],
+            max_model_len: int) -> tuple[ChatCompletionRequest, StructuredPlan, list[int]]:
+    """The request in chat's shape, the plan and the prompt's token ids. With truncation 'auto', the oldest turns
+    are left out of the prompt (never out of what is stored) until it fits. Blocking."""
+    while True:
+        chat_body = renamed_errors(lambda: chat_request(body, chat_messages(body.instructions, conversation)))
+        plan, prompt_ids = renamed_errors(lambda: prepare_chat(tokenizer, chat_body))
+        room = max_model_len - (body.max_output_tokens or 1)
+        shorter = oldest_turn_dropped(conversation) if body.truncation == "auto" and len(prompt_ids) > room else None
+        if shorter is None:
+            return chat_body, plan, prompt_ids
+        conversation = shorter
+
+
+def oldest_turn_dropped(conversation: list[dict]) -> list[dict] | None:
+    """The conversation without its first user turn and what answered it (system and developer messages
+    stay); None when no earlier turn is left to drop."""
+    kept = [item for item in conversation if item.get("role") in ("system", "developer")]
+    rest = [item for item in conversation if item.get("role") not in ("system", "developer")]
+    user_turns = [index for index, item in enumerate(rest) if item.get("role") == "user"]
+    if len(user_turns) < 2:
+        return None
+    return kept + rest[user_turns[1]:]
+
+
+async def whole_response(request: Request, context: ModelContext, tracker: RequestTracker, header: ResponseHeader,
+                         prompt_ids: list[int], params: SamplingParams, plan: StructuredPlan,
+                         save: Saver | None) -> dict:
+    choice = Choice()
+    status = "error"
+    try:
+        async with abort_on_disconnect(request, lambda: context.engine.abort(tracker.request_id)):
+            async for output in engine_outputs(context, tracker, tracker.request_id, prompt_ids, params):
+                for delta in output.deltas:
+                    choice.add(delta)
+        status = tracker.final_status()
+    except EngineRejected as error:
+        status = "rejected"
+        raise rejection_error(error, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM) from None
+    except EngineFailure as error:
+        raise server_error(f"The engine failed this request: {error}") from None
+    finally:
+        tracker.finish(status)
+    message, finish_reason = plan.message(choice.text, choice.finish_reason)
+    state, incomplete_reason = final_status(finish_reason)
+    output = output_items(message, "completed" if state == "completed" else "incomplete")
+    response = header.response(state, output, response_usage(tracker.usage()), incomplete_reason=incomplete_reason)
+    if save is not None and status == "ok":
+        await run_in_threadpool(save, response)
+    return response
+
+
+async def response_events(context: ModelContext, tracker: RequestTracker, header: ResponseHeader,
+                          prompt_ids: list[int], params: SamplingParams, plan: StructuredPlan, save: Saver | None,
+                          obfuscate: bool) -> AsyncIterator[str]:
+    """The typed events, ending with response.completed (or .incomplete, .failed). The response is stored
+    before the last event goes out, so a client that reads it back at once finds it. A client that goes
+    away cancels us: the engine request is aborted and nothing is stored."""
+    events = ResponseEvents(header, obfuscate)
+    status = "aborted"
+    try:
+        for event in events.started():
+            yield event
+        streams = plan.streams(1)
+        finish_reason = None
+        async for output in engine_outputs(context, tracker, tracker.request_id, prompt_ids, params):
+            for delta in output.deltas:
+                for piece, _ in streams.pieces(0, delta.text, delta.finish_reason, False):
+                    for event in events.feed(piece):
+                        yield event
+                finish_reason = delta.finish_reason or finish_reason
+        for event in events.finished(finish_reason):
+            yield event
+        state, incomplete_reason = final_status(finish_reason)
+        response = header.response(state, events.output, response_usage(tracker.usage()),
+                                   incomplete_reason=incomplete_reason)
+        if save is not None:
+            await run_in_threadpool(save, response)
+        status = tracker.final_status()
+        yield events.event(f"response.{state}", response=response)
+    except EngineRejected as error:
+        status = "rejected"
+        yield failed(events, rejection_error(error, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM))
+    except EngineFailure as error:
+        status = "error"
+        yield failed(events, server_error(f"The engine failed this request: {error}"))
+    except Exception:
+        status = "error"
+        log.exception("response stream %s failed", tracker.request_id)
+        yield failed(events, server_error())
+    finally:
+        tracker.finish(status)
+
+
+def failed(events: ResponseEvents, error: OpenAIError) -> str:
+    response = events.header.response("failed", events.output, None,
+                                      error={"code": error.code or "server_error", "message": error.message})
+    return events.event("response.failed", response=response)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, server: ContextDep, principal: PrincipalDep):
+    if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        raise invalid_request("Streaming a stored response again is not supported.", param="stream",
+                              code="unsupported_parameter")
+    stored = await run_in_threadpool(server.responses.get, response_id, principal.team_id)
+    if stored is None:
+        raise response_not_found(response_id)
+    return stored.response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, server: ContextDep, principal: PrincipalDep):
+    if not await run_in_threadpool(server.responses.delete, response_id, principal.team_id):
+        raise response_not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, server: ContextDep, principal: PrincipalDep):
+    if await run_in_threadpool(server.responses.get, response_id, principal.team_id) is None:
+        raise response_not_found(response_id)
+    raise invalid_request("Only responses created with background=true can be cancelled; this server runs none.",
+                          code="not_background")
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, server: ContextDep, principal: PrincipalDep):
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid_request("Invalid value for 'order': expected 'asc' or 'desc'.", param="order")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise invalid_request("Invalid value for 'limit': expected an integer from 1 to 100.", param="limit")
+    stored = await run_in_threadpool(server.responses.get, response_id, principal.team_id)
+    if stored is None:
+        raise response_not_found(response_id)
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise invalid_request(f"No input item with id '{after}' in this response.", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:int(limit_text)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}

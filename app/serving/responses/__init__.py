@@ -1,0 +1,1 @@
+"""The Responses API: requests, conversation items, output and events, stored responses."""
