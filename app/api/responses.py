@@ -56,7 +56,7 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
     conversation = [*earlier, *normalize_input(body.input, earlier)]
     return await server.with_model(
         body.model, lambda context: run_response(request, context, principal, body, conversation, server.responses),
-        kind="chat")
+        principal=principal, kind="chat")
 
 
 async def run_response(request: Request, context: ModelContext, principal: Principal, body: ResponsesRequest,

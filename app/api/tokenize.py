@@ -12,8 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from app.serving.body import read_body
 from app.api.deps import ContextDep, PrincipalDep
 from app.serving.context import ModelContext
-from app.errors import invalid_request, model_not_found
-from app.gateway.contract import Principal
+from app.errors import invalid_request
 from app.serving.schemas import ChatCompletionRequest
 from app.serving.structured.plan import prepare_chat
 
@@ -40,11 +39,6 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def check_access(context: ModelContext, principal: Principal, requested: str) -> None:
-    if not principal.allows(context.access_name(principal, requested)):
-        raise model_not_found(requested)
-
-
 @router.post("/tokenize")
 async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep):
     body = await read_body(request, TokenizeRequest, server.settings.max_request_bytes)
@@ -58,7 +52,6 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
                               param="add_generation_prompt")
 
     async def handle(context: ModelContext):
-        check_access(context, principal, body.model)
         tokenizer = context.engine.tokenizer
         if body.messages is not None:
             chat = {"model": body.model, "messages": body.messages, "tools": body.tools, "tool_choice": body.tool_choice}
@@ -73,7 +66,7 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
             result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
         return result
 
-    return await server.with_model(body.model, handle, kind="chat")
+    return await server.with_model(body.model, handle, principal=principal, kind="chat")
 
 
 @router.post("/detokenize")
@@ -81,10 +74,9 @@ async def detokenize(request: Request, server: ContextDep, principal: PrincipalD
     body = await read_body(request, DetokenizeRequest, server.settings.max_request_bytes)
 
     async def handle(context: ModelContext):
-        check_access(context, principal, body.model)
         tokenizer = context.engine.tokenizer
         if any(not 0 <= token < len(tokenizer) for token in body.tokens):
             raise invalid_request(f"Token ids must be between 0 and {len(tokenizer) - 1}.", param="tokens")
         return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
-    return await server.with_model(body.model, handle, kind="chat")
+    return await server.with_model(body.model, handle, principal=principal, kind="chat")
