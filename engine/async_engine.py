@@ -19,6 +19,7 @@ from engine.loader import LoadedModel, load_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -51,7 +52,8 @@ class AsyncEngine:
         self.core.check_request(prompt_token_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> AsyncIterator[RequestOutput]:
         if self._stopping.is_set():
             raise EngineRejected("shutting_down", "the engine is shutting down")
@@ -61,7 +63,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request_id, list(prompt_token_ids), params))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, tenancy))
         finished = False
         try:
             while not finished:
@@ -104,9 +106,9 @@ class AsyncEngine:
         if kind == "stop":
             return False
         if kind == "add":
-            _, request_id, prompt_token_ids, params = command
+            _, request_id, prompt_token_ids, params, tenancy = command
             try:
-                self.core.add_request(request_id, prompt_token_ids, params)
+                self.core.add_request(request_id, prompt_token_ids, params, tenancy)
             except Exception as error:  # noqa: BLE001 - refused to its caller; the loop must live on
                 if not isinstance(error, EngineRejected):
                     log.exception("could not add request %s", request_id)

@@ -39,6 +39,7 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}
         self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.num_cpu_blocks = num_cpu_blocks
+        self.held_cpu_blocks: list[int] = []  # freed by a swap-in this step; see swap_in
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -63,7 +64,7 @@ class BlockManager:
     def _update_block_hashes(self, request: Request) -> None:
         token_ids = request.all_token_ids
         for index in range(len(request.block_hashes), len(token_ids) // self.block_size):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else request.tenancy.cache_root
             start = index * self.block_size
             request.block_hashes.append(hash_block(parent, token_ids[start : start + self.block_size]))
 
@@ -179,17 +180,27 @@ class BlockManager:
         return pairs
 
     def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        num_needed = self.blocks_for(request.num_computed_tokens + num_new_tokens)
+        # Its table may hold a block past its computed tokens: slots allocated in the step it was preempted.
+        num_needed = max(len(request.cpu_block_ids), self.blocks_for(request.num_computed_tokens + num_new_tokens))
         return num_needed <= self.num_free_blocks
 
-    def swap_in(self, request: Request) -> list[BlockCopy]:
-        """Bring a swapped request's KV back: (cpu block, device block) copies."""
+    def swap_in(self, request: Request, *, hold_cpu_blocks: bool = False) -> list[BlockCopy]:
+        """Bring a swapped request's KV back: (cpu block, device block) copies.
+
+        With `hold_cpu_blocks` its CPU blocks stay taken until `release_held_cpu_blocks()`: swap-outs run
+        before swap-ins, so one planned later in the same step must not write into them.
+        """
         pairs = [(cpu, self._take_free_block()) for cpu in request.cpu_block_ids]
-        self.free_cpu_blocks.extend(reversed(request.cpu_block_ids))
+        released = self.held_cpu_blocks if hold_cpu_blocks else self.free_cpu_blocks
+        released.extend(reversed(request.cpu_block_ids))
         request.block_ids = [device for _, device in pairs]
         request.cpu_block_ids = []
         request.num_registered_blocks = 0
         return pairs
+
+    def release_held_cpu_blocks(self) -> None:
+        self.free_cpu_blocks.extend(self.held_cpu_blocks)
+        self.held_cpu_blocks.clear()
 
     def free_swapped(self, request: Request) -> None:
         self.free_cpu_blocks.extend(reversed(request.cpu_block_ids))

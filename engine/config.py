@@ -44,6 +44,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the checkpoint's max positions
     max_waiting: int = 1024
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # fair: the least-served team's request goes first (engine/fair_share.py); fcfs: arrival order.
+    scheduling: Literal["fair", "fcfs"] = "fair"
+    # A request preempted so that another team gets its turn has run at least this many steps.
+    fair_min_run_steps: int = 8
+    fair_prompt_weight: float = 1.0  # service charged per prompt token ...
+    fair_output_weight: float = 2.0  # ... and per generated token (VTC's weights)
     enable_prefix_caching: bool = True
     data_dir: str = ".tokenmill"  # where converted weights are cached
     num_threads: int | None = None
@@ -67,6 +73,12 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least block_size")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("preemption_mode must be 'recompute' or 'swap'")
+        if self.scheduling not in ("fair", "fcfs"):
+            raise ValueError("scheduling must be 'fair' or 'fcfs'")
+        if self.fair_min_run_steps < 1:  # a request swapped in this step can't be swapped out in the same one
+            raise ValueError("fair_min_run_steps must be at least 1")
+        if not (self.fair_prompt_weight >= 0 and self.fair_output_weight > 0):
+            raise ValueError("fair_prompt_weight must be at least 0 and fair_output_weight positive")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
         if self.kv_layout not in KV_LAYOUTS:

@@ -18,6 +18,7 @@ from engine.sampler import Sampler, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -102,7 +103,8 @@ class LLMEngine:
         if capacity and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineRejected("queue_full", "the server is at capacity; retry shortly")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    tenancy: Tenancy = DEFAULT_TENANCY) -> None:
         if request_id in self.groups:
             raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
         # Capacity was checked where the request came in: one already accepted there is not turned
@@ -110,7 +112,8 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, capacity=False)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
-        sequences = [Request(request_id, index, list(prompt_token_ids), params) for index in range(params.n)]
+        sequences = [Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy)
+                     for index in range(params.n)]
         parent = sequences[0]
         parent.siblings = sequences[1:]
         for sibling in parent.siblings:
@@ -194,6 +197,8 @@ class LLMEngine:
         ]
         result = self.sampler(logits, states)
         self.stats.generation_tokens_total += len(sequences)
+        for seq in sequences:  # the fair-share charge for what each team was actually served
+            self.scheduler.ledger.charge(seq.team, output_tokens=1)
         for seq, token_id, logprob in zip(sequences, result.token_ids, result.logprobs):
             parent = seq.fork_parent
             if parent is not None:  # the parent's prompt is in the cache: share it instead of recomputing

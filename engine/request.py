@@ -13,6 +13,7 @@ import torch
 
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
+from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 
 class RequestStatus(enum.Enum):
@@ -49,6 +50,12 @@ class Request:
     # A sibling of an n > 1 request waits for its parent's prompt instead of prefilling it again.
     fork_parent: Request | None = None
     siblings: list[Request] = field(default_factory=list)
+    tenancy: Tenancy = DEFAULT_TENANCY
+    # Scheduler bookkeeping: arrival order (kept across preemption), the step it last started running,
+    # and whether its prompt has been charged to its team (once, however often it is recomputed).
+    arrival_seq: int = 0
+    running_since_step: int = 0
+    prompt_charged: bool = False
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -59,6 +66,10 @@ class Request:
     @property
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.index)
+
+    @property
+    def team(self) -> str:
+        return self.tenancy.team
 
     @property
     def num_prompt_tokens(self) -> int:

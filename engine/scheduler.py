@@ -1,8 +1,22 @@
 """Decides, every step, which requests run and how many of their tokens: continuous batching.
 
-Running requests first (a decode is one token, a prefill chunk what the budget allows), then swapped
-ones, then waiting ones in arrival order. When blocks run out the newest running request is preempted,
-by recompute (drop its KV, requeue it) or by swap (park its KV in the CPU pool).
+Running requests first (a decode is one token, a prefill chunk what the budget allows), then queued ones.
+`scheduling="fcfs"`: swapped requests resume first, then waiting ones in arrival order. `"fair"` (the
+default): the next request is the queued one of the least-served team (engine/fair_share.py), in arrival
+order within a team, lower `priority` classes strictly first; when it finds no seat or no blocks, the newest
+running request of the most over-served team that has run `fair_min_run_steps` steps gives way to it.
+When blocks run out for a running request the newest running request (fair: of the most over-served team)
+is preempted, by recompute (drop its KV, requeue it) or by swap (park its KV in the CPU pool).
+
+The bound fair share keeps (equal priorities). Let m = fair_min_run_steps, S = max_num_seqs, P = the longest
+prompt, and for team g with weight w_g: U_g = (prompt_weight * P + (m + 1) * output_weight * S) / w_g.
+While teams f and g both have requests queued, c_g - c_f <= U_g, where c is the virtual counter. Why: take
+the last moment c_g <= c_f held. After it g admits nothing new (f's request ranks first and the queue is
+never skipped), so g's counter grows only by the admission that crossed (at most prompt_weight * P / w_g)
+and by its running sequences' outputs (at most output_weight * S / w_g a step), and each of those is
+preempted for f's waiting request once it has run m steps. Over any interval in which both stay queued,
+their weighted service therefore differs by at most U_f + U_g (VTC's 2x bound, with preemption's m).
+tests/test_fair_share.py holds the engine to it on random workloads.
 """
 from __future__ import annotations
 
@@ -11,6 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
+from engine.fair_share import TeamLedger
 from engine.request import Request, RequestStatus
 
 
@@ -37,6 +52,7 @@ class SchedulerCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of those, found in the cache
     copy_on_write_blocks: int = 0
+    preemptions_fair: int = 0  # of the preemptions, those that gave another team its turn
 
 
 class Scheduler:
@@ -47,21 +63,31 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.counters = SchedulerCounters()
+        self.fair = config.scheduling == "fair"
+        self.ledger = TeamLedger(config.fair_prompt_weight, config.fair_output_weight)
+        self.num_steps = 0
+        self._next_arrival_seq = 0
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def add(self, request: Request) -> None:
+        request.arrival_seq = self._next_arrival_seq
+        self._next_arrival_seq += 1
+        self.ledger.set_weight(request.team, request.tenancy.weight)
+        self.ledger.join(request.team)
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
         """A forked sibling joins the batch with its parent's (shared) blocks."""
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self.ledger.join(request.team)
+        self._start_running(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of whichever queue holds it and give its blocks back."""
+        if not request.is_finished:
+            self.ledger.leave(request.team)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING and request in self.waiting:
@@ -74,11 +100,24 @@ class Scheduler:
 
     # ---- the step decision ---------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        self.num_steps += 1
         batch = ScheduledBatch()
         scheduled: dict[Request, int] = {}
-        budget = self.config.max_num_batched_tokens
-        preempted_any = False
+        preempted: set[Request] = set()
+        budget = self._schedule_running(batch, scheduled, preempted)
+        if self.fair:
+            self._admit_fairly(batch, scheduled, preempted, budget)
+        else:
+            self._admit_in_arrival_order(batch, scheduled, bool(preempted), budget)
+        self.blocks.release_held_cpu_blocks()
+        batch.requests = list(scheduled)
+        batch.num_new_tokens = list(scheduled.values())
+        return batch
 
+    def _schedule_running(self, batch: ScheduledBatch, scheduled: dict[Request, int],
+                          preempted: set[Request]) -> int:
+        """Give running requests their next tokens, preempting when blocks run out; returns the budget left."""
+        budget = self.config.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -88,57 +127,128 @@ class Scheduler:
                 copies = self.blocks.allocate_slots(request, num_new)
                 if copies is not None:
                     break
-                victim = self.running[-1]
+                victim = self._victim_for_blocks()
+                if self.running.index(victim) < index:
+                    index -= 1
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim, batch)
-                preempted_any = True
-            if copies is None:  # the request preempted itself: it was the newest
-                break
+                preempted.add(victim)
+            if copies is None:  # the request preempted itself; the next one moved up to `index`
+                continue
             batch.copies.extend(copies)
             self.counters.copy_on_write_blocks += len(copies)
             scheduled[request] = num_new
             budget -= num_new
             index += 1
+        return budget
 
+    def _admit_in_arrival_order(self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted_any: bool,
+                                budget: int) -> None:
         while self.swapped and not preempted_any and budget > 0 and self._seats_taken() < self.config.max_num_seqs:
             request = self.swapped[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.blocks.can_swap_in(request, num_new):
+            num_new = self._swap_in(request, batch, budget)
+            if num_new is None:
                 break
-            self.swapped.popleft()
-            batch.swap_in.extend(self.blocks.swap_in(request))
-            batch.copies.extend(self.blocks.allocate_slots(request, num_new))
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
             scheduled[request] = num_new
             budget -= num_new
-
         while self.waiting and not self.swapped and not preempted_any and budget > 0:
             request = self.waiting[0]
             if self._seats_taken() + 1 + self._unforked(request) > self.config.max_num_seqs:
                 break
-            first_admission = request.num_computed_tokens == 0 and not request.output_token_ids
-            cached = self.blocks.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.blocks.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
-            copies = self.blocks.allocate_slots(request, num_new, cached)
-            if copies is None:
+            num_new = self._start_waiting(request, batch, budget)
+            if num_new is None:
                 break
-            self.waiting.popleft()
-            batch.copies.extend(copies)
-            request.num_computed_tokens = num_cached_tokens
-            if first_admission:
-                request.num_cached_tokens = num_cached_tokens
-                self.counters.prefix_cache_queries += request.num_prompt_tokens
-                self.counters.prefix_cache_hits += num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
             scheduled[request] = num_new
             budget -= num_new
 
-        batch.requests = list(scheduled)
-        batch.num_new_tokens = list(scheduled.values())
-        return batch
+    def _admit_fairly(self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted: set[Request],
+                      budget: int) -> None:
+        """Queued requests in fair order; the first that doesn't fit takes the place of an over-served one.
+
+        The order is never skipped, so a small request of an over-served team can't pass a waiting
+        under-served one. Requests preempted this step wait for the next.
+        """
+        while True:
+            queued = [r for r in (*self.waiting, *self.swapped) if r not in preempted]
+            if not queued:
+                return
+            candidate = min(queued, key=self._fair_rank)
+            if self._seats_taken() + 1 + self._unforked(candidate) <= self.config.max_num_seqs:
+                if budget <= 0:
+                    return
+                if candidate.status is RequestStatus.SWAPPED:
+                    num_new = self._swap_in(candidate, batch, budget)
+                else:
+                    num_new = self._start_waiting(candidate, batch, budget)
+                if num_new is not None:
+                    scheduled[candidate] = num_new
+                    budget -= num_new
+                    continue
+            victim = self._victim_for(candidate)
+            if victim is None:
+                return
+            budget += scheduled.pop(victim, 0)
+            self._preempt(victim, batch)
+            preempted.add(victim)
+            self.counters.preemptions_fair += 1
+
+    def _fair_rank(self, request: Request) -> tuple[int, float, int]:
+        """Lowest goes first; the highest running request is the first to give way."""
+        return (request.tenancy.priority, self.ledger.service(request.team), request.arrival_seq)
+
+    def _victim_for_blocks(self) -> Request:
+        if self.fair:
+            return max(self.running, key=self._fair_rank)
+        return self.running[-1]
+
+    def _victim_for(self, candidate: Request) -> Request | None:
+        """The running request that gives its place to `candidate`: of a lower priority class, or of a more
+        served team at the same priority; newest first, and only once it has run `fair_min_run_steps`."""
+        rank = self._fair_rank(candidate)
+        victims = [
+            request for request in self.running
+            if self.num_steps - request.running_since_step >= self.config.fair_min_run_steps
+            and (request.tenancy.priority > rank[0]
+                 or (request.tenancy.priority == rank[0] and request.team != candidate.team
+                     and self.ledger.service(request.team) > rank[1]))
+        ]
+        return max(victims, key=self._fair_rank, default=None)
+
+    def _swap_in(self, request: Request, batch: ScheduledBatch, budget: int) -> int | None:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.blocks.can_swap_in(request, num_new):
+            return None
+        self.swapped.remove(request)
+        batch.swap_in.extend(self.blocks.swap_in(request, hold_cpu_blocks=True))
+        batch.copies.extend(self.blocks.allocate_slots(request, num_new) or ())
+        self._start_running(request)
+        return num_new
+
+    def _start_waiting(self, request: Request, batch: ScheduledBatch, budget: int) -> int | None:
+        first_admission = request.num_computed_tokens == 0 and not request.output_token_ids
+        cached = self.blocks.find_cached_prefix(request)
+        num_cached_tokens = len(cached) * self.blocks.block_size
+        num_new = min(request.num_tokens - num_cached_tokens, budget)
+        copies = self.blocks.allocate_slots(request, num_new, cached)
+        if copies is None:
+            return None
+        self.waiting.remove(request)
+        batch.copies.extend(copies)
+        request.num_computed_tokens = num_cached_tokens
+        if first_admission:
+            request.num_cached_tokens = num_cached_tokens
+            self.counters.prefix_cache_queries += request.num_prompt_tokens
+            self.counters.prefix_cache_hits += num_cached_tokens
+        if not request.prompt_charged:
+            request.prompt_charged = True
+            self.ledger.charge(request.team, prompt_tokens=request.num_prompt_tokens)
+        self._start_running(request)
+        return num_new
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.running_since_step = self.num_steps
+        self.running.append(request)
 
     @staticmethod
     def _unforked(request: Request) -> int:

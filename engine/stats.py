@@ -1,7 +1,18 @@
 """What the engine reports about itself: queue sizes, batch occupancy, KV use, prefix hits, tokens."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class TeamStats:
+    """One team's share of the engine: its sequences now, and the tokens it has been served."""
+
+    running: int = 0  # running or swapped out
+    waiting: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    service: float = 0.0  # the fair-share virtual counter (weighted tokens / weight)
 
 
 @dataclass
@@ -27,6 +38,9 @@ class EngineStats:
     scheduled_seqs_total: int = 0
     scheduled_tokens_total: int = 0
     kv_blocks_used_step_sum: int = 0
+    num_preemptions_fair: int = 0  # of the preemptions, those that gave another team its turn
+    # Per team; rebuilt (not mutated) on every refresh, so a snapshot's dict stays as it was.
+    teams: dict[str, TeamStats] = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
@@ -68,3 +82,14 @@ class EngineStats:
         self.prefix_cache_hits = counters.prefix_cache_hits
         self.num_preemptions_recompute = counters.preemptions_recompute
         self.num_preemptions_swap = counters.preemptions_swap
+        self.num_preemptions_fair = counters.preemptions_fair
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for queue, counts in ((scheduler.running, running), (scheduler.swapped, running), (scheduler.waiting, waiting)):
+            for request in queue:
+                counts[request.team] = counts.get(request.team, 0) + 1
+        self.teams = {
+            team: TeamStats(running.get(team, 0), waiting.get(team, 0), ledger.prompt_tokens, ledger.output_tokens,
+                            ledger.service)
+            for team, ledger in scheduler.ledger.teams.items()
+        }
