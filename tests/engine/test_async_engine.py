@@ -141,10 +141,10 @@ def test_a_request_that_cannot_be_added_fails_alone(smollm2):
     engine = AsyncEngine.start(EngineConfig(num_kv_blocks=64), loaded=smollm2)
     real_add = engine.core.add_request
 
-    def faulty_add(request_id, prompt, params):
+    def faulty_add(request_id, prompt, params, *tenancy):
         if request_id == "broken":
             raise OverflowError("injected")
-        return real_add(request_id, prompt, params)
+        return real_add(request_id, prompt, params, *tenancy)
 
     engine.core.add_request = faulty_add
     prompt = chat_prompt(smollm2.tokenizer, "Hello")

@@ -14,7 +14,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.tenancy import Tenancy
-from tests.engine_helpers import QUESTIONS, chat_prompt
+from tests.support.engine import QUESTIONS, chat_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
