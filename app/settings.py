@@ -33,6 +33,7 @@ class Settings:
     max_tokens_cap: int = 4096  # upper bound for max_tokens, and the default when a request omits it
     hardware_cost_per_hour: float = 0.0  # USD per hour of this machine: the dashboard's real cost per token
     session_secret: str | None = None  # signs admin dashboard sessions; None: random per process
+    secure_cookies: bool = False  # always mark dashboard cookies Secure (behind a proxy that ends TLS)
     # Proxies whose X-Forwarded-For / -Proto are believed (comma-separated IPs or CIDRs, "*": any);
     # empty: none, the peer's own address is the client's.
     forwarded_allow_ips: str = ""
@@ -126,6 +127,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--session-secret", "session_secret", str, "signs admin dashboard sessions (default: random per process)"),
     Option("--forwarded-allow-ips", "forwarded_allow_ips", str,
            "proxies trusted to set X-Forwarded-For / -Proto: comma-separated IPs or CIDRs (default: none)"),
+    Option("--secure-cookies", "secure_cookies", parse_bool,
+           "always mark dashboard cookies Secure (set it behind a proxy that terminates TLS)", switch=True),
     Option("--load-on-demand", "load_on_demand", parse_bool,
            "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)", switch=True),
     Option("--api-docs", "api_docs", parse_bool,

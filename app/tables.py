@@ -182,3 +182,14 @@ class StoredResponseItem(Base):
     item: Mapped[dict] = mapped_column(JSON)
 
     __table_args__ = (Index("uq_response_input_items_position", "response_id", "position", unique=True),)
+
+
+class AdminSession(Base):
+    """A dashboard login: one row while it is open, so that logging out ends it on every replica and
+    process. Keyed by the SHA-256 of the session id (the id itself only ever lives in the cookie)."""
+
+    __tablename__ = "admin_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)

@@ -43,14 +43,15 @@ def serve_on_ray(settings: Settings, args: argparse.Namespace) -> int:
         print("tokenmill: --ray needs Ray Serve: pip install 'tokenmill[ray]'", file=sys.stderr)
         return 2
 
+    from app.gateway.admin_identity import deliver_admin_key
     from app.gateway.contract import provision_admin_key
     from app.scaleout.ray_serve import build_application, drain_and_shutdown
 
     # Migrate once here, not in N replicas at the same time; create the admin key on first start.
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
-    admin_key = settings.admin_key or provision_admin_key(settings)
-    if admin_key and not settings.admin_key:
-        print(f"tokenmill: admin key (shown once, keep it): {admin_key}", flush=True)
+    created = None if settings.admin_key else provision_admin_key(settings)
+    if created:
+        deliver_admin_key(created, settings.data_dir)
 
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})

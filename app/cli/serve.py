@@ -20,6 +20,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.gateway.wiring import provision_configured_key
+    from app.gateway.admin_identity import deliver_admin_key
     from app.gateway.contract import provision_admin_key
     from app.cli.ray import apply_replica_count, serve_on_ray
     from app.scaleout.replica_app import build_server
@@ -38,9 +39,9 @@ def serve(args: argparse.Namespace) -> int:
     app, engine = build_server(settings)
     try:
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
-        admin_key = settings.admin_key or provision_admin_key(settings)
-        if admin_key and not settings.admin_key:
-            print(f"tokenmill: admin key (shown once, keep it): {admin_key}", flush=True)
+        created = None if settings.admin_key else provision_admin_key(settings)
+        if created:
+            deliver_admin_key(created, settings.data_dir)
         # proxy_headers=False: uvicorn would believe X-Forwarded-For from 127.0.0.1; the app itself trusts
         # only --forwarded-allow-ips.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,

@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 
 from app.dashboard.live import LiveSampler
 from app.dashboard.playground_keys import PlaygroundKeys
-from app.dashboard.sessions import SESSION_COOKIE, AdminSession, SessionSigner
+from app.dashboard.sessions import SESSION_COOKIE, AdminSession, SessionSigner, SessionStore
 from app.errors import OpenAIError
 from app.gateway.service import Gateway
 from app.settings import Settings
@@ -24,6 +24,7 @@ class Dashboard:
     settings: Settings
     gateway: Gateway
     signer: SessionSigner
+    session_store: SessionStore
     sampler: LiveSampler
     playground: PlaygroundKeys
 
@@ -46,7 +47,9 @@ DashboardDep = Annotated[Dashboard, Depends(get_dashboard)]
 
 
 def current_session(request: Request, dashboard: DashboardDep) -> AdminSession | None:
-    return dashboard.signer.read(request.cookies.get(SESSION_COOKIE))
+    """Blocking (a database read), so FastAPI runs it in a thread: a logout anywhere ends it here."""
+    session = dashboard.signer.read(request.cookies.get(SESSION_COOKIE))
+    return session if session is not None and dashboard.session_store.is_open(session) else None
 
 
 def page_session(request: Request, session: Annotated[AdminSession | None, Depends(current_session)]

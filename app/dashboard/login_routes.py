@@ -17,7 +17,9 @@ router = APIRouter()
 
 
 def _secure(request: Request) -> bool:
-    return request.url.scheme == "https"
+    """Secure cookies over https, and always with --secure-cookies: behind a proxy that ends TLS the app
+    sees http (unless --forwarded-allow-ips trusts the proxy's X-Forwarded-Proto)."""
+    return request.app.state.context.settings.secure_cookies or request.url.scheme == "https"
 
 
 def login_page(request: Request, dashboard, *, next_path: str, error: str | None = None,  # noqa: ANN001
@@ -54,17 +56,20 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
         response.headers.update(refused.headers)
         return response
     session, cookie = dashboard.signer.issue()
+    await run_in_threadpool(dashboard.session_store.open, session)
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(SESSION_COOKIE, cookie, max_age=int(dashboard.signer.lifetime_s), path="/admin",
                         httponly=True, samesite="strict", secure=_secure(request))
-    response.delete_cookie(LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict")
+    response.delete_cookie(LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict",
+                           secure=_secure(request))
     return response
 
 
 @router.post("/admin/logout", include_in_schema=False)
 async def log_out(request: Request, dashboard: DashboardDep, session: PageSession, form: CheckedForm) -> Response:
-    dashboard.signer.end(session)
+    await run_in_threadpool(dashboard.session_store.end, session)  # on every replica: the row is gone
     await run_in_threadpool(dashboard.playground.forget, session.session_id)
     response = RedirectResponse("/admin/login", status_code=303)
-    response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict")
+    response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict",
+                           secure=_secure(request))
     return response

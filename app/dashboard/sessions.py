@@ -1,5 +1,6 @@
 """Admin dashboard sessions: a signed cookie (HMAC-SHA256) carrying a random id and an expiry, and
-CSRF tokens derived from that id. Logging out ends the id in this process until it would expire."""
+CSRF tokens derived from that id. Which sessions are open is the database's to say (SessionStore), not
+a process's: logging out ends the session on every replica at once."""
 from __future__ import annotations
 
 import base64
@@ -9,6 +10,12 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.tables import AdminSession as AdminSessionRow
 
 SESSION_COOKIE = "tokenmill_admin"
 LOGIN_COOKIE = "tokenmill_login"  # the login form's CSRF token, before there is a session
@@ -33,7 +40,6 @@ class SessionSigner:
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self.lifetime_s = lifetime_s
         self.clock = clock
-        self._ended: dict[str, float] = {}  # session id -> when it would have expired
 
     def _sign(self, purpose: str, text: str) -> str:
         return _b64(hmac.new(self._secret, f"{purpose}:{text}".encode(), hashlib.sha256).digest())
@@ -50,20 +56,16 @@ class SessionSigner:
         return session, f"{body}.{self._sign('session', body)}"
 
     def read(self, cookie: str | None) -> AdminSession | None:
-        """The session a cookie carries, if it is signed by us, unexpired and not logged out."""
+        """The session a cookie carries, if it is signed by us and unexpired (whether it is still open is
+        SessionStore's to say)."""
         if not cookie or cookie.count(".") != 2:
             return None
         session_id, expires, signature = cookie.split(".")
         if not self._signed_ok("session", f"{session_id}.{expires}", signature) or not expires.isdigit():
             return None
-        if int(expires) <= self.clock() or session_id in self._ended:
+        if int(expires) <= self.clock():
             return None
         return AdminSession(session_id, int(expires))
-
-    def end(self, session: AdminSession) -> None:
-        now = self.clock()
-        self._ended = {sid: until for sid, until in self._ended.items() if until > now}
-        self._ended[session.session_id] = session.expires_at
 
     # CSRF
 
@@ -83,3 +85,38 @@ class SessionSigner:
             return False
         cookie_token, signature = cookie.split(".")
         return self._signed_ok("login", cookie_token, signature) and hmac.compare_digest(cookie_token, token)
+
+
+def _id_hash(session_id: str) -> str:
+    return hashlib.sha256(session_id.encode()).hexdigest()
+
+
+def _naive_utc(unix: float) -> datetime:
+    return datetime.fromtimestamp(unix, timezone.utc).replace(tzinfo=None)
+
+
+class SessionStore:
+    """Open sessions as rows of admin_sessions (by the id's hash). Blocking: run it off the event loop."""
+
+    def __init__(self, sessions: sessionmaker[Session], *, clock: Callable[[], float] = time.time) -> None:
+        self.sessions = sessions
+        self.clock = clock
+
+    def open(self, session: AdminSession) -> None:
+        now = _naive_utc(self.clock())
+        with self.sessions() as db:
+            db.execute(delete(AdminSessionRow).where(AdminSessionRow.expires_at <= now))  # expired ones go here
+            db.add(AdminSessionRow(id_hash=_id_hash(session.session_id), created_at=now,
+                                   expires_at=_naive_utc(session.expires_at)))
+            db.commit()
+
+    def is_open(self, session: AdminSession) -> bool:
+        with self.sessions() as db:
+            expires_at = db.scalar(select(AdminSessionRow.expires_at)
+                                   .where(AdminSessionRow.id_hash == _id_hash(session.session_id)))
+        return expires_at is not None and expires_at > _naive_utc(self.clock())
+
+    def end(self, session: AdminSession) -> None:
+        with self.sessions() as db:
+            db.execute(delete(AdminSessionRow).where(AdminSessionRow.id_hash == _id_hash(session.session_id)))
+            db.commit()

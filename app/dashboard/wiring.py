@@ -16,7 +16,7 @@ from app.dashboard.headers import DashboardHeadersMiddleware
 from app.dashboard.live import LiveSampler
 from app.dashboard.playground_keys import PlaygroundKeys
 from app.dashboard.rendering import WEB_DIR, render
-from app.dashboard.sessions import SessionSigner
+from app.dashboard.sessions import SessionSigner, SessionStore
 from app.dashboard.sources import model_sources
 
 ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, playground_routes, model_routes)
@@ -42,6 +42,7 @@ def install_dashboard(app: FastAPI, *, sample_interval_s: float = 1.0) -> Dashbo
     sampler = LiveSampler(lambda: model_sources(app), hardware_cost_per_hour=settings.hardware_cost_per_hour,
                           interval_s=sample_interval_s)
     dashboard = Dashboard(settings=settings, gateway=gateway, signer=SessionSigner(settings.session_secret),
+                          session_store=SessionStore(gateway.sessions),
                           sampler=sampler, playground=PlaygroundKeys(gateway))
     app.state.dashboard = dashboard
     for module in ROUTERS:

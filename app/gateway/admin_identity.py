@@ -1,6 +1,11 @@
-"""Who is admin: the key in TOKENMILL_ADMIN_KEY, else one generated on first start, printed once
-and stored hashed. Only the hash is kept in memory either way."""
+"""Who is admin: the key in TOKENMILL_ADMIN_KEY, else one generated on first start, written once to a
+file only this user can read, and stored hashed. Only the hash is kept in memory either way."""
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -65,3 +70,25 @@ def ensure_configured_key(sessions: sessionmaker[Session], key: str) -> str:
         except IntegrityError:  # another replica stored it first
             session.rollback()
     return f"--api-key added as a key of team {CONFIGURED_KEY_TEAM!r}"
+
+
+ADMIN_KEY_FILE = "admin-key"
+
+
+def deliver_admin_key(plaintext: str, data_dir: str | Path, stream: TextIO | None = None) -> Path:
+    """A generated admin key goes to DATA_DIR/admin-key (mode 0600: this user and root only), never to
+    the output, which nohup files and `docker logs` keep forever; the output says where it is. Only an
+    interactive terminal is shown the key itself. Returns the file's path."""
+    stream = stream or sys.stdout
+    path = Path(data_dir) / ADMIN_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        os.fchmod(descriptor, 0o600)  # a file left from before keeps its mode otherwise
+        file.write(plaintext + "\n")
+    stream.write(f"tokenmill: generated the admin key; it is in {path.resolve()} (readable by this user only). "
+                 "Keep it somewhere safe, then delete the file.\n")
+    if stream.isatty():
+        stream.write(f"  {plaintext}\n")
+    stream.flush()
+    return path

@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.db import make_engine, migrate, session_factory
 from app.errors import OpenAIError, invalid_api_key, model_not_found
-from app.gateway.admin_identity import AdminIdentity, ensure_admin_identity
+from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_admin_identity
 from app.gateway.auth import FailedAuthLimiter, KeyCache, Principal
 from app.gateway.budget import BudgetTracker
 from app.gateway.config import GatewayConfig
@@ -66,7 +66,7 @@ class Gateway:
             migrate(self.engine)
         self.admin, created = ensure_admin_identity(self.sessions, configured_key=self.config.admin_key)
         if created is not None:
-            announce_admin_key(created, self.announce)
+            deliver_admin_key(created, self.config.spill_dir, self.announce)
         self.writer.start()
         self.started = True
 
@@ -228,13 +228,3 @@ def store_unavailable(error: Exception) -> OpenAIError:
     log.warning("database unavailable: %s", str(error).splitlines()[0] if str(error) else type(error).__name__)
     return OpenAIError(503, "The key store is unavailable; please retry shortly.", type="server_error",
                        code="service_unavailable", headers={"Retry-After": "2"})
-
-
-def announce_admin_key(plaintext: str, stream: TextIO | None = None) -> None:
-    """Straight to the console, once; never through logging (log lines get shipped and kept)."""
-    import sys
-
-    stream = stream or sys.stderr
-    stream.write("tokenmill: generated the admin key (shown once, stored hashed; set TOKENMILL_ADMIN_KEY "
-                 f"to choose one):\n  {plaintext}\n")
-    stream.flush()

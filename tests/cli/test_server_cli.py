@@ -2,6 +2,7 @@
 key made by `tokenmill keys create` against the same database."""
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -64,7 +65,9 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
         said = process.stdout.readline()
         assert "--api-key added as a key of team 'default'" in said and configured_key not in said
         assert f"serving {MODEL} at http://127.0.0.1:{port}/v1" in process.stdout.readline()
-        assert "admin key" in process.stdout.readline()  # first start on this database
+        said = process.stdout.readline()  # first start on this database: where the new admin key is
+        assert "admin key" in said and "sk-admin-" not in said
+        Path(re.search(r"it is in (\S+) \(", said).group(1)).unlink()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         # --model, and the embedded embedding model registered beside it on first start (loading in the background)
         embedded = [spec["name"] for spec in embedded_defaults()]

@@ -16,7 +16,7 @@ from app.db import current_revision, make_engine, migrate
 from app.tables import Base
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"teams", "api_keys", "admin_credentials", "usage", "usage_daily", "models", "responses",
+TABLES = {"teams", "api_keys", "admin_credentials", "admin_sessions", "usage", "usage_daily", "models", "responses",
           "response_input_items", "alembic_version"}
 
 
@@ -101,4 +101,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
                             cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0005_responses"
+    assert result.stdout.strip() == "0006_admin_sessions"

@@ -16,13 +16,17 @@ class StoppableFakeEngine(FakeEngine):
         pass
 
 
-def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str) -> list:  # noqa: ANN001
+def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,  # noqa: ANN001, ANN201
+                    admin_key: str | None = ADMIN_KEY):
     """Runs `tokenmill serve` as a user would, with the fake engine, under the uvicorn options serve
     chooses (on a free port); `probe(url)` runs while it serves. Returns what the probe returned."""
     from app.gateway.wiring import gateway_from_settings
     from app.main import create_app
 
-    monkeypatch.setenv("TOKENMILL_ADMIN_KEY", ADMIN_KEY)
+    if admin_key:
+        monkeypatch.setenv("TOKENMILL_ADMIN_KEY", admin_key)
+    else:
+        monkeypatch.delenv("TOKENMILL_ADMIN_KEY", raising=False)
     monkeypatch.setattr("app.scaleout.replica_app.build_server", lambda settings: (
         create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)), engine))
     results = []
