@@ -36,7 +36,7 @@ class UsageRecord:
     team_id: str | None
     key_id: str | None
     model: str
-    endpoint: str  # "chat.completions" | "completions"
+    endpoint: str  # "chat.completions" | "completions" | "responses" | "embeddings"
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int

@@ -2,6 +2,9 @@
 them, metered like chat, nothing stored for a refused request, expired rows pruned."""
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -10,7 +13,9 @@ from sqlalchemy import func, select
 from app.db import make_engine, migrate, session_factory
 from app.serving.responses.store import SqlResponseStore
 from app.tables import StoredResponse, StoredResponseItem
-from tests.support.gateway import FakeClock, admin_headers, bearer, usage_rows
+from engine.outputs import RequestOutput, SequenceDelta
+from tests.support.gateway import (FAKE_MODEL, FakeClock, FakeEngine, admin_headers, bearer, build_app, create_key,
+                                   create_team, serve_in_thread, usage_rows)
 from tests.support.server import MODEL, running_server
 
 
@@ -94,3 +99,62 @@ def test_expired_responses_are_pruned(database_url):
         assert connection.scalar(select(func.count()).select_from(StoredResponseItem)) == 1
         assert list(connection.scalars(select(StoredResponse.id))) == ["resp_new"]
     engine.dispose()
+
+
+class FailingEngine(FakeEngine):
+    """Writes two tokens, then its step fails."""
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params):  # noqa: ANN001
+        yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
+        yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
+        raise RuntimeError("the engine step failed")
+
+
+def stream_events(client: httpx.Client, key: str, stop_after_deltas: int | None = None, **body) -> list[dict]:
+    events = []
+    with client.stream("POST", "/v1/responses", headers=bearer(key),
+                       json={"model": FAKE_MODEL, "input": "say hello", "stream": True, **body}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+                deltas = sum(event["type"] == "response.output_text.delta" for event in events)
+                if stop_after_deltas is not None and deltas == stop_after_deltas:
+                    break  # closing the response drops the connection mid-stream
+    return events
+
+
+def wait_for_rows(gateway) -> list:  # noqa: ANN001
+    deadline = time.monotonic() + 10
+    while not (rows := usage_rows(gateway)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rows
+
+
+def test_a_failing_engine_ends_the_stream_with_response_failed(make_gateway):
+    gateway = make_gateway()
+    with serve_in_thread(build_app(gateway, FailingEngine())) as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
+        key = create_key(client, create_team(client)["id"])["key"]
+        events = stream_events(client, key)
+        rows = wait_for_rows(gateway)
+    assert [event["type"] for event in events][-1] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "server_error"
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert stored_counts(gateway) == (0, 0)
+    [row] = rows
+    assert (row.status, row.completion_tokens) == ("error", 2)
+
+
+def test_a_client_gone_mid_stream_aborts_and_stores_nothing(make_gateway):
+    gateway = make_gateway()
+    engine = FakeEngine(token_delay_s=0.05)
+    with serve_in_thread(build_app(gateway, engine)) as url, httpx.Client(base_url=url, timeout=30) as client:
+        key = create_key(client, create_team(client)["id"])["key"]
+        events = stream_events(client, key, stop_after_deltas=3, max_output_tokens=100)
+        rows = wait_for_rows(gateway)
+    assert events[0]["type"] == "response.created"
+    [row] = rows
+    assert row.status == "aborted" and 3 <= row.completion_tokens < 100
+    assert engine.aborted == [events[0]["response"]["id"]]
+    assert stored_counts(gateway) == (0, 0)

@@ -154,7 +154,7 @@ class ResponseEvents:
         events = self._close_message(item_status)
         for item in self._open_calls.values():
             index = self.output.index(item)
-            item["status"] = "completed"
+            item["status"] = item_status
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                      name=item["name"], arguments=item["arguments"]))
             events.append(self.event("response.output_item.done", output_index=index, item=item))
