@@ -27,6 +27,7 @@ FLAGS = {
     "paged_decode_cpu": [*COMMON_FLAGS, "-ffp-contract=fast", "-mprefer-vector-width=512"],
     # Bit-equal rounding with the torch references needs every product rounded before the add.
     "elementwise_cpu": [*COMMON_FLAGS, "-ffp-contract=off"],
+    "qlinear_cpu": [*COMMON_FLAGS, "-ffp-contract=fast", "-mprefer-vector-width=512"],
 }
 DISABLE_ENV = "TOKENMILL_NATIVE_KERNELS"
 PREBUILT_ENV = "TOKENMILL_PREBUILT_KERNELS"

@@ -1,0 +1,443 @@
+// y = x @ W.T (+ bias) for weights packed at load time, bfloat16 or weight-only int8 / int4 with group
+// scales, dequantized in registers. Built for the rows a decode step has (1 to a few dozen): there the
+// time is reading the weights once, so the weights stream from memory in their smallest form and each
+// value loaded is used for every row of x while it sits in a register.
+//
+// Packed layout (kernels/qlinear.py writes it): the output features are cut into blocks of 16 lanes (one
+// zmm of float32 or int32), N padded with zero rows to a multiple of kTileBlocks*16, so no horizontal sums.
+//   bf16: uint16 [blocks][K][16]: a float32 FMA per k for every row of x.
+//   int8: uint8 [blocks][Kp/4][16][4] holding q + 128, fp16 scales [blocks][groups][16]; w = q * scale.
+//   int4: uint8 [blocks][Kp/32][4][16][4]: byte (c, lane, j) holds q[k = 4c + j] in its low nibble and
+//         q[k = 16 + 4c + j] in its high nibble, for the 32 k of one group; fp16 scale and min
+//         [blocks][groups][16]; w = q * scale + min, q in 0..15 (GGUF Q4_1 style), groups of 32.
+// Kp = groups * group >= K (zero padded), a multiple of 32.
+// The int formats run as integer dot products (AVX512-VNNI: one vpdpbusd multiplies 64 weight bytes by 4
+// bytes of x). x is quantized per row and block of 32 inputs as two int8 digits, x ~ s*(hi + lo/254) with
+// s = max|x|/127: hi = round(x/s), lo = round((x - s*hi) / (s/254)). One digit (llama.cpp's Q8 activations)
+// moved 1% of SmolLM2's greedy tokens away from float activations; two digits are as good as float (16-bit
+// precision) and the second dot product is nearly free while the weights stream from memory.
+// The int32 sums combine exactly: total = 254*sum(w*hi) + sum(w*lo). For int8: sum_k x*(q+128) - 128*sum_k x
+// gives sum_k x*q; for int4: sum_k x*(q*s+m) = s*sum_k(x*q) + m*sum_k(x). Without VNNI a portable loop does
+// the same integer arithmetic, so results do not depend on the CPU.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TOKENMILL_VEC "avx512-vnni"
+#define TOKENMILL_VNNI 1
+#elif defined(__AVX512F__)
+#include <immintrin.h>
+#define TOKENMILL_VEC "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TOKENMILL_VEC "avx2"
+#else
+#define TOKENMILL_VEC "scalar"
+#endif
+
+#include "bfloat16.h"
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kTileBlocks = 4;  // output blocks per tile: a tile is the unit of work of a thread
+constexpr int kXBlock = 32;     // inputs per int8 scale of x
+
+#if defined(__AVX512F__)
+struct Vec {
+    __m512 v;
+    static Vec zero() { return {_mm512_setzero_ps()}; }
+    static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+    static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static Vec load_bf16(const uint16_t* p) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+    }
+    static Vec load_f16(const uint16_t* p) {
+        return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+    }
+    static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+    static Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+    void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Vec {
+    __m256 a, b;
+    static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Vec broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+    static Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+    static __m256 bf16x8(const uint16_t* p) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    static Vec load_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+    static Vec load_f16(const uint16_t* p) {
+        return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+    }
+    static Vec fma(Vec x, Vec y, Vec z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+    static Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+    void store(float* p) const {
+        _mm256_storeu_ps(p, a);
+        _mm256_storeu_ps(p + 8, b);
+    }
+};
+#else
+float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exponent = 127 - 15 + 1;
+            while ((mantissa & 0x400u) == 0) {
+                mantissa <<= 1;
+                --exponent;
+            }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+}
+
+struct Vec {
+    float v[kLanes];
+    static Vec zero() { return broadcast(0.f); }
+    static Vec broadcast(float x) {
+        Vec out;
+        for (float& lane : out.v) lane = x;
+        return out;
+    }
+    static Vec load(const float* p) {
+        Vec out;
+        std::memcpy(out.v, p, sizeof(out.v));
+        return out;
+    }
+    static Vec load_bf16(const uint16_t* p) {
+        Vec out;
+        for (int i = 0; i < kLanes; ++i) out.v[i] = tokenmill::to_float(p[i]);
+        return out;
+    }
+    static Vec load_f16(const uint16_t* p) {
+        Vec out;
+        for (int i = 0; i < kLanes; ++i) out.v[i] = half_to_float(p[i]);
+        return out;
+    }
+    static Vec fma(Vec x, Vec y, Vec z) {
+        Vec out;
+        for (int i = 0; i < kLanes; ++i) out.v[i] = x.v[i] * y.v[i] + z.v[i];
+        return out;
+    }
+    static Vec mul(Vec x, Vec y) {
+        Vec out;
+        for (int i = 0; i < kLanes; ++i) out.v[i] = x.v[i] * y.v[i];
+        return out;
+    }
+    void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+};
+#endif
+
+
+// int32 sums of 16 lanes: acc[lane] += sum_j w[lane*4 + j] * x[j], w unsigned bytes, x signed (vpdpbusd).
+#if defined(TOKENMILL_VNNI)
+struct IVec {
+    __m512i v;
+    static IVec zero() { return {_mm512_setzero_si512()}; }
+    static __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    static __m512i low_nibbles(__m512i bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi8(15)); }
+    static __m512i high_nibbles(__m512i bytes) {
+        return _mm512_and_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+    }
+    static __m512i quad(const int8_t* x) {
+        int32_t bits;
+        std::memcpy(&bits, x, sizeof(bits));
+        return _mm512_set1_epi32(bits);
+    }
+    void dot(__m512i w, __m512i x4) { v = _mm512_dpbusd_epi32(v, w, x4); }
+    static IVec combine(IVec high, IVec low) {  // 254 * high + low
+        // shifts, not vpmulld (10 cycles of latency): 254 * h = 256 * h - 2 * h
+        const __m512i scaled = _mm512_sub_epi32(_mm512_slli_epi32(high.v, 8), _mm512_slli_epi32(high.v, 1));
+        return {_mm512_add_epi32(scaled, low.v)};
+    }
+    // float(this - offset) as a Vec
+    Vec to_float(int32_t offset) const { return {_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(offset)))}; }
+};
+#else
+struct Bytes64 {
+    uint8_t b[64];
+};
+struct Quad {
+    int32_t x[4];
+};
+struct IVec {
+    int32_t v[kLanes];
+    static IVec zero() {
+        IVec out;
+        for (int32_t& lane : out.v) lane = 0;
+        return out;
+    }
+    static Bytes64 load(const uint8_t* p) {
+        Bytes64 out;
+        std::memcpy(out.b, p, 64);
+        return out;
+    }
+    static Bytes64 low_nibbles(Bytes64 bytes) {
+        for (uint8_t& b : bytes.b) b &= 15;
+        return bytes;
+    }
+    static Bytes64 high_nibbles(Bytes64 bytes) {
+        for (uint8_t& b : bytes.b) b >>= 4;
+        return bytes;
+    }
+    static Quad quad(const int8_t* x) { return {{x[0], x[1], x[2], x[3]}}; }
+    void dot(const Bytes64& w, const Quad& x4) {
+        for (int lane = 0; lane < kLanes; ++lane)
+            for (int j = 0; j < 4; ++j) v[lane] += static_cast<int32_t>(w.b[lane * 4 + j]) * x4.x[j];
+    }
+    static IVec combine(IVec high, IVec low) {
+        IVec out;
+        for (int lane = 0; lane < kLanes; ++lane) out.v[lane] = 254 * high.v[lane] + low.v[lane];
+        return out;
+    }
+    Vec to_float(int32_t offset) const {
+        alignas(64) float lanes[kLanes];
+        for (int lane = 0; lane < kLanes; ++lane) lanes[lane] = static_cast<float>(v[lane] - offset);
+        return Vec::load(lanes);
+    }
+};
+#endif
+
+enum Format : int { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+
+struct Problem {
+    const float* x;         // bf16 format: [rows][Kp] float32
+    const int8_t* xq;       // int formats: [rows][Kp][2] x quantized per block of 32: (hi, lo) digits
+    const float* x_scales;  // [rows][Kp/32]: s; x ~ s * (hi + lo / 254)
+    const int32_t* xq_sums; // [rows][Kp/32]: sum of the block's 254*hi + lo
+    int64_t rows, K, Kp, N, group, groups;
+    const void* packed;
+    const uint16_t* scales;
+    const uint16_t* mins;
+    const float* bias;  // [N] or null
+};
+
+constexpr int kTileWidth = kTileBlocks * kLanes;
+
+// Sums of MT rows against NB consecutive blocks, one group (or all of K for bf16) at a time, into
+// result[m * kTileWidth + b * kLanes + lane].
+template <Format F, int MT, int NB>
+void tile(const Problem& p, int64_t first_block, int64_t row, float* result) {
+    Vec acc[MT][NB];
+    for (int m = 0; m < MT; ++m)
+        for (int b = 0; b < NB; ++b) acc[m][b] = Vec::zero();
+    const int64_t groups = F == kBf16 ? 1 : p.groups;
+    const int64_t group = F == kBf16 ? p.Kp : p.group;
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = g * group, k1 = k0 + group;
+        if constexpr (F == kBf16) {
+            for (int64_t k = k0; k < k1; ++k) {
+                Vec w[NB];
+                for (int b = 0; b < NB; ++b)
+                    w[b] = Vec::load_bf16(static_cast<const uint16_t*>(p.packed) +
+                                          ((first_block + b) * p.Kp + k) * kLanes);
+                for (int m = 0; m < MT; ++m) {
+                    const Vec xv = Vec::broadcast(p.x[(row + m) * p.Kp + k]);
+                    for (int b = 0; b < NB; ++b) acc[m][b] = Vec::fma(xv, w[b], acc[m][b]);
+                }
+            }
+        } else {
+            // one x block (32 inputs) at a time; for int4 a group is one x block
+            const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
+            for (int64_t xb = k0 / kXBlock; xb < k1 / kXBlock; ++xb) {
+                IVec high_sums[MT][NB], low_sums[MT][NB];
+                for (int m = 0; m < MT; ++m)
+                    for (int b = 0; b < NB; ++b) high_sums[m][b] = low_sums[m][b] = IVec::zero();
+                if constexpr (F == kInt8) {
+                    for (int q = 0; q < kXBlock / 4; ++q) {
+                        for (int b = 0; b < NB; ++b) {
+                            const auto w = IVec::load(bytes + ((first_block + b) * (p.Kp / 4) + xb * 8 + q) * 64);
+                            for (int m = 0; m < MT; ++m) {
+                                const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * q) * 2;
+                                high_sums[m][b].dot(w, IVec::quad(x));
+                                low_sums[m][b].dot(w, IVec::quad(x + 4));
+                            }
+                        }
+                    }
+                } else {
+                    for (int c = 0; c < 4; ++c) {
+                        for (int b = 0; b < NB; ++b) {
+                            const auto packed = IVec::load(bytes + (((first_block + b) * (p.Kp / kXBlock) + xb) * 4 + c) * 64);
+                            const auto low = IVec::low_nibbles(packed), high = IVec::high_nibbles(packed);
+                            for (int m = 0; m < MT; ++m) {
+                                const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * c) * 2;
+                                high_sums[m][b].dot(low, IVec::quad(x));
+                                low_sums[m][b].dot(low, IVec::quad(x + 4));
+                                high_sums[m][b].dot(high, IVec::quad(x + 32));
+                                low_sums[m][b].dot(high, IVec::quad(x + 36));
+                            }
+                        }
+                    }
+                }
+                for (int b = 0; b < NB; ++b) {
+                    const int64_t at = ((first_block + b) * p.groups + g) * kLanes;
+                    const Vec scale = Vec::load_f16(p.scales + at);
+                    for (int m = 0; m < MT; ++m) {
+                        const int64_t x_at = (row + m) * (p.Kp / kXBlock) + xb;
+                        const float x_scale = p.x_scales[x_at];
+                        const int32_t offset = F == kInt8 ? 128 * p.xq_sums[x_at] : 0;
+                        const Vec combined = Vec::mul(scale, Vec::broadcast(x_scale / 254.f));
+                        const IVec total = IVec::combine(high_sums[m][b], low_sums[m][b]);
+                        acc[m][b] = Vec::fma(total.to_float(offset), combined, acc[m][b]);
+                        if constexpr (F == kInt4) {
+                            const Vec minimum = Vec::load_f16(p.mins + at);
+                            const float x_sum = x_scale / 254.f * static_cast<float>(p.xq_sums[x_at]);
+                            acc[m][b] = Vec::fma(Vec::broadcast(x_sum), minimum, acc[m][b]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int m = 0; m < MT; ++m)
+        for (int b = 0; b < NB; ++b) acc[m][b].store(result + m * kTileWidth + b * kLanes);
+}
+
+template <typename T>
+void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const float* result, T* out) {
+    const int64_t width = std::min<int64_t>(kTileWidth, p.N - first_n);
+    for (int m = 0; m < rows; ++m) {
+        T* out_row = out + (row + m) * p.N + first_n;
+        for (int64_t i = 0; i < width; ++i) {
+            const float bias = p.bias != nullptr ? p.bias[first_n + i] : 0.f;
+            tokenmill::store(result[m * kTileWidth + i] + bias, out_row + i);
+        }
+    }
+}
+
+// Rows go up to four at a time: each weight vector loaded is used for every row before the next load
+// (a tile's weights stay in L1/L2 between row chunks, so only the first chunk reads memory).
+template <Format F, typename T>
+void run_tile(const Problem& p, int64_t tile_index, T* out) {
+    alignas(64) float result[4 * kTileWidth];
+    const int64_t first_block = tile_index * kTileBlocks;
+    for (int64_t row = 0; row < p.rows;) {
+        const int64_t left = p.rows - row;
+        const int rows = left >= 4 ? 4 : static_cast<int>(left);
+        if (rows >= 3) {  // 2 blocks x 4 rows: 8 sums (x3 registers for int4), half the tile per call
+            for (int half = 0; half < 2; ++half) {
+                if (rows == 4)
+                    tile<F, 4, 2>(p, first_block + 2 * half, row, result + half * 2 * kLanes);
+                else
+                    tile<F, 3, 2>(p, first_block + 2 * half, row, result + half * 2 * kLanes);
+            }
+        } else if (rows == 2) {
+            tile<F, 2, 4>(p, first_block, row, result);
+        } else {
+            tile<F, 1, 4>(p, first_block, row, result);
+        }
+        write_rows(p, row, rows, first_block * kLanes, result, out);
+        row += rows;
+    }
+}
+
+template <typename T>
+void to_float_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, float* out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t k = 0; k < K; ++k) out[r * Kp + k] = tokenmill::to_float(x[r * K + k]);
+        for (int64_t k = K; k < Kp; ++k) out[r * Kp + k] = 0.f;
+    }
+}
+
+// x per row and block of 32 as (hi, lo) int8 pairs, interleaved by 4: [hi k0..3][lo k0..3][hi k4..7]...
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq, float* scales, int32_t* sums) {
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t xb = 0; xb < Kp / kXBlock; ++xb) {
+            float block[kXBlock];
+            float amax = 0.f;
+            for (int i = 0; i < kXBlock; ++i) {
+                const int64_t k = xb * kXBlock + i;
+                block[i] = k < K ? tokenmill::to_float(x[r * K + k]) : 0.f;
+                amax = std::max(amax, std::fabs(block[i]));
+            }
+            const float scale = amax / 127.f, low_scale = scale / 254.f;
+            int32_t sum = 0;
+            int8_t* out = xq + (r * Kp + xb * kXBlock) * 2;
+            for (int i = 0; i < kXBlock; ++i) {
+                int32_t high = 0, low = 0;
+                if (scale != 0.f) {
+                    high = static_cast<int32_t>(std::nearbyint(block[i] / scale));
+                    low = static_cast<int32_t>(std::nearbyint((block[i] - static_cast<float>(high) * scale) / low_scale));
+                    low = std::min(127, std::max(-127, low));
+                }
+                out[(i / 4) * 8 + i % 4] = static_cast<int8_t>(high);
+                out[(i / 4) * 8 + 4 + i % 4] = static_cast<int8_t>(low);
+                sum += 254 * high + low;
+            }
+            scales[r * (Kp / kXBlock) + xb] = scale;
+            sums[r * (Kp / kXBlock) + xb] = sum;
+        }
+    }
+}
+
+template <typename T>
+void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format, const void* packed,
+             const uint16_t* scales, const uint16_t* mins, int64_t group, const float* bias, int threads) {
+    const int64_t groups = format == kBf16 ? 1 : (K + group - 1) / group;
+    const int64_t Kp = format == kBf16 ? K : groups * group;
+    static thread_local std::vector<float> x_float, x_scales;
+    static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<int32_t> xq_sums;
+    if (format == kBf16) {
+        x_float.resize(static_cast<size_t>(rows * Kp));
+        to_float_rows(x, rows, K, Kp, x_float.data());
+    } else {
+        xq.resize(static_cast<size_t>(rows * Kp * 2));
+        x_scales.resize(static_cast<size_t>(rows * Kp / kXBlock));
+        xq_sums.resize(static_cast<size_t>(rows * Kp / kXBlock));
+        quantize_rows(x, rows, K, Kp, xq.data(), x_scales.data(), xq_sums.data());
+    }
+    const Problem p{x_float.data(), xq.data(), x_scales.data(), xq_sums.data(), rows, K, Kp, N, group, groups,
+                    packed, scales, mins, bias};
+    const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
+    for (int64_t t = 0; t < tiles; ++t) {
+        if (format == kBf16)
+            run_tile<kBf16>(p, t, out);
+        else if (format == kInt8)
+            run_tile<kInt8>(p, t, out);
+        else
+            run_tile<kInt4>(p, t, out);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* tokenmill_qlinear_vector_unit() { return TOKENMILL_VEC; }
+
+void tokenmill_qlinear_f32(const float* x, float* out, int64_t rows, int64_t K, int64_t N, int format,
+                           const void* packed, const uint16_t* scales, const uint16_t* mins, int64_t group,
+                           const float* bias, int threads) {
+    qlinear(x, out, rows, K, N, format, packed, scales, mins, group, bias, threads);
+}
+
+void tokenmill_qlinear_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t K, int64_t N, int format,
+                            const void* packed, const uint16_t* scales, const uint16_t* mins, int64_t group,
+                            const float* bias, int threads) {
+    qlinear(x, out, rows, K, N, format, packed, scales, mins, group, bias, threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,224 @@
+"""Linear layers for few rows: weights packed once, as bfloat16 or weight-only int8 / int4 with group scales.
+
+At one to a few dozen rows (decode steps of 1 to 8 users) a linear is a read of its weights, and the
+oneDNN path is built for many rows: on this project's 2-core VMs its bf16 GEMV read weights at ~10 GB/s.
+kernels/csrc/qlinear_cpu.cpp streams a packed copy at memory speed and dequantizes in registers;
+bench/qlinear_bench.py measures it against the machine's bandwidth.
+
+Formats (`pack_weight`):
+- "bf16": the weight as is, bfloat16.
+- "int8": symmetric, one float16 scale per output row and `group` inputs (group None: the whole row,
+  per-channel); GGUF's Q8_0 is group 32.
+- "int4": asymmetric, q in 0..15 with a float16 scale and minimum per output row and 32 inputs, as in
+  GGUF's Q4_1. SmolLM2's GGUF holds its layers as Q4_1 and its embedding as Q8_0, so re-quantizing the
+  dequantized weights this way gives back those same values (within float16 rounding of the scales).
+
+The int formats multiply in integers: x is quantized per row and block of 32 inputs to two int8 digits,
+about 16-bit precision (`quantize_activations`). The torch reference (`qlinear_reference`: dequantize, then matmul in
+float32, with x quantized the same way) defines the result; the kernel's integer sums are exact, so
+outputs agree to float32 rounding before the cast to the activation dtype.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from collections.abc import Callable
+from functools import cache
+from typing import Literal
+
+import torch
+
+from kernels.cpu_native import library
+
+Format = Literal["bf16", "int8", "int4"]
+QUANTIZATIONS = ("none", "int8", "int4")
+FORMAT_CODES: dict[str, int] = {"bf16": 0, "int8": 1, "int4": 2}
+LANES = 16  # output rows per packed block: one float32 vector of 16 lanes
+TILE_ROWS = 64  # the kernel works in tiles of 4 blocks; output rows are padded to a multiple
+INT4_GROUP = 32
+X_BLOCK = 32  # inputs per scale when the int kernels quantize x
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [out_features, in_features] weight in the kernel's layout (kernels/csrc/qlinear_cpu.cpp)."""
+
+    format: Format
+    out_features: int
+    in_features: int
+    group: int  # inputs per scale: a multiple of X_BLOCK (in_features for bf16)
+    packed: torch.Tensor  # bf16 [blocks, K, 16] | uint8 [blocks, Kp/4, 16, 4] | uint8 [blocks, Kp/32, 4, 16, 4]
+    scales: torch.Tensor | None  # float16 [blocks, groups, 16]
+    mins: torch.Tensor | None  # float16 [blocks, groups, 16], int4 only
+
+    @property
+    def groups(self) -> int:
+        return -(-self.in_features // self.group)
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.groups * self.group
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins) if t is not None)
+
+
+def _blocked(rows_major: torch.Tensor) -> torch.Tensor:
+    """[Np, C] -> [Np/16, C, 16]: 16 output rows side by side along the last axis."""
+    padded_rows, columns = rows_major.shape
+    return rows_major.reshape(padded_rows // LANES, LANES, columns).transpose(1, 2).contiguous()
+
+
+def _padded(weight: torch.Tensor, columns: int) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    rows = -(-out_features // TILE_ROWS) * TILE_ROWS
+    padded = torch.zeros(rows, columns, dtype=torch.float32)
+    padded[:out_features, :in_features] = weight.float()
+    return padded
+
+
+def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> PackedWeight:
+    """Packs (and for int8/int4 quantizes) a [out_features, in_features] weight.
+
+    `group`: inputs per scale, a multiple of 32; int8 defaults to the whole row (per-channel), int4 to 32.
+    """
+    out_features, in_features = weight.shape
+    if fmt == "bf16":
+        packed = _blocked(_padded(weight, in_features).to(torch.bfloat16))
+        return PackedWeight("bf16", out_features, in_features, in_features, packed, None, None)
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"unknown weight format {fmt!r}")
+    group = group or (-(-in_features // X_BLOCK) * X_BLOCK if fmt == "int8" else INT4_GROUP)
+    if group % X_BLOCK or (fmt == "int4" and group != INT4_GROUP):
+        raise ValueError(f"{fmt} groups must be a multiple of {X_BLOCK} inputs (int4: exactly {INT4_GROUP})")
+    groups = -(-in_features // group)
+    padded_in = groups * group
+    grouped = _padded(weight, padded_in).view(-1, groups, group)
+    rows = grouped.shape[0]
+    if fmt == "int8":
+        scales = (grouped.abs().amax(-1) / 127).half()
+        divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
+        quantized = torch.round(grouped / divisor).clamp_(-127, 127).to(torch.int16)
+        offset = (quantized + 128).to(torch.uint8).view(rows // LANES, LANES, padded_in // 4, 4)
+        return PackedWeight("int8", out_features, in_features, group, offset.permute(0, 2, 1, 3).contiguous(),
+                            _blocked(scales), None)
+    minimums = grouped.amin(-1).half()
+    scales = ((grouped.amax(-1) - minimums.float()) / 15).half()
+    divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
+    quantized = torch.round((grouped - minimums.float().unsqueeze(-1)) / divisor).clamp_(0, 15).to(torch.uint8)
+    # input r of a group: nibble r // 16, chunk (r % 16) // 4, byte r % 4 of the lane's 4
+    halves = quantized.view(rows, groups, 2, 4, 4)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(rows // LANES, LANES, groups, 4, 4)
+    return PackedWeight("int4", out_features, in_features, group, nibbles.permute(0, 2, 3, 1, 4).contiguous(),
+                        _blocked(scales), _blocked(minimums))
+
+
+def _dequantized_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [len(rows), in_features]: the given output rows (weight rows) from the packed form."""
+    blocks, lanes = rows // LANES, rows % LANES
+    count = len(rows)
+    if weight.format == "bf16":
+        return weight.packed[blocks, :, lanes].float()
+    if weight.format == "int8":
+        values = weight.packed[blocks, :, lanes, :].reshape(count, -1).to(torch.int16) - 128
+    else:
+        nibbles = weight.packed[blocks, :, :, lanes, :]  # [rows, groups, 4, 4]
+        values = torch.stack((nibbles & 15, nibbles >> 4), dim=2).reshape(count, -1)
+    assert weight.scales is not None
+    out = values.float() * weight.scales[blocks, :, lanes].float().repeat_interleave(weight.group, dim=1)
+    if weight.mins is not None:
+        out += weight.mins[blocks, :, lanes].float().repeat_interleave(weight.group, dim=1)
+    return out[:, : weight.in_features]
+
+
+def dequantize(weight: PackedWeight) -> torch.Tensor:
+    """The float32 [out_features, in_features] weight the kernel computes with."""
+    return _dequantized_rows(weight, torch.arange(weight.out_features))
+
+
+def embedding_rows(weight: PackedWeight, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of a (tied) embedding kept only in packed form: float32 [tokens, in_features]."""
+    return _dequantized_rows(weight, token_ids.reshape(-1).long())
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int kernels see it, in float32: each row, per block of 32 inputs, as two int8 digits
+    x ~ s * (hi + lo / 254), s = max|x| / 127 (about 16-bit precision)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    in_features = rows.shape[1]
+    padded = torch.zeros(rows.shape[0], -(-in_features // X_BLOCK) * X_BLOCK)
+    padded[:, :in_features] = rows
+    blocks = padded.view(rows.shape[0], -1, X_BLOCK)
+    scales = blocks.abs().amax(-1, keepdim=True) / 127
+    divisor = torch.where(scales == 0, 1.0, scales)
+    high = torch.round(blocks / divisor)
+    low = torch.round((blocks - high * scales) / (divisor / 254)).clamp_(-127, 127)
+    restored = (high * 254 + low) * (scales / 254)
+    return restored.view(rows.shape[0], -1)[:, :in_features].reshape(x.shape)
+
+
+def qlinear_reference(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize, then matmul in float32 (with x quantized as the int kernels quantize it)."""
+    inputs = x.float() if weight.format == "bf16" else quantize_activations(x)
+    out = inputs @ dequantize(weight).to(x.device).T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+@cache
+def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
+    native = library("qlinear_cpu")
+    if native is None:
+        return None
+    function = getattr(native, f"tokenmill_qlinear_{_SUFFIX[dtype]}")
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] + \
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    return function
+
+
+def vector_unit() -> str | None:
+    """Which vector code the native kernel was built with ("avx512", "avx2", "scalar"), None if not built."""
+    native = library("qlinear_cpu")
+    if native is None:
+        return None
+    native.tokenmill_qlinear_vector_unit.restype = ctypes.c_char_p
+    return str(native.tokenmill_qlinear_vector_unit().decode())
+
+
+def native_available(x: torch.Tensor) -> bool:
+    return not x.is_cuda and x.dtype in _SUFFIX and _kernel(x.dtype) is not None
+
+
+def qlinear_native(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
+                   threads: int | None = None) -> torch.Tensor:
+    """x [..., in_features] float32 or bfloat16; `bias` float32 [out_features] or None."""
+    rows = x.reshape(-1, weight.in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
+    kernel = _kernel(x.dtype)
+    assert kernel is not None, "qlinear_native needs the native library (native_available)"
+    kernel(rows.data_ptr(), out.data_ptr(), rows.shape[0], weight.in_features, weight.out_features,
+           FORMAT_CODES[weight.format], weight.packed.data_ptr(),
+           None if weight.scales is None else weight.scales.data_ptr(),
+           None if weight.mins is None else weight.mins.data_ptr(), weight.group,
+           None if bias is None else bias.data_ptr(), threads or torch.get_num_threads())
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+class PackedLinear:
+    """y = x @ weight.T + bias through the native kernel (the reference where there is none)."""
+
+    def __init__(self, weight: torch.Tensor, fmt: Format, bias: torch.Tensor | None = None,
+                 group: int | None = None) -> None:
+        self.weight = pack_weight(weight, fmt, group)
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if native_available(x):
+            return qlinear_native(x, self.weight, self.bias)
+        return qlinear_reference(x, self.weight, self.bias)

@@ -1,0 +1,149 @@
+"""kernels/qlinear: packed bf16 / int8 / int4 linears for few rows agree with dequantize-then-matmul."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from kernels.qlinear import (
+    FORMAT_CODES,
+    PackedLinear,
+    PackedWeight,
+    dequantize,
+    embedding_rows,
+    native_available,
+    pack_weight,
+    qlinear_native,
+    qlinear_reference,
+    quantize_activations,
+)
+
+pytestmark = pytest.mark.skipif(not native_available(torch.zeros(1, 2)),
+                                reason="no C++ compiler: the native kernels can't be built here")
+# (out_features, in_features): odd K, K below one group, N not a multiple of the 64-row tile, a real shape
+SHAPES = [(37, 75), (100, 33), (130, 161), (960, 576)]
+FORMATS = ["bf16", "int8", "int4"]
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_matches_reference_for_every_row_count(fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(sum(shape))
+    out_features, in_features = shape
+    weight = pack_weight(torch.randn(out_features, in_features, generator=generator), fmt)  # type: ignore[arg-type]
+    bias = torch.randn(out_features, generator=generator)
+    for rows in range(1, 18):
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        out = qlinear_native(x, weight, bias)
+        expected = qlinear_reference(x.float(), weight, bias)
+        assert out.shape == (rows, out_features) and out.dtype == dtype
+        # float32: the sums differ only in order and in float32 rounding; bfloat16: plus the output's rounding
+        assert relative_error(out, expected) < (5e-5 if dtype == torch.float32 else 1e-2), (fmt, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_leading_dimensions_and_strided_input(fmt: str) -> None:
+    linear = PackedLinear(torch.randn(70, 64), fmt)  # type: ignore[arg-type]
+    x = torch.randn(2, 3, 128)[..., ::2]  # not contiguous
+    out = linear(x)
+    assert out.shape == (2, 3, 70)
+    expected = qlinear_reference(x.reshape(6, 64), linear.weight).view(2, 3, 70)
+    assert relative_error(out, expected) < 5e-5
+
+
+def test_int8_is_within_half_a_step_per_channel() -> None:
+    weight = torch.randn(50, 200) * torch.linspace(0.01, 10, 50)[:, None]  # rows of very different scale
+    restored = dequantize(pack_weight(weight, "int8"))
+    step = weight.abs().amax(1, keepdim=True) / 127
+    assert ((restored - weight).abs() <= step * 0.5 + 1e-3 * step).all()
+
+
+def test_int4_is_within_half_a_step_per_group() -> None:
+    weight = torch.randn(64, 96)
+    restored = dequantize(pack_weight(weight, "int4"))
+    groups = weight.view(64, 3, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    # the scale and minimum are stored as float16: a little over half a step
+    assert ((restored - weight).abs() <= step * 0.51 + 1e-3).all()
+
+
+def test_gguf_q4_1_and_q8_0_values_come_back_unchanged() -> None:
+    """Weights dequantized from GGUF Q4_1 / Q8_0 blocks re-quantize to the same values (SmolLM2's GGUF)."""
+    generator = torch.Generator().manual_seed(1)
+    scale = (torch.rand(64, 4, 1, generator=generator) * 0.01 + 0.001).half().float()
+    minimum = (-torch.rand(64, 4, 1, generator=generator) * 0.1).half().float()
+    q = torch.randint(0, 16, (64, 4, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15  # each block uses its whole range, as GGUF's quantizer makes it
+    q4_1 = (q * scale + minimum).view(64, 128)
+    assert torch.allclose(dequantize(pack_weight(q4_1, "int4")), q4_1, rtol=0, atol=1e-6)
+    q8 = torch.randint(-127, 128, (64, 4, 32), generator=generator).float()
+    q8[..., 0] = 127
+    q8_0 = (q8 * scale).view(64, 128)
+    assert torch.allclose(dequantize(pack_weight(q8_0, "int8", group=32)), q8_0, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
+    weight = pack_weight(torch.randn(300, 72), fmt)  # type: ignore[arg-type]
+    ids = torch.tensor([[0, 299], [17, 17]])
+    assert torch.equal(embedding_rows(weight, ids), dequantize(weight)[ids.reshape(-1)])
+
+
+def test_activation_quantization_keeps_16_bits_and_zero_rows_zero() -> None:
+    x = torch.randn(3, 40) * torch.tensor([[1e-3], [1.0], [1e3]])
+    step = x.abs().amax(-1, keepdim=True) / 127 / 254  # per row here: each row's blocks share a scale or less
+    assert ((quantize_activations(x) - x).abs() <= step * 0.51).all()
+    x = torch.zeros(2, 40)
+    x[1, 5] = 3.0
+    quantized = quantize_activations(x)
+    assert torch.equal(quantized, x)  # a block's maximum is exact; zero blocks stay zero, no NaN
+    weight = pack_weight(torch.randn(16, 40), "int4")
+    assert torch.isfinite(qlinear_native(x, weight)).all()
+
+
+def test_weights_resident_int4_is_under_40_percent_of_bf16() -> None:
+    weight = torch.randn(1536, 576)
+    bf16_bytes = weight.numel() * 2
+    assert pack_weight(weight, "int4").nbytes() <= 0.4 * bf16_bytes
+    assert pack_weight(weight, "int8").nbytes() <= 0.55 * bf16_bytes
+
+
+def _portable_kernel(tmp_path: Path, march: str) -> ctypes.CDLL:
+    flags = [flag if flag != "-march=native" else f"-march={march}" for flag in cpu_native.FLAGS["qlinear_cpu"]]
+    compiler = cpu_native._compiler()
+    assert compiler is not None
+    library_path = tmp_path / f"qlinear-{march}.so"
+    cpu_native._build(compiler, cpu_native.CSRC / "qlinear_cpu.cpp", flags, library_path)
+    return ctypes.CDLL(str(library_path))
+
+
+def _run(library: ctypes.CDLL, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    function = library.tokenmill_qlinear_f32
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] + \
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    out = torch.empty(x.shape[0], weight.out_features)
+    function(x.data_ptr(), out.data_ptr(), x.shape[0], weight.in_features, weight.out_features,
+             FORMAT_CODES[weight.format], weight.packed.data_ptr(),
+             None if weight.scales is None else weight.scales.data_ptr(),
+             None if weight.mins is None else weight.mins.data_ptr(), weight.group, None, 1)
+    return out
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) -> None:
+    """The AVX2 and plain x86-64 fallbacks (no VNNI) compute what the AVX-512 VNNI build computes."""
+    library = _portable_kernel(tmp_path, march)
+    generator = torch.Generator().manual_seed(3)
+    for fmt in FORMATS:
+        weight = pack_weight(torch.randn(130, 161, generator=generator), fmt)  # type: ignore[arg-type]
+        x = torch.randn(5, 161, generator=generator)
+        assert relative_error(_run(library, x, weight), qlinear_native(x, weight, threads=1)) < 1e-5, fmt
