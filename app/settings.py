@@ -140,6 +140,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),
+    Option("--quantization", "quantization", str, "weight-only quantization of the linears (CPU): int8 per channel, "
+           "int4 in groups of 32", engine=True, choices=("none", "int8", "int4")),
     Option("--block-size", "block_size", int, "tokens per KV block", engine=True),
     Option("--num-kv-blocks", "num_kv_blocks", _optional_int, "KV pool size in blocks (wins over --kv-cache-memory-gb)",
            engine=True),

@@ -149,12 +149,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(folder)
     shape = LlamaShape.from_hf_config(hf_config)
     device = config.torch_device
-    weights = {key: tensor.to(device=device, dtype=config.torch_dtype)
+    # Quantized linears are packed from the weights as read (float32 for a converted GGUF), not from a
+    # bf16 copy: int4 then gives back the GGUF's own Q4_1 values.
+    read_dtype = config.torch_dtype if config.quantization == "none" else None
+    weights = {key: tensor.to(device=device, dtype=read_dtype or tensor.dtype)
                for key, tensor in _read_weights(folder).items()}
     cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
-    model = LlamaForCausalLM(shape, weights, cos_sin)
+    model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=config.quantization)
+    del weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    _say(f"loaded {name} ({config.dtype}, {device}) in {time.monotonic() - started:.1f}s")
+    quantized = "" if config.quantization == "none" else f", weights {config.quantization}"
+    _say(f"loaded {name} ({config.dtype}{quantized}, {device}) in {time.monotonic() - started:.1f}s")
     return LoadedModel(name=config.served_model_name or name, model=model, tokenizer=tokenizer,
                        hf_config=hf_config, shape=shape, folder=folder, dtype=config.torch_dtype, device=device)
 

@@ -16,7 +16,8 @@ DTYPES = ("float32", "bfloat16")
 DEFAULT_SOURCE = "default"  # the embedded model of the kind, found in its wheel at load time
 # What a registry row may set per model; the rest of EngineConfig is the server's (data_dir, threads).
 ENGINE_SETTINGS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "num_cpu_blocks", "max_num_seqs",
-                   "max_num_batched_tokens", "max_waiting", "preemption_mode", "enable_prefix_caching")
+                   "max_num_batched_tokens", "max_waiting", "preemption_mode", "enable_prefix_caching",
+                   "quantization")
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 

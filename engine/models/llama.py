@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.linear import Linear
+from kernels.qlinear import Format, PackedLinear, embedding_rows
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -92,20 +93,37 @@ class AttentionMetadata:
     num_prefills: int
 
 
+LinearLayer = Linear | PackedLinear
+# the packed format of the layers' linears, and of the logits head / tied embedding, per quantization
+LAYER_FORMATS: dict[str, Format] = {"int8": "int8", "int4": "int4"}
+HEAD_FORMATS: dict[str, tuple[Format, int | None]] = {"int8": ("int8", None), "int4": ("int8", 32)}
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                quantization: str) -> LinearLayer:
+    """The layer's linear: oneDNN on `dtype` weights, or packed int8/int4 (quantized from the weights as read,
+    before any cast, so float32 checkpoints lose nothing to bf16 on the way)."""
+    if quantization == "none":
+        return Linear(weight.to(dtype), None if bias is None else bias.to(dtype))
+    return PackedLinear(weight, LAYER_FORMATS[quantization], bias)
+
+
 class LlamaLayer:
-    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], prefix: str,
+                 dtype: torch.dtype | None = None, quantization: str = "none") -> None:
         self.shape = shape
+        dtype = dtype or weights[f"{prefix}input_layernorm.weight"].dtype
         q, k, v = (weights[f"{prefix}self_attn.{name}_proj.weight"] for name in "qkv")
         qkv_bias = None
         if shape.attention_bias and f"{prefix}self_attn.q_proj.bias" in weights:
             qkv_bias = torch.cat([weights[f"{prefix}self_attn.{name}_proj.bias"] for name in "qkv"]).contiguous()
-        self.qkv_proj = Linear(torch.cat((q, k, v), dim=0), qkv_bias)
-        self.o_proj = Linear(weights[f"{prefix}self_attn.o_proj.weight"])
+        self.qkv_proj = make_linear(torch.cat((q, k, v), dim=0), qkv_bias, dtype, quantization)
+        self.o_proj = make_linear(weights[f"{prefix}self_attn.o_proj.weight"], None, dtype, quantization)
         gate, up = weights[f"{prefix}mlp.gate_proj.weight"], weights[f"{prefix}mlp.up_proj.weight"]
-        self.gate_up_proj = Linear(torch.cat((gate, up), dim=0))
-        self.down_proj = Linear(weights[f"{prefix}mlp.down_proj.weight"])
-        self.input_norm = weights[f"{prefix}input_layernorm.weight"]
-        self.post_attention_norm = weights[f"{prefix}post_attention_layernorm.weight"]
+        self.gate_up_proj = make_linear(torch.cat((gate, up), dim=0), None, dtype, quantization)
+        self.down_proj = make_linear(weights[f"{prefix}mlp.down_proj.weight"], None, dtype, quantization)
+        self.input_norm = weights[f"{prefix}input_layernorm.weight"].to(dtype)
+        self.post_attention_norm = weights[f"{prefix}post_attention_layernorm.weight"].to(dtype)
         self.q_size = shape.num_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
@@ -136,21 +154,62 @@ class LlamaLayer:
 
 
 class LlamaForCausalLM:
-    """Inference-only; weights are plain tensors taken from an HF-named state dict."""
+    """Inference-only; weights are plain tensors taken from an HF-named state dict.
 
-    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], cos_sin: torch.Tensor) -> None:
+    `dtype`: of the activations, KV cache and unquantized weights (default: the weights' own). With
+    `quantization` int8/int4 the linears are packed (kernels/qlinear.py), and so is the logits head; a
+    tied embedding then lives only in the head's packed form, its rows dequantized on lookup.
+    """
+
+    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], cos_sin: torch.Tensor,
+                 dtype: torch.dtype | None = None, quantization: str = "none") -> None:
         self.shape = shape
-        self.embed = weights["model.embed_tokens.weight"].contiguous()
-        self.layers = [LlamaLayer(shape, weights, f"model.layers.{i}.") for i in range(shape.num_layers)]
-        self.final_norm = weights["model.norm.weight"]
+        self.dtype = dtype or weights["model.embed_tokens.weight"].dtype
+        self.quantization = quantization
+        embed = weights["model.embed_tokens.weight"]
+        self.layers = [LlamaLayer(shape, weights, f"model.layers.{i}.", self.dtype, quantization)
+                       for i in range(shape.num_layers)]
+        self.final_norm = weights["model.norm.weight"].to(self.dtype)
         head = weights.get("lm_head.weight")
-        self.lm_head = Linear(self.embed if shape.tie_word_embeddings or head is None else head)
+        tied = shape.tie_word_embeddings or head is None
+        self.embed: torch.Tensor | None = None
+        self.lm_head: LinearLayer
+        if quantization == "none":
+            self.embed = embed.to(self.dtype).contiguous()
+            self.lm_head = Linear(self.embed if tied else head.to(self.dtype))
+        else:
+            head_format, head_group = HEAD_FORMATS[quantization]
+            self.lm_head = PackedLinear(embed if tied else head, head_format, group=head_group)
+            if not tied:
+                self.embed = embed.to(self.dtype).contiguous()
         self.cos_sin = cos_sin
-        self.dtype = self.embed.dtype
+
+    def weight_nbytes(self) -> int:
+        """Bytes of the linears, logits head and embedding as held in memory (a tied embedding once)."""
+        def linear_bytes(linear: LinearLayer) -> int:
+            if isinstance(linear, PackedLinear):
+                return linear.weight.nbytes()
+            stored = linear.packed if linear.packed is not None else linear.weight
+            assert stored is not None
+            return linear.out_features * linear.in_features * stored.element_size()
+
+        total = sum(linear_bytes(linear) for layer in self.layers
+                    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        total += linear_bytes(self.lm_head)
+        head_is_embedding = self.shape.tie_word_embeddings and isinstance(self.lm_head, Linear)
+        if self.embed is not None and not head_is_embedding:
+            total += self.embed.numel() * self.embed.element_size()
+        return total
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(input_ids, self.embed)
+        assert isinstance(self.lm_head, PackedLinear)
+        return embedding_rows(self.lm_head.weight, input_ids).to(self.dtype).view(*input_ids.shape, -1)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embed_tokens(input_ids)
         residual = None
         eps = self.shape.rms_norm_eps
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):

@@ -1,0 +1,59 @@
+"""The engine with --quantization int8 / int4: right answers, batch-independent greedy output, blocks all
+freed, and int4 weights under 40% of bf16's memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from kernels.qlinear import native_available
+from tests.support import MODEL_CACHE
+from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
+
+pytestmark = pytest.mark.skipif(not native_available(torch.zeros(1, 2)),
+                                reason="no C++ compiler: the native kernels can't be built here")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request):
+    config = EngineConfig(dtype="bfloat16", quantization=request.param, data_dir=str(MODEL_CACHE))
+    return load_model(config)
+
+
+def test_quantized_model_answers_the_capital_question(quantized):
+    engine = make_engine(quantized, dtype="bfloat16", quantization=quantized.model.quantization, num_kv_blocks=64)
+    prompt = chat_prompt(quantized.tokenizer, "What is the capital of France?")
+    tokens = run_to_completion(engine, [prompt], GREEDY)["r0"][0]
+    assert "Paris" in quantized.tokenizer.decode(tokens)
+
+
+def test_greedy_output_does_not_depend_on_the_batch(quantized):
+    """Each row is computed alone (x quantized per row), so a reply is the same at 1 or 8 concurrent users,
+    also when preemption recomputes and prefixes are shared."""
+    settings = dict(dtype="bfloat16", quantization=quantized.model.quantization)
+    prompts = [chat_prompt(quantized.tokenizer, q) for q in QUESTIONS]
+    alone = {}
+    for number, prompt in enumerate(prompts):
+        engine = make_engine(quantized, num_kv_blocks=64, **settings)
+        alone[number] = run_to_completion(engine, [prompt], GREEDY)["r0"][0]
+    longest = max(len(p) for p in prompts) + GREEDY.max_tokens
+    tight = make_engine(quantized, num_kv_blocks=-(-longest // 16) + 6, **settings)
+    together = run_to_completion(tight, prompts, GREEDY)
+    assert tight.scheduler.counters.preemptions_recompute > 0
+    for number in range(len(prompts)):
+        assert together[f"r{number}"][0] == alone[number], f"request {number} changed with the batch"
+    assert tight.blocks.num_used_blocks == 0 and tight.blocks.num_free_blocks == tight.blocks.num_blocks
+
+
+def test_int4_weights_take_at_most_40_percent_of_bf16(quantized):
+    bf16 = load_model(EngineConfig(dtype="bfloat16", data_dir=str(MODEL_CACHE)))
+    fraction = quantized.model.weight_nbytes() / bf16.model.weight_nbytes()
+    assert fraction <= (0.40 if quantized.model.quantization == "int4" else 0.55)
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int3")  # type: ignore[arg-type]
