@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.config import EngineConfig
 
@@ -41,6 +41,9 @@ class Settings:
     api_docs: bool = False  # /docs (Swagger UI, from a CDN) and /openapi.json, open to anyone who can connect
     min_replicas: int = 1  # Ray Serve autoscaling bounds (deploy/ray_serve.py); plain `serve` is one process
     max_replicas: int = 1
+    # Which prefix-cache blocks a request may reuse: "team" (its team's, or its team's cache group's) or
+    # "global" (anyone's: faster for shared prompts, but one team can time what another's prompts begin with).
+    prefix_cache_scope: Literal["team", "global"] = "team"
     response_retention_days: float = 30.0  # stored responses (Responses API, store=true) are deleted after this
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -53,6 +56,8 @@ class Settings:
             raise SettingsError("max_tokens_cap must be at least 1")
         if not 0 <= self.hardware_cost_per_hour < math.inf:
             raise SettingsError("hardware_cost_per_hour must be a finite number, not negative")
+        if self.prefix_cache_scope not in ("team", "global"):
+            raise SettingsError("prefix_cache_scope must be 'team' or 'global'")
         if not 0 < self.response_retention_days < math.inf:
             raise SettingsError("response_retention_days must be a positive, finite number")
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -154,6 +159,11 @@ OPTIONS: tuple[Option, ...] = (
            choices=("recompute", "swap")),
     Option("--no-prefix-caching", "enable_prefix_caching", parse_bool, "turn off prefix caching", engine=True,
            switch=True, invert=True),
+    Option("--prefix-cache-scope", "prefix_cache_scope", str,
+           "who reuses whose cached prompt prefixes: team (own team or cache group) or global",
+           choices=("team", "global")),
+    Option("--scheduling", "scheduling", str, "fair (least-served team first) or fcfs (arrival order)",
+           engine=True, choices=("fair", "fcfs")),
     Option("--num-threads", "num_threads", _optional_int, "torch threads (default: torch's choice)", engine=True),
     Option("--device", "device", str, "auto (cuda when available), cpu, cuda or cuda:N", engine=True),
     Option("--enforce-eager", "enforce_eager", parse_bool, "no CUDA-graph replay of decode steps", engine=True,

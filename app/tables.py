@@ -42,6 +42,8 @@ class Team(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime)
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime)
+    scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share of the engine vs other teams
+    cache_group: Mapped[str | None] = mapped_column(String(64))  # teams in one group reuse each other's prefixes
 
     __table_args__ = (
         Index(
@@ -68,6 +70,9 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # The most urgent `priority` its requests may ask for (lower runs first); None: 0, so only an admin
+    # lets a key jump ahead, while any key may ask to go later.
+    priority_floor: Mapped[int | None] = mapped_column(Integer)
 
 
 class AdminCredential(Base):

@@ -54,6 +54,7 @@ async def chat_completion(request: Request, context: ModelContext, principal: Pr
                                           prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="chat.completions")
+    tracker.priority = body.priority or 0
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     try:
         check_fits(context, prompt_ids, params, prompt_param="messages", max_tokens_param=max_tokens_param)

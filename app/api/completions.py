@@ -71,6 +71,7 @@ async def completion(request: Request, context: ModelContext, principal: Princip
                                           prompt_tokens=sum(len(p.ids) for p in prompts),
                                           max_tokens=prompts[0].params.max_tokens)
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions")
+    tracker.priority = body.priority or 0
     try:
         for prompt in prompts:
             check_fits(context, prompt.ids, prompt.params, prompt_param="prompt", max_tokens_param="max_tokens")

@@ -86,7 +86,9 @@ def teams_create(args: argparse.Namespace) -> int:
     _, sessions = _open(args)
     with sessions() as session:
         try:
-            team = crud.create_team(session, name=args.name, **_limits(args))
+            share = {"scheduling_weight": args.weight, "cache_group": args.cache_group}
+            team = crud.create_team(session, name=args.name, **_limits(args),
+                                    **{k: v for k, v in share.items() if v is not None})
         except (crud.Conflict, ValueError) as error:
             return _fail(str(error))
         session.commit()
@@ -195,6 +197,8 @@ def _teams_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = sub.add_parser("create", help="create a team")
     create.add_argument("name")
+    create.add_argument("--weight", type=float, default=None, help="share of the engine against other teams (default 1)")
+    create.add_argument("--cache-group", default=None, help="teams in one group reuse each other's cached prompts")
     _limit_arguments(create)
     _store_arguments(create)
     create.set_defaults(run=teams_create)

@@ -66,6 +66,9 @@ def principal_of(key: ApiKey, team: Team) -> Principal:
             if budget is not None),
         expires_at=min(expiries) if expiries else None,
         active=key.revoked_at is None and team.deleted_at is None and not team.blocked,
+        team_weight=team.scheduling_weight if team.scheduling_weight is not None else 1.0,
+        cache_group=team.cache_group,
+        priority_floor=key.priority_floor if key.priority_floor is not None else 0,
     )
 
 

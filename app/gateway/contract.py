@@ -24,6 +24,9 @@ class Principal:
     """Who is calling. The gateway may subclass it to carry the key's limits and allowed models."""
     team_id: str | None = None
     key_id: str | None = None
+    team_weight: float = 1.0  # the team's share of the engine (fair scheduling)
+    cache_group: str | None = None  # teams in one group reuse each other's cached prefixes
+    priority_floor: int = 0  # the most urgent `priority` (lower runs first) its requests may ask for
 
     def allows(self, model: str) -> bool:
         """Whether this caller may use `model` (the gateway's keys and teams may have a list)."""

@@ -29,6 +29,9 @@ def to_naive_utc(value: datetime | None) -> datetime | None:
 
 
 def _clean(fields: dict[str, Any]) -> dict[str, Any]:
+    weight = fields.get("scheduling_weight")
+    if weight is not None and not 0 < weight <= 1000:  # NaN fails too
+        raise ValueError("scheduling_weight must be above 0 and at most 1000")
     if fields.get("budget_period") not in (None, *BUDGET_PERIODS):
         raise ValueError(f"budget_period must be one of {BUDGET_PERIODS}")
     if "allowed_models" in fields:

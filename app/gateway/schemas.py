@@ -30,24 +30,36 @@ def _refuse_null(body: BaseModel, *names: str) -> BaseModel:
     return body
 
 
-class TeamCreate(Limits):
+class TeamShare(Limits):
+    scheduling_weight: float | None = Field(None, gt=0, le=1000,
+                                            description="its share of the engine against other teams; default 1")
+    cache_group: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                                    description="teams in one group reuse each other's cached prompt prefixes")
+
+
+class TeamCreate(TeamShare):
     name: str = Field(min_length=1, max_length=128)
 
+    _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "scheduling_weight"))
 
-class TeamUpdate(Limits):
+
+class TeamUpdate(TeamShare):
     name: str | None = Field(None, min_length=1, max_length=128)
     blocked: bool | None = None
 
-    _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name", "blocked"))
+    _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name", "blocked", "scheduling_weight"))
 
 
 class KeyCreate(Limits):
     team_id: int
     name: str = Field("", max_length=128)
+    priority_floor: int | None = Field(None, ge=-1000, le=1000,
+                                       description="the most urgent priority its requests may ask for; default 0")
 
 
 class KeyUpdate(Limits):
     name: str | None = Field(None, max_length=128)
+    priority_floor: int | None = Field(None, ge=-1000, le=1000)
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name"))
 
@@ -70,6 +82,8 @@ class TeamView(_View):
     max_budget_usd: float | None
     budget_period: str
     blocked: bool
+    scheduling_weight: float
+    cache_group: str | None
     expires_at: datetime | None
     created_at: datetime
     last_used_at: datetime | None
@@ -90,6 +104,7 @@ class KeyView(_View):
     tpm_limit: int | None
     max_budget_usd: float | None
     budget_period: str
+    priority_floor: int | None
     expires_at: datetime | None
     revoked: bool
     created_at: datetime

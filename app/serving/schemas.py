@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Body(BaseModel):
@@ -45,6 +45,8 @@ class SamplingFields(Body):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's field: lower runs first. Capped by the key's priority floor (default 0: only later).
+    priority: int | None = Field(None, ge=-1000, le=1000)
 
     @field_validator("stop", mode="before")
     @classmethod

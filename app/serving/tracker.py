@@ -16,6 +16,7 @@ from app.gateway.contract import Principal, UsageRecord
 from engine.async_engine import EngineRejected
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.tenancy import DEFAULT_TEAM, Tenancy
 
 log = logging.getLogger("tokenmill.generation")
 
@@ -71,6 +72,21 @@ class RequestTracker:
         self.completion_tokens = 0
         self.finish_reasons: list[str] = []
         self.finished = False
+        self.priority = 0  # the body's `priority`, once the route has read it
+
+    def tenancy(self) -> Tenancy:
+        """Whose share the engine charges, how urgent it is, and which cached prefixes it may reuse."""
+        principal = self.principal
+        team = DEFAULT_TEAM if principal.team_id is None else f"team:{principal.team_id}"
+        if self.context.settings.prefix_cache_scope == "global":
+            cache_salt = ""
+        elif principal.cache_group:
+            cache_salt = f"group:{principal.cache_group}"
+        else:
+            cache_salt = team
+        # A key may always ask to go later; going earlier than its floor is quietly capped.
+        priority = max(self.priority, principal.priority_floor)
+        return Tenancy(team=team, weight=principal.team_weight, priority=priority, cache_salt=cache_salt)
 
     @property
     def prompt_tokens(self) -> int:
@@ -144,7 +160,8 @@ async def engine_outputs(context: ModelContext, tracker: RequestTracker, engine_
     """The engine's outputs for one request; stopping early (disconnect, error) aborts it in the engine."""
     finished = False
     try:
-        async with aclosing(context.engine.generate(engine_request_id, prompt_ids, params)) as outputs:
+        generation = context.engine.generate(engine_request_id, prompt_ids, params, tracker.tenancy())
+        async with aclosing(generation) as outputs:
             while True:
                 try:
                     output = await anext(outputs)

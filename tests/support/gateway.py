@@ -157,6 +157,7 @@ class FakeEngine:
         self.token_delay_s = token_delay_s
         self.aborted: list[str] = []
         self.queue_full = False  # set to make it refuse after admission, as a full engine does
+        self.tenancies: list = []  # what each generate() was told about its caller, in order
 
     def check_request(self, prompt_token_ids, params) -> None:  # noqa: ANN001
         if not prompt_token_ids:
@@ -164,7 +165,8 @@ class FakeEngine:
         if self.queue_full:
             raise EngineRejected("queue_full", "too many requests are waiting")
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params):  # noqa: ANN001
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):  # noqa: ANN001
+        self.tenancies.append(tenancy)
         total = params.max_tokens or 16
         for i in range(total):
             if self.token_delay_s:
