@@ -66,7 +66,7 @@ async def chat_completion(request: Request, context: ModelContext, principal: Pr
         events = chat_events(context, tracker, prompt_ids, params, include_usage, plan)
         context.streaming = True
         return sse_response(finished_stream(tracker, events, prompt_param="messages",
-                                            max_tokens_param=max_tokens_param), headers)
+                                            max_tokens_param=max_tokens_param), headers, tracker)
     response = await chat_response(request, context, tracker, prompt_ids, params, bool(body.logprobs),
                                    max_tokens_param, plan)
     return JSONResponse(response, headers=headers)

@@ -83,7 +83,7 @@ async def completion(request: Request, context: ModelContext, principal: Princip
         events = completion_events(context, tracker, prompts, bool(body.echo), include_usage)
         context.streaming = True
         return sse_response(finished_stream(tracker, events, prompt_param="prompt", max_tokens_param="max_tokens"),
-                            headers)
+                            headers, tracker)
     return JSONResponse(await completion_response(request, context, tracker, prompts, bool(body.echo)),
                         headers=headers)
 

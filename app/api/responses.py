@@ -80,7 +80,7 @@ async def run_response(request: Request, context: ModelContext, principal: Princ
         obfuscate = bool((body.stream_options or {}).get("include_obfuscation"))
         context.streaming = True
         return sse_response(response_events(context, tracker, header, prompt_ids, params, plan, save, obfuscate),
-                            headers)
+                            headers, tracker)
     response = await whole_response(request, context, tracker, header, prompt_ids, params, plan, save)
     return JSONResponse(response, headers=headers)
 

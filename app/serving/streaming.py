@@ -24,9 +24,31 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def sse_response(events: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+class TrackedStreamingResponse(StreamingResponse):
+    """A stream that ends its request exactly once, however the response ends. The events' own finally
+    reports the request when they run; but when the client is gone before the first byte, the events
+    never start and their finally never runs, so the response finishes the tracker itself (a no-op
+    when the events did) and closes the events, which aborts whatever they began in the engine."""
+
+    def __init__(self, events: AsyncIterator[str], tracker: RequestTracker, **options) -> None:  # noqa: ANN003
+        super().__init__(events, **options)
+        self.tracker = tracker
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                close = getattr(self.body_iterator, "aclose", None)
+                if close is not None:
+                    await close()
+            finally:
+                self.tracker.finish("aborted")
+
+
+def sse_response(events: AsyncIterator[str], headers: dict[str, str], tracker: RequestTracker) -> StreamingResponse:
+    return TrackedStreamingResponse(events, tracker, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
 
 
 async def finished_stream(tracker: RequestTracker, events: AsyncIterator[str], *, prompt_param: str,
