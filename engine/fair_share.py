@@ -11,7 +11,12 @@ It only counts; the scheduler decides.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+WINDOW_S = 60  # "tokens served over the last minute", in one-second buckets
 
 
 @dataclass
@@ -22,10 +27,18 @@ class TeamCounts:
     service: float = 0.0  # the virtual counter: weighted tokens / weight, plus the lifts on joining
     prompt_tokens: int = 0  # prompt tokens admitted, cumulative (a recompute is not counted again)
     output_tokens: int = 0  # tokens generated, cumulative
+    recent: deque[tuple[int, int]] = field(default_factory=deque)  # (second, tokens served in it), oldest first
+
+    def tokens_in_window(self, now_s: int) -> int:
+        while self.recent and self.recent[0][0] <= now_s - WINDOW_S:
+            self.recent.popleft()
+        return sum(tokens for _, tokens in self.recent)
 
 
 class TeamLedger:
-    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.input_weight = input_weight
         self.output_weight = output_weight
         self.teams: dict[str, TeamCounts] = {}
@@ -60,5 +73,11 @@ class TeamLedger:
         counts = self.teams.setdefault(team, TeamCounts())
         counts.prompt_tokens += prompt_tokens
         counts.output_tokens += output_tokens
+        second = int(self.clock())
+        if counts.recent and counts.recent[-1][0] == second:
+            counts.recent[-1] = (second, counts.recent[-1][1] + prompt_tokens + output_tokens)
+        else:
+            counts.recent.append((second, prompt_tokens + output_tokens))
+            counts.tokens_in_window(second)  # drops what has left the window
         weighted = self.input_weight * prompt_tokens + self.output_weight * output_tokens
         counts.service += weighted / self.weights.get(team, 1.0)

@@ -1,7 +1,10 @@
 """What the engine reports about itself: queue sizes, batch occupancy, KV use, prefix hits, tokens."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
+
+from engine.fair_share import WINDOW_S
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,13 @@ class TeamStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     service: float = 0.0  # the fair-share virtual counter (weighted tokens / weight)
+    # (monotonic second, prompt and generated tokens served in it) over the last minute, oldest first
+    recent_tokens: tuple[tuple[int, int], ...] = ()
+
+    def tokens_last_minute(self, now: float | None = None) -> int:
+        """Counted when asked, so that an idle engine's figure still falls to 0 as the minute passes."""
+        now_s = int(time.monotonic() if now is None else now)
+        return sum(tokens for second, tokens in self.recent_tokens if second > now_s - WINDOW_S)
 
 
 @dataclass
@@ -89,7 +99,7 @@ class EngineStats:
             for request in queue:
                 counts[request.team] = counts.get(request.team, 0) + 1
         self.teams = {
-            team: TeamStats(running.get(team, 0), waiting.get(team, 0), ledger.prompt_tokens, ledger.output_tokens,
-                            ledger.service)
-            for team, ledger in scheduler.ledger.teams.items()
+            team: TeamStats(running.get(team, 0), waiting.get(team, 0), counts.prompt_tokens, counts.output_tokens,
+                            counts.service, tuple(counts.recent))
+            for team, counts in scheduler.ledger.teams.items()
         }

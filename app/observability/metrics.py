@@ -3,9 +3,10 @@ latencies only the app can see (time to first token, between tokens, end to end)
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from app.observability.prometheus import Histogram, counter, gauge
+from app.observability.prometheus import Histogram, Labels, counter, gauge, header, sample
+from engine.stats import TeamStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -67,10 +68,35 @@ class ServerMetrics:
             *counter("tokenmill:engine_steps_total", "Engine steps run.", [(labels, stats.steps_total)]),
             *counter("tokenmill:engine_step_seconds_total", "Time spent in engine steps.",
                      [(labels, stats.step_time_seconds_total)]),
+            *counter("tokenmill:fair_preemptions_total", "Preemptions that gave another team its turn.",
+                     [(labels, stats.num_preemptions_fair)]),
+            *team_lines(labels, stats.teams),
         ]
         for collect in self._collectors:
             lines.extend(collect())
         return "\n".join(lines) + "\n"
+
+
+def team_lines(labels: Labels, teams: Mapping[str, TeamStats]) -> list[str]:
+    """Each team's share of the engine. Labelled by the engine's team id ('team:<id>', or 'default'
+    without the gateway), never by key or team name: one series per team, and nothing a name would leak."""
+    by_team = [({**labels, "team": team}, stats) for team, stats in sorted(teams.items())]
+    series = (
+        ("tokenmill:team_requests_running", "gauge", "A team's sequences running or swapped out.",
+         lambda s: s.running),
+        ("tokenmill:team_requests_waiting", "gauge", "A team's sequences waiting for a seat.", lambda s: s.waiting),
+        ("tokenmill:team_tokens_last_minute", "gauge", "Prompt and generated tokens a team was served in the last 60 s.",
+         lambda s: s.tokens_last_minute()),
+        ("tokenmill:team_prompt_tokens_total", "counter", "Prompt tokens a team was served.",
+         lambda s: s.prompt_tokens_total),
+        ("tokenmill:team_generation_tokens_total", "counter", "Tokens generated for a team.",
+         lambda s: s.generation_tokens_total),
+    )
+    lines: list[str] = []
+    for name, kind, help_text, value_of in series:
+        lines += [*header(name, kind, help_text), *(sample(name, team_labels, value_of(stats))
+                                                     for team_labels, stats in by_team)]
+    return lines
 
 
 def merge_expositions(texts: list[str]) -> str:

@@ -262,3 +262,15 @@ def test_greedy_output_equals_hf_under_fair_preemption(smollm2, hf_greedy, mode)
     for name, prompt in prompts.items():
         assert outputs[f"{name}/0"] == hf_greedy(prompt, 16), f"{name} diverged from HF"
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_tokens_served_in_the_last_minute_fall_back_to_zero_when_a_team_goes_quiet(tiny):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=16), tiny)
+    now = [1000.0]
+    engine.scheduler.ledger.clock = lambda: now[0]
+    engine.add_request("a", prompt_of(1, 20), GREEDY, Tenancy(team="a"))
+    drain(engine)
+    team = engine.stats.teams["a"]
+    assert (team.running, team.waiting, team.prompt_tokens_total, team.generation_tokens_total) == (0, 0, 20, 8)
+    assert team.tokens_last_minute(now=1030.0) == 28
+    assert team.tokens_last_minute(now=1061.0) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import httpx
@@ -31,9 +32,20 @@ def tiny(tiny_llama_dir):
     return load_model(EngineConfig(model=str(tiny_llama_dir)))
 
 
-def team_key(url: str, name: str) -> str:
+def team_key(url: str, name: str) -> tuple[str, str]:
+    """(the team's label in /metrics, a key of it)."""
     team = httpx.post(f"{url}/admin/api/teams", json={"name": name}, headers=admin_headers()).json()
-    return httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
+    key = httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
+    return f"team:{team['id']}", key
+
+
+async def team_metrics(client: httpx.AsyncClient) -> dict[tuple[str, str], float]:
+    """(metric, team) -> value, for the per-team series of /metrics."""
+    text = (await client.get("/metrics", headers=admin_headers())).text
+    values = {}
+    for match in re.finditer(r'^(tokenmill:team_\w+)\{[^}]*team="([^"]+)"\} (\S+)$', text, re.M):
+        values[(match[1], match[2])] = float(match[3])
+    return values
 
 
 async def time_to_first_token(client: httpx.AsyncClient, model: str, key: str) -> float:
@@ -49,8 +61,9 @@ async def time_to_first_token(client: httpx.AsyncClient, model: str, key: str) -
     return first
 
 
-async def flood_and_probe(url: str, model: str, flood_key: str, quiet_key: str) -> tuple[float, list[float], float]:
-    """(quiet team's solo TTFT, its TTFTs during the flood (inf: gave up), seconds flooded)."""
+async def flood_and_probe(url: str, model: str, flood_key: str,
+                          quiet_key: str) -> tuple[float, list[float], float, dict[tuple[str, str], float]]:
+    """(quiet team's solo TTFT, its TTFTs during the flood (inf: gave up), seconds flooded, team metrics then)."""
     rng = random.Random(7)
     limits = httpx.Limits(max_connections=FLOOD + 20, max_keepalive_connections=FLOOD + 20)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
@@ -75,24 +88,30 @@ async def flood_and_probe(url: str, model: str, flood_key: str, quiet_key: str) 
                 break
             await asyncio.sleep(0.2)
         flooding_s = time.monotonic() - started
+        metrics = await team_metrics(client)
         finished = sum(task.done() for task in flood)
         assert finished < FLOOD // 2, f"{finished} of the flood ended before the probes did: make it longer"
         for task in flood:  # the flood's clients go away; the engine aborts what they asked for
             task.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
-        return solo, probes, flooding_s
+        return solo, probes, flooding_s, metrics
 
 
 @pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
 def test_a_flood_from_one_team_delays_another_only_under_fcfs(tiny, make_gateway, scheduling):
     config = EngineConfig(model="tiny", num_kv_blocks=1024, max_num_seqs=32, scheduling=scheduling)
     with running_server(tiny, engine_config=config, gateway=make_gateway()) as server:
-        flood_key, quiet_key = team_key(server.url, "flood"), team_key(server.url, "quiet")
-        solo, probes, flood_s = asyncio.run(flood_and_probe(server.url, server.engine.model_name, flood_key,
-                                                            quiet_key))
+        (flood_team, flood_key), (quiet_team, quiet_key) = team_key(server.url, "flood"), team_key(server.url, "quiet")
+        solo, probes, flood_s, metrics = asyncio.run(flood_and_probe(server.url, server.engine.model_name,
+                                                                     flood_key, quiet_key))
     allowed = max(3 * solo, solo + 2.0)
     print(f"{scheduling}: solo TTFT {solo:.3f}s, during the flood {[round(p, 3) for p in probes]}, "
           f"flooded {flood_s:.1f}s, allowed {allowed:.2f}s")
+    # /metrics shows who holds the engine: the flood fills the seats and the queue, and was served most
+    assert metrics[("tokenmill:team_requests_waiting", flood_team)] > 0
+    assert metrics[("tokenmill:team_requests_running", flood_team)] > 0
+    assert metrics[("tokenmill:team_tokens_last_minute", flood_team)] > 1000
+    assert 0 < metrics[("tokenmill:team_tokens_last_minute", quiet_team)] < 1000
     if scheduling == "fair":
         assert max(probes) <= allowed
     else:
