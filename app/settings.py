@@ -146,7 +146,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),
     Option("--quantization", "quantization", str, "weight-only quantization of the linears (CPU): int8 per channel, "
-           "int4 in groups of 32", engine=True, choices=("none", "int8", "int4")),
+           "int4 in groups of 32; auto (default): int4 for Q4_0/Q4_1 GGUF files such as the embedded model, "
+           "on CPUs with AVX512-VNNI", engine=True, choices=("auto", "none", "int8", "int4")),
     Option("--block-size", "block_size", int, "tokens per KV block", engine=True),
     Option("--num-kv-blocks", "num_kv_blocks", _optional_int, "KV pool size in blocks (wins over --kv-cache-memory-gb)",
            engine=True),
@@ -193,6 +194,7 @@ def settings_from(args: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
         (engine_values if option.engine else server_values)[option.field] = (not value) if option.invert else value
     try:
         data_dir = server_values.get("data_dir", Settings.data_dir)
+        engine_values.setdefault("quantization", "auto")  # the server's default; EngineConfig's stays none
         engine_config = EngineConfig(data_dir=data_dir, **engine_values)
         return Settings(engine=engine_config, **server_values)
     except (ValueError, TypeError) as error:

@@ -10,7 +10,8 @@ For each mode (--quantization int8 / int4, bfloat16 activations) on the embedded
 Prints a table and writes JSON under bench/results/. Targets (issue #17): agreement >= 98%, perplexity
 within 2% of bf16, int4 weights <= 40% of bf16.
 
-    python bench/quality_bench.py                      # int8 and int4 (a few minutes on 2 cores)
+    python bench/quality_bench.py                      # int8 and int4, float32 activations (the default)
+    python bench/quality_bench.py --dtype bfloat16     # bfloat16 activations
     python bench/quality_bench.py --modes int4 --max-tokens 64
 """
 from __future__ import annotations
@@ -117,7 +118,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="generated per prompt (8 prompts)")
     parser.add_argument("--data-dir", default=os.environ.get("TOKENMILL_TEST_DATA_DIR", ".tokenmill"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
                         help="activations of the quantized modes (the reference is always bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZATIONS = ("none", "int8", "int4")  # weight-only: kernels/qlinear.py
+QUANTIZATIONS = ("none", "int8", "int4", "auto")  # weight-only: kernels/qlinear.py; auto: engine.loader
 KV_LAYOUTS = ("auto", "heads_major", "token_major")
 
 
@@ -60,7 +60,8 @@ class EngineConfig:
     kv_layout: Literal["auto", "heads_major", "token_major"] = "auto"  # auto: heads-major on the CPU
     # Weight-only quantization of the linears (and of a tied embedding), CPU only: "int8" per output
     # channel, "int4" in groups of 32 with the embedding as int8 per 32 (GGUF Q4_1 / Q8_0 style).
-    quantization: Literal["none", "int8", "int4"] = "none"
+    # "auto" (the server's default): int4 where that loses nothing, else none (engine.loader).
+    quantization: Literal["none", "int8", "int4", "auto"] = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -89,7 +90,7 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization != "none" and self.torch_device.type != "cpu":
+        if self.quantization in ("int8", "int4") and self.torch_device.type != "cpu":
             raise ValueError("quantization int8/int4 runs on the CPU kernels only: use --quantization none on a GPU")
         if self.torch_device.type == "cuda" and self.kv_layout == "heads_major":
             raise ValueError("the CUDA kernels read a token-major KV cache: kv_layout 'heads_major' is CPU-only")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import time
@@ -141,24 +142,45 @@ def checkpoint_folder(config: EngineConfig) -> tuple[Path, str]:
     return folder, name
 
 
+LOSSLESS_INT4_GGUF = re.compile(r"q4_[01]", re.IGNORECASE)  # GGUF files named for Q4_0 / Q4_1 blocks
+
+
+def resolve_quantization(config: EngineConfig) -> str:
+    """The quantization a load applies. "auto" is int4 for a GGUF file named as Q4_0/Q4_1 (the embedded
+    SmolLM2 is Q4_1): int4 in groups of 32 gives back the file's own weights, and on CPUs with AVX512-VNNI
+    the int4 kernel streams them 2.5x faster than bf16 at batch 1. Otherwise (a GPU, no VNNI, other
+    checkpoints, whose weights int4 would change) it is none."""
+    if config.quantization != "auto":
+        return config.quantization
+    if config.torch_device.type != "cpu":
+        return "none"
+    from kernels.qlinear import vector_unit
+
+    path, _ = resolve_source(config.model)
+    if path.is_file() and LOSSLESS_INT4_GGUF.search(path.name) and vector_unit() == "avx512-vnni":
+        return "int4"
+    return "none"
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     started = time.monotonic()
+    quantization = resolve_quantization(config)
     folder, name = checkpoint_folder(config)
     hf_config = AutoConfig.from_pretrained(folder)
     shape = LlamaShape.from_hf_config(hf_config)
     device = config.torch_device
     # Quantized linears are packed from the weights as read (float32 for a converted GGUF), not from a
     # bf16 copy: int4 then gives back the GGUF's own Q4_1 values.
-    read_dtype = config.torch_dtype if config.quantization == "none" else None
+    read_dtype = config.torch_dtype if quantization == "none" else None
     weights = {key: tensor.to(device=device, dtype=read_dtype or tensor.dtype)
                for key, tensor in _read_weights(folder).items()}
     cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
-    model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=config.quantization)
+    model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
     del weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    quantized = "" if config.quantization == "none" else f", weights {config.quantization}"
+    quantized = "" if quantization == "none" else f", weights {quantization}"
     _say(f"loaded {name} ({config.dtype}{quantized}, {device}) in {time.monotonic() - started:.1f}s")
     return LoadedModel(name=config.served_model_name or name, model=model, tokenizer=tokenizer,
                        hf_config=hf_config, shape=shape, folder=folder, dtype=config.torch_dtype, device=device)

@@ -57,3 +57,19 @@ def test_int4_weights_take_at_most_40_percent_of_bf16(quantized):
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")  # type: ignore[arg-type]
+
+
+def test_auto_is_int4_for_the_embedded_q4_1_model_and_none_for_others(tmp_path):
+    from app.settings import settings_from
+    from engine.loader import resolve_quantization
+    from kernels.qlinear import vector_unit
+
+    assert settings_from({}, {}).engine.quantization == "auto"  # the server's default
+    assert EngineConfig().quantization == "none"  # the engine's own stays exact
+    expected = "int4" if vector_unit() == "avx512-vnni" else "none"
+    assert resolve_quantization(EngineConfig(quantization="auto", device="cpu")) == expected
+    folder = tmp_path / "some-checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve_quantization(EngineConfig(model=str(folder), quantization="auto", device="cpu")) == "none"
+    assert resolve_quantization(EngineConfig(model=str(folder), quantization="int8", device="cpu")) == "int8"
