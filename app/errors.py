@@ -96,6 +96,11 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     return server_error().response()
 
 
+async def out_of_range(request: Request, error: Exception) -> JSONResponse:
+    """An id or limit beyond what the database stores (SQLite: int64) is the caller's error, not ours."""
+    return invalid_request("A number in the request is out of range.", code="out_of_range").response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -1,21 +1,27 @@
-"""The FastAPI app: OpenAI routes over a pool of loaded models (app.registry.pool)."""
+"""The FastAPI app: OpenAI routes over a pool of loaded models (app.registry.pool), the gateway in front,
+and the one lifespan that starts and stops its parts in a stated order."""
 from __future__ import annotations
 
 import gc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import FastAPI
+from sqlalchemy.exc import DataError
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from app.serving.body_limit import install_body_limit
-from app.observability.costs import HardwareCostMeter
+from app.api import (admin, admin_models, chat, completions, embeddings, models, operations, responses, tokenize,
+                     usage)
 from app.dashboard.wiring import install_dashboard
-from app.serving.context import ServerContext
-from app.errors import install_error_handlers
+from app.errors import install_error_handlers, out_of_range
 from app.gateway.contract import Gateway, SingleKeyGateway
-from app.lifespan import around_lifespan
+from app.gateway.headers import RateLimitHeadersMiddleware
+from app.gateway.service import TeamGateway
+from app.observability.costs import HardwareCostMeter
 from app.registry.pool import ModelPool
 from app.registry.store import RegistryStore
-from app.api import chat, completions, embeddings, models, operations, responses, tokenize
+from app.serving.body_limit import install_body_limit
+from app.serving.context import ServerContext
 from app.serving.responses.store import response_store
 from app.settings import Settings
 
@@ -24,38 +30,64 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
                pool: ModelPool | None = None) -> FastAPI:
     """Serves the models in `pool`, or a pool of one: `engine`, an engine.async_engine.AsyncEngine the
     caller started (and will shut down). `gateway` authenticates, admits and meters requests (see
-    app.gateway.contract); by default a single key from settings.api_key, or none. With the real gateway
-    the registry lives in its database and /admin/api/models manages it."""
+    app.gateway.contract); by default a single key from settings.api_key, or none. With a TeamGateway
+    the registry lives in its database: /admin/api (teams, keys, usage, models) and the dashboard come
+    with it."""
     gateway = gateway if gateway is not None else SingleKeyGateway(settings.api_key)
     if pool is None:
-        sessions = getattr(gateway, "sessions", None)
-        pool = ModelPool(settings.engine, store=RegistryStore(sessions) if sessions is not None else None)
+        pool = ModelPool(settings.engine,
+                         store=RegistryStore(gateway.sessions) if gateway.sessions is not None else None)
     if engine is not None:
         pool.add_loaded(engine)
     # /docs loads Swagger UI from a CDN and, like /openapi.json, maps every route for anyone: both are off
     # unless --api-docs turns them on. (app.openapi() still builds the schema, for tests and tools.)
     docs = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine", **docs)
-    around_lifespan(app, freeze_startup_heap, thaw)  # wrapped first, so it runs once all the rest has started
     pool.cost_meter = HardwareCostMeter(settings.hardware_cost_per_hour)
-    stored_responses = response_store(getattr(gateway, "sessions", None), settings.response_retention_s)
+    stored_responses = response_store(gateway.sessions, settings.response_retention_s)
     app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter,
                                       responses=stored_responses)
     install_error_handlers(app)
     for module in (models, chat, completions, embeddings, operations, responses, tokenize):
         app.include_router(module.router)
-    around_lifespan(app, pool.start, pool.stop)  # inside the gateway's: the registry's tables exist by then
-    install = getattr(gateway, "install", None)
-    if install is not None:  # the gateway's admin and usage routes, headers, start and flush with the lifespan
-        install(app)
-        from app.api import admin_models
-
-        app.include_router(admin_models.router)
-    install_dashboard(app)  # /admin pages, where the gateway (admin key, teams, usage) is installed
+    # Started in this order, stopped in the reverse one.
+    parts: list[tuple[Step, Step]] = [
+        (gateway.astart, gateway.astop),  # migrations, the admin key; the stop flushes usage
+        (pool.start, pool.stop),  # after the gateway: the registry's tables exist by then
+    ]
+    if isinstance(gateway, TeamGateway):
+        app.state.gateway = gateway
+        app.add_exception_handler(OverflowError, out_of_range)
+        app.add_exception_handler(DataError, out_of_range)
+        for module in (admin, usage, admin_models):
+            app.include_router(module.router)
+        app.add_middleware(RateLimitHeadersMiddleware)
+        dashboard = install_dashboard(app, gateway)  # /admin pages
+        parts.append((dashboard.sampler.astart, dashboard.sampler.stop))
+    parts.append((freeze_startup_heap, thaw))  # last: once all the rest has started
+    app.router.lifespan_context = lifespan_of(parts, app.router.lifespan_context)
     install_body_limit(app, settings.max_request_bytes)  # last added runs first: before any other middleware
     if settings.forwarded_allow_ips:  # the client address the trusted proxies vouch for, before any route sees it
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     return app
+
+
+Step = Callable[[], Awaitable[None]]
+
+
+def lifespan_of(parts: list[tuple[Step, Step]], inner):  # noqa: ANN001, ANN201 - lifespan context factories
+    """Starts `parts` in order; stops the ones that started, in the reverse order, also after a failure."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[object]:
+        async with AsyncExitStack() as stack:
+            for start, stop in parts:
+                await start()
+                stack.push_async_callback(stop)
+            async with inner(app) as state:  # Starlette's own (startup / shutdown handlers), if any
+                yield state
+
+    return lifespan
 
 
 async def freeze_startup_heap() -> None:

@@ -88,14 +88,14 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
     from app.lifespan import around_lifespan
     from app.main import create_app
     from app.settings import Settings
-    from tests.gateway_support import FakeEngine
+    from tests.support.gateway import FakeEngine
 
     gateway = None
     if mode != "none":
         from app.gateway.config import GatewayConfig, parse_prices
-        from app.gateway.service import Gateway
+        from app.gateway.service import TeamGateway
 
-        gateway = Gateway(GatewayConfig(database_url=database_url, admin_key=ADMIN_KEY,
+        gateway = TeamGateway(GatewayConfig(database_url=database_url, admin_key=ADMIN_KEY,
                                         redis_url=redis_url or None, redis_prefix=f"tokenmill-bench:{os.getpid()}:",
                                         prices=parse_prices(PRICES), spill_dir=str(Path(timings_path).parent)))
         spent: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("spent", default=None)
@@ -223,7 +223,7 @@ def phase_report(result: load_client.LoadResult, server_cpu_s: float) -> dict:
 def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     from sqlalchemy import create_engine, func, select, text
 
-    from tests.gateway_support import free_port
+    from tests.support.gateway import free_port
 
     workdir.mkdir(parents=True, exist_ok=True)
     database_url, pg_name = "", None

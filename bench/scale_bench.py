@@ -183,7 +183,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from app.gateway.contract import provision_admin_key
+    from app.gateway.wiring import provision_admin_key
     from app.scaleout.ray_serve import build_application
     from app.settings import Settings
     from engine.config import EngineConfig

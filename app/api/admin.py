@@ -1,4 +1,5 @@
-"""/admin/api: teams, keys and usage, for the admin key only. JSON, keyset-paginated lists."""
+"""/admin/api: teams, keys and usage, for the admin key only. JSON, keyset-paginated lists; what a change
+does is app.gateway.admin, which the dashboard's forms call too."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -8,13 +9,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Response
 from sqlalchemy.orm import Session
 
-from app.errors import OpenAIError, invalid_request
-from app.gateway import crud
 from app.api.deps import AdminDep, GatewayDep
-from app.tables import NANO
+from app.errors import invalid_request
+from app.gateway import admin, crud
 from app.gateway.reports import list_requests, parse_group_by, parse_when, to_csv, usage_report
 from app.gateway.schemas import (KeyCreate, KeyCreated, KeyUpdate, KeyView, Page, TeamCreate, TeamUpdate,
                                  TeamView, UsageReport, UsageRequestView)
+from app.tables import NANO
 
 router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[AdminDep])
 
@@ -28,42 +29,17 @@ SessionDep = Annotated[Session, Depends(get_session)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
 
-def not_found(what: str, ident: int) -> OpenAIError:
-    return OpenAIError(404, f"No {what} with id {ident}.", code="not_found")
-
-
-def _commit(session: Session) -> None:
-    try:
-        session.commit()
-    except Exception:
-        session.rollback()
-        raise
-
-
-def _changes(body) -> dict:  # noqa: ANN001
-    return body.model_dump(exclude_unset=True)
-
-
 def _page(items: list, limit: int, view) -> dict:  # noqa: ANN001
     data = [view.of(item) for item in items[:limit]]
     return {"data": data, "has_more": len(items) > limit,
             "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}
 
 
-def _conflict(error: crud.Conflict) -> OpenAIError:
-    return OpenAIError(409, str(error), code="conflict")
-
-
 # teams
 
 @router.post("/teams", status_code=201, response_model=TeamView)
 def create_team(body: TeamCreate, session: SessionDep) -> TeamView:
-    try:
-        team = crud.create_team(session, **_changes(body))
-    except crud.Conflict as error:
-        raise _conflict(error) from None
-    _commit(session)
-    return TeamView.of(team)
+    return admin.create_team(body, session)
 
 
 @router.get("/teams", response_model=Page[TeamView])
@@ -73,49 +49,24 @@ def list_teams(session: SessionDep, limit: Limit = 100, after: int | None = None
 
 @router.get("/teams/{team_id}", response_model=TeamView)
 def get_team(team_id: int, session: SessionDep) -> TeamView:
-    team = crud.get_team(session, team_id=team_id)
-    if team is None:
-        raise not_found("team", team_id)
-    return TeamView.of(team)
+    return admin.get_team(team_id, session)
 
 
 @router.patch("/teams/{team_id}", response_model=TeamView)
 def update_team(team_id: int, body: TeamUpdate, session: SessionDep, gateway: GatewayDep) -> TeamView:
-    team = crud.get_team(session, team_id=team_id)
-    if team is None:
-        raise not_found("team", team_id)
-    try:
-        crud.update_team(session, team=team, **_changes(body))
-    except crud.Conflict as error:
-        raise _conflict(error) from None
-    _commit(session)
-    gateway.forget_keys()
-    return TeamView.of(team)
+    return admin.update_team(team_id, body, session, gateway)
 
 
 @router.delete("/teams/{team_id}")
 def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep) -> dict:
-    team = crud.get_team(session, team_id=team_id)
-    if team is None:
-        raise not_found("team", team_id)
-    revoked = crud.delete_team(session, team=team)
-    _commit(session)
-    gateway.forget_keys(revoked)
-    gateway.forget_keys()
-    return {"id": team_id, "object": "team", "deleted": True, "keys_revoked": len(revoked)}
+    return admin.delete_team(team_id, session, gateway)
 
 
 # keys
 
 @router.post("/keys", status_code=201, response_model=KeyCreated)
 def create_key(body: KeyCreate, session: SessionDep) -> KeyCreated:
-    fields = _changes(body)
-    team = crud.get_team(session, team_id=fields.pop("team_id"))
-    if team is None:
-        raise OpenAIError(404, f"No team with id {body.team_id}.", param="team_id", code="not_found")
-    key, plaintext = crud.create_key(session, team=team, **fields)
-    _commit(session)
-    return KeyCreated(**KeyView.of(key).model_dump(), key=plaintext)
+    return admin.create_key(body, session)
 
 
 @router.get("/keys", response_model=Page[KeyView])
@@ -127,33 +78,18 @@ def list_keys(session: SessionDep, limit: Limit = 100, after: int | None = None,
 
 @router.get("/keys/{key_id}", response_model=KeyView)
 def get_key(key_id: int, session: SessionDep) -> KeyView:
-    key = crud.get_key(session, key_id=key_id)
-    if key is None:
-        raise not_found("key", key_id)
-    return KeyView.of(key)
+    return admin.get_key(key_id, session)
 
 
 @router.patch("/keys/{key_id}", response_model=KeyView)
 def update_key(key_id: int, body: KeyUpdate, session: SessionDep, gateway: GatewayDep) -> KeyView:
-    key = crud.get_key(session, key_id=key_id)
-    if key is None:
-        raise not_found("key", key_id)
-    crud.update_key(session, key=key, **_changes(body))
-    _commit(session)
-    gateway.forget_keys([key.key_hash])
-    return KeyView.of(key)
+    return admin.update_key(key_id, body, session, gateway)
 
 
 @router.delete("/keys/{key_id}", response_model=KeyView)
 def revoke_key(key_id: int, session: SessionDep, gateway: GatewayDep) -> KeyView:
     """Revokes the key (rows keep pointing at it; it answers 401 from now on)."""
-    key = crud.get_key(session, key_id=key_id)
-    if key is None:
-        raise not_found("key", key_id)
-    crud.revoke_key(session, key=key)
-    _commit(session)
-    gateway.forget_keys([key.key_hash])
-    return KeyView.of(key)
+    return admin.revoke_key(key_id, session, gateway)
 
 
 # usage

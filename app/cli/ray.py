@@ -44,7 +44,7 @@ def serve_on_ray(settings: Settings, args: argparse.Namespace) -> int:
         return 2
 
     from app.gateway.admin_identity import deliver_admin_key
-    from app.gateway.contract import provision_admin_key
+    from app.gateway.wiring import provision_admin_key
     from app.scaleout.ray_serve import build_application, drain_and_shutdown
 
     # Migrate once here, not in N replicas at the same time; create the admin key on first start.

@@ -21,7 +21,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from app.gateway.wiring import provision_configured_key
     from app.gateway.admin_identity import deliver_admin_key
-    from app.gateway.contract import provision_admin_key
+    from app.gateway.wiring import provision_admin_key
     from app.cli.ray import apply_replica_count, serve_on_ray
     from app.scaleout.replica_app import build_server
 

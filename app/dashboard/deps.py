@@ -12,7 +12,7 @@ from app.dashboard.live import LiveSampler
 from app.dashboard.playground_keys import PlaygroundKeys
 from app.dashboard.sessions import SESSION_COOKIE, AdminSession, SessionSigner, SessionStore
 from app.errors import OpenAIError
-from app.gateway.service import Gateway
+from app.gateway.service import TeamGateway
 from app.settings import Settings
 
 MAX_FORM_BYTES = 64 * 1024
@@ -22,7 +22,7 @@ CSRF_HEADER = "x-csrf-token"
 @dataclass
 class Dashboard:
     settings: Settings
-    gateway: Gateway
+    gateway: TeamGateway
     signer: SessionSigner
     session_store: SessionStore
     sampler: LiveSampler

@@ -10,8 +10,7 @@ from app.dashboard.limit_forms import FormError, body_from
 from app.dashboard.rendering import render
 from app.dashboard.team_routes import PAGE_SIZE, team_page
 from app.errors import OpenAIError
-from app.api import admin
-from app.gateway import crud
+from app.gateway import admin, crud
 from app.tables import Team
 from app.gateway.schemas import KeyCreate, KeyUpdate
 

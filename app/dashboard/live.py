@@ -219,6 +219,9 @@ class LiveSampler:
                 log.exception("dashboard sampler failed")
             await asyncio.sleep(self.interval_s)
 
+    async def astart(self) -> None:
+        self.start()
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self.run(), name="dashboard-sampler")

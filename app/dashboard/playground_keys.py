@@ -13,8 +13,7 @@ from datetime import datetime, timezone
 from sqlalchemy.exc import IntegrityError
 
 from app.errors import OpenAIError
-from app.api import admin
-from app.gateway import crud
+from app.gateway import admin, crud
 from app.gateway.schemas import KeyCreate, TeamCreate
 
 PLAYGROUND_TEAM = "playground"

@@ -1,9 +1,7 @@
 """Puts the dashboard into the app: its routers under /admin, static files, security headers, the
-login redirect, and the live sampler started and stopped with the app's lifespan. The dashboard needs
-the gateway (the admin key, teams, keys, usage); an app without one gets no dashboard."""
+login redirect, and the live sampler (app.main starts and stops it with the app's lifespan). The
+dashboard needs the TeamGateway (the admin key, teams, keys, usage); an app without one gets none."""
 from __future__ import annotations
-
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
@@ -18,6 +16,7 @@ from app.dashboard.playground_keys import PlaygroundKeys
 from app.dashboard.rendering import WEB_DIR, render
 from app.dashboard.sessions import SessionSigner, SessionStore
 from app.dashboard.sources import model_sources
+from app.gateway.service import TeamGateway
 
 ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, playground_routes, model_routes)
 
@@ -31,13 +30,9 @@ async def _csrf_rejected(request: Request, error: CsrfRejected) -> Response:
                   message="This form is stale or did not come from this dashboard (CSRF check). Reload the page.")
 
 
-def install_dashboard(app: FastAPI, *, sample_interval_s: float = 1.0) -> Dashboard | None:
-    gateway = getattr(app.state, "gateway", None)
-    if gateway is None:
-        return None
-    existing = getattr(app.state, "dashboard", None)
-    if existing is not None:
-        return existing
+def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: float = 1.0) -> Dashboard:
+    """Routers, static files, headers and handlers; the caller starts and stops `dashboard.sampler` with
+    the app's lifespan."""
     settings = app.state.context.settings
     sampler = LiveSampler(lambda: model_sources(app), hardware_cost_per_hour=settings.hardware_cost_per_hour,
                           interval_s=sample_interval_s)
@@ -51,16 +46,4 @@ def install_dashboard(app: FastAPI, *, sample_interval_s: float = 1.0) -> Dashbo
     app.add_middleware(DashboardHeadersMiddleware)
     app.add_exception_handler(LoginRequired, _to_login)
     app.add_exception_handler(CsrfRejected, _csrf_rejected)
-    inner = app.router.lifespan_context
-
-    @asynccontextmanager
-    async def lifespan(app_: FastAPI):
-        async with inner(app_) as state:
-            sampler.start()
-            try:
-                yield state
-            finally:
-                await sampler.stop()
-
-    app.router.lifespan_context = lifespan
     return dashboard

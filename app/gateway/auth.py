@@ -1,4 +1,4 @@
-"""Who is calling: API key -> Principal (key + team and their limits), by SHA-256 lookup, cached.
+"""Who is calling: API key -> KeyPrincipal (key + team and their limits), by SHA-256 lookup, cached.
 
 The cache keeps a replica off the database on the hot path. A key changed through this process's
 admin API is dropped from it at once; a key changed elsewhere (CLI, another replica) within `ttl_s`,
@@ -28,7 +28,7 @@ from app.gateway.refresh import RefreshRounds
 
 
 @dataclass(frozen=True)
-class Principal(contract.Principal):
+class KeyPrincipal(contract.Principal):
     """A team's key and the limits that apply to it. team_id / key_id are the database ids."""
 
     key_prefix: str = ""
@@ -52,9 +52,9 @@ def _unix(value: datetime | None) -> float | None:
     return None if value is None else value.replace(tzinfo=UTC).timestamp()
 
 
-def principal_of(key: ApiKey, team: Team) -> Principal:
+def principal_of(key: ApiKey, team: Team) -> KeyPrincipal:
     expiries = [t for t in (_unix(key.expires_at), _unix(team.expires_at)) if t is not None]
-    return Principal(
+    return KeyPrincipal(
         key_id=key.id, key_prefix=key.key_prefix, key_name=key.name, team_id=team.id, team_name=team.name,
         key_models=frozenset(key.allowed_models or ()), team_models=frozenset(team.allowed_models or ()),
         rate_scopes=(Scope(f"key:{key.id}", key.rpm_limit, key.tpm_limit),
@@ -72,15 +72,15 @@ def principal_of(key: ApiKey, team: Team) -> Principal:
     )
 
 
-def load_principal(sessions: sessionmaker[Session], key_hash: str) -> Principal | None:
+def load_principal(sessions: sessionmaker[Session], key_hash: str) -> KeyPrincipal | None:
     with sessions() as session:
         found = find_key(session, key_hash=key_hash)
     return None if found is None else principal_of(*found)
 
 
-def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> dict[str, Principal | None]:
+def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> dict[str, KeyPrincipal | None]:
     """Many keys in one query per 500; a hash with no key maps to None."""
-    found: dict[str, Principal | None] = dict.fromkeys(key_hashes)
+    found: dict[str, KeyPrincipal | None] = dict.fromkeys(key_hashes)
     with sessions() as session:
         for start in range(0, len(key_hashes), 500):
             rows = session.execute(select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id)
@@ -93,14 +93,14 @@ def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> d
 class _Entry:
     __slots__ = ("loaded_at", "principal", "used")
 
-    def __init__(self, principal: Principal | None, loaded_at: float) -> None:
+    def __init__(self, principal: KeyPrincipal | None, loaded_at: float) -> None:
         self.principal = principal
         self.loaded_at = loaded_at
         self.used = False  # looked up since it was loaded: worth reloading ahead of its TTL
 
 
 class KeyCache:
-    """hash -> Principal | None (unknown keys too, so guessing doesn't hammer the database)."""
+    """hash -> KeyPrincipal | None (unknown keys too, so guessing doesn't hammer the database)."""
 
     def __init__(self, sessions: sessionmaker[Session], *, ttl_s: float = 5.0, max_entries: int = 100_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -113,9 +113,9 @@ class KeyCache:
         self._lock = threading.Lock()  # writers (worker threads); the event loop only reads
         self._generation = 0  # bumped by invalidate(): a load that started before it is not kept
         self.refreshes = RefreshRounds(self.refresh_due, "key")
-        self.by_key_id: dict[int, Principal] = {}  # the latest principal loaded per key, for tpm accounting
+        self.by_key_id: dict[int, KeyPrincipal] = {}  # the latest principal loaded per key, for tpm accounting
 
-    def cached(self, key: str) -> tuple[bool, Principal | None]:
+    def cached(self, key: str) -> tuple[bool, KeyPrincipal | None]:
         """(hit, principal). On the event loop, a hit that is due starts a background refresh."""
         entry = self._entries.get(hash_key(key))
         if entry is None:
@@ -128,12 +128,12 @@ class KeyCache:
             self.refreshes.soon()
         return True, entry.principal
 
-    def last_known(self, key: str) -> tuple[bool, Principal | None]:
+    def last_known(self, key: str) -> tuple[bool, KeyPrincipal | None]:
         """The entry however old, for when the database can't be asked."""
         entry = self._entries.get(hash_key(key))
         return (False, None) if entry is None else (True, entry.principal)
 
-    def load(self, key: str) -> Principal | None:
+    def load(self, key: str) -> KeyPrincipal | None:
         """Blocking: reads the database. Run it off the event loop."""
         key_hash = hash_key(key)
         generation, loaded_at = self._generation, self.clock()
@@ -160,7 +160,7 @@ class KeyCache:
             for key_hash in key_hashes or ():
                 self._entries.pop(key_hash, None)
 
-    def _store(self, loaded: dict[str, Principal | None], generation: int, loaded_at: float) -> None:
+    def _store(self, loaded: dict[str, KeyPrincipal | None], generation: int, loaded_at: float) -> None:
         with self._lock:
             if generation != self._generation:  # invalidated while we read: the next use loads again
                 return

@@ -1,8 +1,11 @@
-"""The seam between the OpenAI routes and the gateway (teams, keys, rate limits, usage metering).
+"""The seam between the rest of app/ and the gateway (teams, keys, rate limits, usage metering): the
+only gateway module the /v1 routes and the serving code import.
 
 The routes call a `Gateway` at three points: `authenticate` (every /v1 request), `admit` (once the
 model and token counts are known) and `request_finished` (once per request that reached the engine).
-`SingleKeyGateway` is the stand-in until the real gateway is passed to `create_app(..., gateway=...)`.
+The app starts and stops it with its lifespan. Two implementations: `SingleKeyGateway` below (one key
+from settings, or none; no database) and app.gateway.service.TeamGateway (teams, keys and usage in a
+database, where the model registry lives too).
 """
 from __future__ import annotations
 
@@ -13,17 +16,19 @@ from typing import TYPE_CHECKING, Protocol
 from fastapi import Request
 
 from app.errors import invalid_api_key
-from app.settings import Settings
+from app.gateway.keys import bearer_token
 
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
+
     from app.gateway.config import ModelPrice
 
 
 @dataclass(frozen=True)
 class Principal:
     """Who is calling. The gateway may subclass it to carry the key's limits and allowed models."""
-    team_id: str | None = None
-    key_id: str | None = None
+    team_id: int | None = None
+    key_id: int | None = None
     team_weight: float = 1.0  # the team's share of the engine (fair scheduling)
     cache_group: str | None = None  # teams in one group reuse each other's cached prefixes
     priority_floor: int = 0  # the most urgent `priority` (lower runs first) its requests may ask for
@@ -36,8 +41,8 @@ class Principal:
 @dataclass(frozen=True)
 class UsageRecord:
     request_id: str
-    team_id: str | None
-    key_id: str | None
+    team_id: int | None
+    key_id: int | None
     model: str
     endpoint: str  # "chat.completions" | "completions" | "responses" | "embeddings"
     prompt_tokens: int
@@ -51,6 +56,15 @@ class UsageRecord:
 
 
 class Gateway(Protocol):
+    # The gateway's database, where the model registry lives too; None: a gateway without one.
+    sessions: sessionmaker[Session] | None
+
+    async def astart(self) -> None:
+        """Runs before the app serves its first request."""
+
+    async def astop(self) -> None:
+        """Runs once the app has stopped serving: flush what is queued."""
+
     async def authenticate(self, request: Request) -> Principal:
         """Raise OpenAIError (401) to refuse."""
 
@@ -63,21 +77,24 @@ class Gateway(Protocol):
         """Runs on the event loop: queue the row, never block."""
 
 
-def bearer_token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 class SingleKeyGateway:
     """One shared key from TOKENMILL_API_KEY; no key configured means no auth. Meters nothing."""
+
+    sessions = None
 
     def __init__(self, api_key: str | None) -> None:
         self.api_key = api_key
 
+    async def astart(self) -> None:
+        pass
+
+    async def astop(self) -> None:
+        pass
+
     async def authenticate(self, request: Request) -> Principal:
         if self.api_key is None:
             return Principal()
-        token = bearer_token(request)
+        token = bearer_token(request.headers.get("authorization"))
         if token is None or not hmac.compare_digest(token.encode(), self.api_key.encode()):
             raise invalid_api_key()
         return Principal()
@@ -88,11 +105,3 @@ class SingleKeyGateway:
 
     def request_finished(self, record: UsageRecord) -> None:
         pass
-
-
-def provision_admin_key(settings: Settings) -> str | None:
-    """Gateway hook for `tokenmill serve`: create the admin key on first start and return it (printed
-    once); return None when it already exists."""
-    from app.gateway.wiring import provision_admin_key as provision
-
-    return provision(settings)

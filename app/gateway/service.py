@@ -1,6 +1,7 @@
-"""The Gateway: one object per process holding the store, the key cache, the limiter, the budget
-tracker and the usage writer. It implements app.gateway.contract.Gateway (authenticate, admit,
-request_finished); install_gateway() adds its routers and starts / stops it with the app."""
+"""TeamGateway: teams, keys, limits, budgets and usage in a database; one object per process holding
+the store, the key cache, the limiter, the budget tracker and the usage writer. It implements
+app.gateway.contract.Gateway (authenticate, admit, request_finished, astart / astop); app.main adds
+its admin API and dashboard when create_app is given one."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from app.db import make_engine, migrate, session_factory
 from app.errors import OpenAIError, invalid_api_key, model_not_found
 from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_admin_identity
-from app.gateway.auth import FailedAuthLimiter, KeyCache, Principal
+from app.gateway.auth import FailedAuthLimiter, KeyCache, KeyPrincipal
 from app.gateway.budget import BudgetTracker
 from app.gateway.config import GatewayConfig
 from app.gateway.headers import offer_headers
@@ -35,7 +36,7 @@ def naive_utc(unix: float) -> datetime:
     return datetime.fromtimestamp(unix, timezone.utc).replace(tzinfo=None)
 
 
-class Gateway:
+class TeamGateway:
     def __init__(self, config: GatewayConfig, *, clock: Callable[[], float] = time.time,
                  announce: TextIO | None = None) -> None:
         self.config = config
@@ -88,16 +89,9 @@ class Gateway:
         await self.limiter.close()
         self.engine.dispose()
 
-    def install(self, app) -> None:  # noqa: ANN001
-        """Routers, headers middleware, start / stop with the app's lifespan; once per app."""
-        from app.gateway.wiring import install_gateway
-
-        if getattr(app.state, "gateway", None) is not self:
-            install_gateway(app, self)
-
     # the hooks the /v1 routes call (app.gateway.contract.Gateway)
 
-    async def authenticate(self, request: Request) -> Principal:
+    async def authenticate(self, request: Request) -> KeyPrincipal:
         token = bearer_token(request.headers.get("authorization"))
         if not token:
             raise self.auth_failure(request, None, OpenAIError(
@@ -131,11 +125,11 @@ class Gateway:
                            f"Try again in {math.ceil(wait)}s.", type="requests", code="too_many_auth_failures",
                            headers={"Retry-After": str(max(math.ceil(wait), 1))})
 
-    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int,
+    async def admit(self, principal: KeyPrincipal, *, model: str, prompt_tokens: int,
                     max_tokens: int | None) -> dict[str, str]:
         """Model access, then budget, then rate limits. A refusal raises in OpenAI's shape and is
         metered as a row of its own (status forbidden / over_budget / rate_limited)."""
-        if not isinstance(principal, Principal):
+        if not isinstance(principal, KeyPrincipal):
             return {}
         if not principal.allows(model):
             self._refused(principal, model, FORBIDDEN)
@@ -201,7 +195,7 @@ class Gateway:
         principal = self.keys.by_key_id.get(record.key_id)
         return principal.rate_scopes if principal is not None else ()
 
-    def _refused(self, principal: Principal, model: str, status: str) -> None:
+    def _refused(self, principal: KeyPrincipal, model: str, status: str) -> None:
         self._queue(UsageEvent(
             created_at=naive_utc(self.clock()), team_id=principal.team_id, key_id=principal.key_id, model=model,
             prompt_tokens=0, cached_tokens=0, completion_tokens=0, latency_ms=0, ttft_ms=None, status=status,

@@ -1,38 +1,14 @@
-"""Puts the gateway into a FastAPI app: app.state.gateway, the admin and team routers, the
-x-ratelimit-* headers middleware, and start / stop around the app's lifespan (stop flushes usage)."""
+"""The gateway from the app's Settings, and the database steps `tokenmill serve` takes before it starts
+serving (migrations, the --api-key, the admin key)."""
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
-
-from app.errors import invalid_request
-from app.lifespan import around_lifespan
-
-from app.api import admin, usage
-from app.gateway.headers import RateLimitHeadersMiddleware
-from app.gateway.service import Gateway
+from app.gateway.service import TeamGateway
 
 
-async def _out_of_range(request: Request, error: Exception) -> JSONResponse:
-    """An id or limit beyond what the database stores (SQLite: int64) is the caller's error, not ours."""
-    return invalid_request("A number in the request is out of range.", code="out_of_range").response()
-
-
-def install_gateway(app: FastAPI, gateway: Gateway) -> None:
-    app.state.gateway = gateway
-    app.add_exception_handler(OverflowError, _out_of_range)
-    app.add_exception_handler(DataError, _out_of_range)
-    app.include_router(admin.router)
-    app.include_router(usage.router)
-    app.add_middleware(RateLimitHeadersMiddleware)
-    around_lifespan(app, gateway.astart, gateway.astop)
-
-
-def gateway_from_settings(settings) -> Gateway:  # noqa: ANN001 - app.settings.Settings
+def gateway_from_settings(settings) -> TeamGateway:  # noqa: ANN001 - app.settings.Settings
     from app.gateway.config import GatewayConfig
 
-    return Gateway(GatewayConfig.from_settings(settings))
+    return TeamGateway(GatewayConfig.from_settings(settings))
 
 
 def provision_configured_key(settings) -> str | None:  # noqa: ANN001

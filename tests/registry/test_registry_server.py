@@ -16,7 +16,7 @@ import pytest
 
 from app.cli.main import main as tokenmill
 from app.gateway.config import GatewayConfig
-from app.gateway.service import Gateway
+from app.gateway.service import TeamGateway
 from app.main import create_app
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
@@ -41,7 +41,7 @@ def resident_mb() -> float:
 
 
 class Server:
-    def __init__(self, url: str, app, gateway: Gateway) -> None:
+    def __init__(self, url: str, app, gateway: TeamGateway) -> None:
         self.url, self.app, self.gateway = url, app, gateway
 
     @property
@@ -72,7 +72,7 @@ class Server:
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     folder = tmp_path_factory.mktemp("registry-server")
-    gateway = Gateway(GatewayConfig(database_url=f"sqlite:///{folder / 'tokenmill.db'}", admin_key=ADMIN_KEY,
+    gateway = TeamGateway(GatewayConfig(database_url=f"sqlite:///{folder / 'tokenmill.db'}", admin_key=ADMIN_KEY,
                                     spill_dir=str(folder), usage_flush_interval_s=0.05))
     config = EngineConfig(dtype="float32", num_kv_blocks=128, data_dir=str(MODEL_CACHE))
     engine = AsyncEngine.start(config, smollm2)
@@ -265,7 +265,7 @@ def test_an_embedding_model_is_registered_loaded_and_served(server):
 
 
 def test_with_load_on_demand_a_request_loads_the_model_it_names(tiny_llama_dir, tmp_path):
-    gateway = Gateway(GatewayConfig(database_url=f"sqlite:///{tmp_path / 'tokenmill.db'}", admin_key=ADMIN_KEY,
+    gateway = TeamGateway(GatewayConfig(database_url=f"sqlite:///{tmp_path / 'tokenmill.db'}", admin_key=ADMIN_KEY,
                                     spill_dir=str(tmp_path), usage_flush_interval_s=0.05))
     config = EngineConfig(dtype="float32", num_kv_blocks=32, data_dir=str(MODEL_CACHE))
     app = create_app(Settings(port=0, engine=config, load_on_demand=True), gateway=gateway)  # no model loaded

@@ -65,11 +65,11 @@ def shown_key(html: str) -> str:
 
 def make_dashboard_gateway(tmp_path, **overrides):  # noqa: ANN001, ANN003, ANN201
     from app.gateway.config import GatewayConfig
-    from app.gateway.service import Gateway
+    from app.gateway.service import TeamGateway
 
     values = {"database_url": f"sqlite:///{tmp_path / 'dashboard.db'}", "admin_key": ADMIN_KEY,
               "spill_dir": str(tmp_path / "spill"), "usage_flush_interval_s": 0.05, **overrides}
-    return Gateway(GatewayConfig(**values), clock=time.time)
+    return TeamGateway(GatewayConfig(**values), clock=time.time)
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -195,9 +195,7 @@ def build_app(gateway, engine=None, **settings_values):  # noqa: ANN001
     from app.main import create_app
     from app.settings import Settings
 
-    app = create_app(Settings(**settings_values), engine or FakeEngine(), gateway=gateway)
-    gateway.install(app)
-    return app
+    return create_app(Settings(**settings_values), engine or FakeEngine(), gateway=gateway)
 
 
 # ---- uvicorn in a thread ----
@@ -238,14 +236,14 @@ ADMIN_KEY = "sk-admin-test-" + "x" * 24
 def make_gateway(database_url, tmp_path):
     """Gateway factory on the test's database; every gateway is stopped (flushed) at the end."""
     from app.gateway.config import GatewayConfig
-    from app.gateway.service import Gateway
+    from app.gateway.service import TeamGateway
 
     made = []
 
     def make(*, clock=None, start: bool = True, **overrides):  # noqa: ANN001, ANN202
         values = {"database_url": database_url, "admin_key": ADMIN_KEY, "spill_dir": str(tmp_path / "spill"),
                   "usage_flush_interval_s": 0.05, **overrides}
-        gateway = Gateway(GatewayConfig(**values), clock=clock or time.time)
+        gateway = TeamGateway(GatewayConfig(**values), clock=clock or time.time)
         made.append(gateway)
         if start:
             gateway.start()

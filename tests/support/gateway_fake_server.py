@@ -2,7 +2,7 @@
 
     python -m tests.support.gateway_fake_server PORT [TOKEN_DELAY_S] [GRACEFUL_SHUTDOWN_S]
 
-Gateway settings from the environment (TOKENMILL_DATABASE_URL, TOKENMILL_ADMIN_KEY, ...).
+TeamGateway settings from the environment (TOKENMILL_DATABASE_URL, TOKENMILL_ADMIN_KEY, ...).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import uvicorn
 
 from app.gateway.config import GatewayConfig
-from app.gateway.service import Gateway
+from app.gateway.service import TeamGateway
 from app.main import create_app
 from app.settings import Settings
 from tests.support.gateway import FakeEngine
@@ -21,7 +21,7 @@ def main() -> None:
     port = int(sys.argv[1])
     delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     grace = float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
-    app = create_app(Settings(), FakeEngine(token_delay_s=delay), gateway=Gateway(GatewayConfig.from_env()))
+    app = create_app(Settings(), FakeEngine(token_delay_s=delay), gateway=TeamGateway(GatewayConfig.from_env()))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=grace,
                 proxy_headers=False)  # as `tokenmill serve` runs it
 

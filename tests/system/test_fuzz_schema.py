@@ -10,7 +10,7 @@ from schemathesis.checks import not_a_server_error
 
 from app.gateway import crud
 from app.gateway.config import GatewayConfig
-from app.gateway.service import Gateway
+from app.gateway.service import TeamGateway
 from tests.support.gateway import admin_headers, bearer, build_app, serve_in_thread
 
 EXAMPLES = 30
@@ -18,7 +18,7 @@ EXAMPLES = 30
 
 def our_schema() -> dict:
     """The schema doesn't depend on the database: read it from an app whose gateway is never started."""
-    return build_app(Gateway(GatewayConfig(database_url="sqlite://"))).openapi()
+    return build_app(TeamGateway(GatewayConfig(database_url="sqlite://"))).openapi()
 
 
 schema = schemathesis.openapi.from_dict(our_schema()).include(path_regex=r"^/(v1|admin/api)/")

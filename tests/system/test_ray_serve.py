@@ -67,7 +67,7 @@ def clear_redis(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):  # noqa: F811
-    from app.gateway.contract import provision_admin_key
+    from app.gateway.wiring import provision_admin_key
     from app.settings import Settings
     from engine.config import EngineConfig
 

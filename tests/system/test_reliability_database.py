@@ -32,10 +32,10 @@ class Outage:
 
 def test_an_outage_longer_than_the_caches_keeps_known_keys_served_and_loses_no_row(pg_session_url, tmp_path):
     from app.gateway.config import GatewayConfig
-    from app.gateway.service import Gateway
+    from app.gateway.service import TeamGateway
 
     reset_pg(pg_session_url)
-    gateway = Gateway(GatewayConfig(database_url=pg_session_url, admin_key=ADMIN_KEY, spill_dir=str(tmp_path),
+    gateway = TeamGateway(GatewayConfig(database_url=pg_session_url, admin_key=ADMIN_KEY, spill_dir=str(tmp_path),
                                     usage_flush_interval_s=0.05, key_cache_ttl_s=CACHE_TTL_S,
                                     budget_cache_ttl_s=CACHE_TTL_S))
     outage = Outage(pg_session_url)

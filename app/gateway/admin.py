@@ -1,0 +1,112 @@
+"""What an admin does to teams and keys, for both the admin API (app.api.admin) and the dashboard's
+forms (app.dashboard): one transaction each, and the gateway's key cache told what changed."""
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from app.errors import OpenAIError
+from app.gateway import crud
+from app.gateway.schemas import KeyCreate, KeyCreated, KeyUpdate, KeyView, TeamCreate, TeamUpdate, TeamView
+from app.gateway.service import TeamGateway
+
+
+def not_found(what: str, ident: int) -> OpenAIError:
+    return OpenAIError(404, f"No {what} with id {ident}.", code="not_found")
+
+
+def _commit(session: Session) -> None:
+    try:
+        session.commit()
+    except Exception:
+        session.rollback()
+        raise
+
+
+def _changes(body) -> dict:  # noqa: ANN001
+    return body.model_dump(exclude_unset=True)
+
+
+def _conflict(error: crud.Conflict) -> OpenAIError:
+    return OpenAIError(409, str(error), code="conflict")
+
+
+# teams
+
+def create_team(body: TeamCreate, session: Session) -> TeamView:
+    try:
+        team = crud.create_team(session, **_changes(body))
+    except crud.Conflict as error:
+        raise _conflict(error) from None
+    _commit(session)
+    return TeamView.of(team)
+
+
+def get_team(team_id: int, session: Session) -> TeamView:
+    team = crud.get_team(session, team_id=team_id)
+    if team is None:
+        raise not_found("team", team_id)
+    return TeamView.of(team)
+
+
+def update_team(team_id: int, body: TeamUpdate, session: Session, gateway: TeamGateway) -> TeamView:
+    team = crud.get_team(session, team_id=team_id)
+    if team is None:
+        raise not_found("team", team_id)
+    try:
+        crud.update_team(session, team=team, **_changes(body))
+    except crud.Conflict as error:
+        raise _conflict(error) from None
+    _commit(session)
+    gateway.forget_keys()
+    return TeamView.of(team)
+
+
+def delete_team(team_id: int, session: Session, gateway: TeamGateway) -> dict:
+    team = crud.get_team(session, team_id=team_id)
+    if team is None:
+        raise not_found("team", team_id)
+    revoked = crud.delete_team(session, team=team)
+    _commit(session)
+    gateway.forget_keys(revoked)
+    gateway.forget_keys()
+    return {"id": team_id, "object": "team", "deleted": True, "keys_revoked": len(revoked)}
+
+
+# keys
+
+def create_key(body: KeyCreate, session: Session) -> KeyCreated:
+    fields = _changes(body)
+    team = crud.get_team(session, team_id=fields.pop("team_id"))
+    if team is None:
+        raise OpenAIError(404, f"No team with id {body.team_id}.", param="team_id", code="not_found")
+    key, plaintext = crud.create_key(session, team=team, **fields)
+    _commit(session)
+    return KeyCreated(**KeyView.of(key).model_dump(), key=plaintext)
+
+
+def get_key(key_id: int, session: Session) -> KeyView:
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    return KeyView.of(key)
+
+
+def update_key(key_id: int, body: KeyUpdate, session: Session, gateway: TeamGateway) -> KeyView:
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    crud.update_key(session, key=key, **_changes(body))
+    _commit(session)
+    gateway.forget_keys([key.key_hash])
+    return KeyView.of(key)
+
+
+def revoke_key(key_id: int, session: Session, gateway: TeamGateway) -> KeyView:
+    """Revokes the key (rows keep pointing at it; it answers 401 from now on)."""
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    crud.revoke_key(session, key=key)
+    _commit(session)
+    gateway.forget_keys([key.key_hash])
+    return KeyView.of(key)
