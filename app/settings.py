@@ -44,6 +44,8 @@ class Settings:
     # Which prefix-cache blocks a request may reuse: "team" (its team's, or its team's cache group's) or
     # "global" (anyone's: faster for shared prompts, but one team can time what another's prompts begin with).
     prefix_cache_scope: Literal["team", "global"] = "team"
+    # Clients that never send a temperature (Codex CLI) sample at OpenAI's 1.0 unless this says otherwise.
+    default_temperature: float | None = None
     response_retention_days: float = 30.0  # stored responses (Responses API, store=true) are deleted after this
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -58,6 +60,8 @@ class Settings:
             raise SettingsError("hardware_cost_per_hour must be a finite number, not negative")
         if self.prefix_cache_scope not in ("team", "global"):
             raise SettingsError("prefix_cache_scope must be 'team' or 'global'")
+        if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
+            raise SettingsError("default_temperature must be between 0 and 2")
         if not 0 < self.response_retention_days < math.inf:
             raise SettingsError("response_retention_days must be a positive, finite number")
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -140,6 +144,8 @@ OPTIONS: tuple[Option, ...] = (
            "serve /docs and /openapi.json to anyone (Swagger UI loads from a CDN; default: off)", switch=True),
     Option("--min-replicas", "min_replicas", int, "fewest replicas Ray Serve keeps (deploy/ray_serve.py)"),
     Option("--max-replicas", "max_replicas", int, "most replicas Ray Serve scales to (deploy/ray_serve.py)"),
+    Option("--default-temperature", "default_temperature", float,
+           "temperature for requests that set none (default: 1.0, as OpenAI's)"),
     Option("--response-retention-days", "response_retention_days", float,
            "how long stored responses (Responses API) are kept before they are pruned"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),

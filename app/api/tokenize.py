@@ -54,7 +54,8 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
     async def handle(context: ModelContext):
         tokenizer = context.engine.tokenizer
         if body.messages is not None:
-            chat = {"model": body.model, "messages": body.messages, "tools": body.tools, "tool_choice": body.tool_choice}
+            chat = {"model": body.model, "messages": body.messages, "tools": body.tools,
+                    "tool_choice": body.tool_choice}
             chat_body = ChatCompletionRequest.model_validate({key: value for key, value in chat.items()
                                                               if value is not None})
             _, ids = await run_in_threadpool(prepare_chat, tokenizer, chat_body)

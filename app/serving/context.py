@@ -101,7 +101,8 @@ class ModelContext:
     def token_budget(self) -> TokenBudget:
         """A default max_tokens must fit the context and the KV pool, or the engine refuses it."""
         pool_tokens = self.engine.stats().kv_blocks_total * self.engine.config.block_size
-        return TokenBudget(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap)
+        return TokenBudget(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap,
+                           self.settings.default_temperature)
 
     def access_name(self, principal: Principal, requested: str) -> str:
         """What the gateway checks access against: the name the caller used if its key lists it (an

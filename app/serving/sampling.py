@@ -14,6 +14,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
 class TokenBudget:
     max_model_len: int
     max_tokens_cap: int
+    default_temperature: float | None = None  # for a request that sets none (--default-temperature)
 
 
 def chat_sampling_params(body: ChatCompletionRequest, prompt_len: int, budget: TokenBudget) -> SamplingParams:
@@ -49,7 +50,8 @@ def _sampling_params(body: SamplingFields, prompt_len: int, budget: TokenBudget,
     if any(token < 0 for token in logit_bias):  # a negative id would index the vocabulary from its end
         raise invalid_request("logit_bias keys must be non-negative token ids.", param="logit_bias")
     fields = dict(
-        n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        n=body.n, max_tokens=max_tokens,
+        temperature=body.temperature if body.temperature is not None else budget.default_temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logit_bias=logit_bias, seed=body.seed, stop=body.stop,
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,

@@ -18,6 +18,8 @@ class ResponseHeader:
     model: str
     body: ResponsesRequest
     tools: list[dict[str, Any]]  # as run: function tools with `strict` resolved
+    temperature: float = 1.0  # as run: the request's, else the server's default
+    top_p: float = 1.0
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, *, error: dict | None = None,
@@ -33,10 +35,10 @@ class ResponseHeader:
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": reasoning_echo(body.reasoning),
             "service_tier": "default", "store": body.stores,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "temperature": self.temperature,
             "text": {"format": body.text_format, "verbosity": "medium"},
             "tool_choice": body.tool_choice or "auto", "tools": self.tools,
-            "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": body.truncation or "disabled",
+            "top_p": self.top_p, "truncation": body.truncation or "disabled",
             "usage": usage if finished else None, "user": body.user, "metadata": body.metadata or {},
             "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
         }
