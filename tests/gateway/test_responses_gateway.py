@@ -104,7 +104,7 @@ def test_expired_responses_are_pruned(database_url):
 class FailingEngine(FakeEngine):
     """Writes two tokens, then its step fails."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params):  # noqa: ANN001
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):  # noqa: ANN001
         yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
         yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
         raise RuntimeError("the engine step failed")
