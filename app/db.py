@@ -5,7 +5,6 @@ Python API, so `tokenmill serve` brings an empty database to head without an ale
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,10 +15,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 PG_MIGRATION_LOCK = 0x746F6B6D  # "tokm": one replica migrates at a time
-
-
-def default_database_url(data_dir: str | os.PathLike) -> str:
-    return f"sqlite:///{Path(data_dir).expanduser().resolve() / 'tokenmill.db'}"
 
 
 def normalize_url(url: str) -> str:

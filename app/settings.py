@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from engine.config import EngineConfig
+
+
+def default_database_url(data_dir: str | os.PathLike[str]) -> str:
+    """The database when none is configured: a SQLite file in the data folder."""
+    return f"sqlite:///{Path(data_dir) / 'tokenmill.db'}"
 
 
 class SettingsError(ValueError):
@@ -47,6 +54,13 @@ class Settings:
     # Clients that never send a temperature (Codex CLI) sample at OpenAI's 1.0 unless this says otherwise.
     default_temperature: float | None = None
     response_retention_days: float = 30.0  # stored responses (Responses API, store=true) are deleted after this
+    # The gateway's knobs (app.gateway.config.GatewayConfig.from_settings takes them from here).
+    model_prices: str = ""  # JSON, USD per 1M tokens per model for models the registry has no price for
+    rate_window_s: float = 60.0  # rpm / tpm window
+    key_cache_ttl_s: float = 5.0  # how stale a replica may see a key changed elsewhere
+    usage_flush_interval_s: float = 0.5
+    auth_failures_per_minute: int = 10  # per client address and key prefix, then 429; 0: no limit
+    instance_id: str | None = None  # this replica's name on its usage rows (a Ray Serve replica id, a pod name)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -64,6 +78,13 @@ class Settings:
             raise SettingsError("default_temperature must be between 0 and 2")
         if not 0 < self.response_retention_days < math.inf:
             raise SettingsError("response_retention_days must be a positive, finite number")
+        if self.rate_window_s <= 0 or self.usage_flush_interval_s <= 0 or self.key_cache_ttl_s < 0:
+            raise SettingsError("rate_window_s and usage_flush_interval_s must be positive, key_cache_ttl_s not negative")
+        if self.model_prices:
+            try:
+                json.loads(self.model_prices)
+            except ValueError:
+                raise SettingsError("model_prices must be JSON, e.g. {\"my-model\": [0.15, 0.075, 0.6]}") from None
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise SettingsError("replicas: need 1 <= min_replicas <= max_replicas")
         for entry in filter(None, (part.strip() for part in self.forwarded_allow_ips.split(","))):
@@ -73,8 +94,7 @@ class Settings:
                 except ValueError:
                     raise SettingsError(f"forwarded_allow_ips: {entry!r} is not an IP address or network") from None
         if not self.database_url:
-            sqlite_path = Path(self.data_dir) / "tokenmill.db"
-            object.__setattr__(self, "database_url", f"sqlite:///{sqlite_path}")
+            object.__setattr__(self, "database_url", default_database_url(self.data_dir))
 
     @property
     def response_retention_s(self) -> float:
@@ -146,6 +166,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("--max-replicas", "max_replicas", int, "most replicas Ray Serve scales to (deploy/ray_serve.py)"),
     Option("--default-temperature", "default_temperature", float,
            "temperature for requests that set none (default: 1.0, as OpenAI's)"),
+    Option("--model-prices", "model_prices", str, 'USD per 1M tokens for models the registry prices not: JSON, '
+           '{"model": {"input": 0.15, "cached_input": 0.075, "output": 0.6}}, "*" for any other model'),
+    Option("--rate-window-s", "rate_window_s", float, "the window of rpm / tpm limits, in seconds"),
+    Option("--key-cache-ttl-s", "key_cache_ttl_s", float, "how long a key's limits are cached (a change made on "
+           "another replica shows up after this)"),
+    Option("--usage-flush-interval-s", "usage_flush_interval_s", float, "how often queued usage rows are written"),
+    Option("--auth-failures-per-minute", "auth_failures_per_minute", int,
+           "failed authentications per client address and key prefix before 429 (0: no limit)"),
+    Option("--instance-id", "instance_id", str, "this replica's name on its usage rows (Ray Serve sets it per "
+           "replica; in Kubernetes, the pod name)"),
     Option("--response-retention-days", "response_retention_days", float,
            "how long stored responses (Responses API) are kept before they are pruned"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
@@ -176,6 +206,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("--enforce-eager", "enforce_eager", parse_bool, "no CUDA-graph replay of decode steps", engine=True,
            switch=True),
 )
+
+
+# Variables read where they are used, not through Settings, and why: the kernels are built and loaded
+# (also by deploy/bundle.py, with no server and no Settings) on the first call into kernels/, far below
+# where Settings reach; the memory check's switch is for tests and for an operator who knows better than the
+# estimate. `tokenmill serve --help` lists them after the flags.
+ENVIRONMENT_ONLY: dict[str, str] = {
+    "TOKENMILL_NATIVE_KERNELS": "0 turns the compiled CPU kernels off (the torch paths run)",
+    "TOKENMILL_KERNEL_CACHE": "where compiled kernels are cached (default ~/.cache/tokenmill/kernels)",
+    "TOKENMILL_PREBUILT_KERNELS": "a folder of prebuilt kernels (default: kernels/prebuilt in the package)",
+    "TOKENMILL_SKIP_MEMORY_CHECK": "1 loads a model even where the memory estimate says it won't fit",
+}
+
+
+def environment_only_help() -> str:
+    return "environment only:\n" + "\n".join(f"  {name}  {text}" for name, text in ENVIRONMENT_ONLY.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

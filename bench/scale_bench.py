@@ -183,7 +183,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from app.gateway.wiring import provision_admin_key
+    from app.gateway.wiring import prepare_store
     from app.scaleout.ray_serve import build_application
     from app.settings import Settings
     from engine.config import EngineConfig
@@ -194,7 +194,7 @@ def main() -> int:
         min_replicas=args.replicas, max_replicas=args.replicas,
         engine=EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                             num_threads=args.threads, max_num_seqs=max(args.concurrency, 2), data_dir=args.data_dir))
-    provision_admin_key(settings)
+    prepare_store(settings)
     chats = workload(args.tenants, args.chats_per_tenant, args.system_words)
     base_url = f"http://127.0.0.1:{args.port}"
     runs: dict[str, dict] = {}

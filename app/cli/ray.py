@@ -15,9 +15,12 @@ import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.gateway.wiring import PreparedStore
 
 
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +38,9 @@ def apply_replica_count(args: argparse.Namespace) -> None:
         args.min_replicas = args.max_replicas = args.replicas
 
 
-def serve_on_ray(settings: Settings, args: argparse.Namespace) -> int:
+def serve_on_ray(settings: Settings, args: argparse.Namespace, store: PreparedStore) -> int:
+    """`store`: the database was migrated once, by `tokenmill serve` (app.gateway.wiring.prepare_store); the
+    replicas don't migrate."""
     try:
         import ray
         from ray import serve
@@ -44,14 +49,10 @@ def serve_on_ray(settings: Settings, args: argparse.Namespace) -> int:
         return 2
 
     from app.gateway.admin_identity import deliver_admin_key
-    from app.gateway.wiring import provision_admin_key
     from app.scaleout.ray_serve import build_application, drain_and_shutdown
 
-    # Migrate once here, not in N replicas at the same time; create the admin key on first start.
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
-    created = None if settings.admin_key else provision_admin_key(settings)
-    if created:
-        deliver_admin_key(created, settings.data_dir)
+    if store.created_admin_key:
+        deliver_admin_key(store.created_admin_key, settings.data_dir)
 
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from app.settings import Settings, SettingsError, add_arguments, settings_from
+from app.settings import Settings, SettingsError, add_arguments, environment_only_help, settings_from
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
@@ -19,29 +19,27 @@ def load_settings(args: argparse.Namespace) -> Settings:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.gateway.wiring import provision_configured_key
-    from app.gateway.admin_identity import deliver_admin_key
-    from app.gateway.wiring import provision_admin_key
     from app.cli.ray import apply_replica_count, serve_on_ray
+    from app.gateway.admin_identity import deliver_admin_key
+    from app.gateway.wiring import prepare_store
     from app.scaleout.replica_app import build_server
 
     apply_replica_count(args)
     settings = load_settings(args)
     try:
-        configured = provision_configured_key(settings)  # before the model loads: a bad key fails fast
+        store = prepare_store(settings)  # the one migration of this start; before the model loads: a bad key fails fast
     except ValueError as error:
         print(f"tokenmill: {error}", file=sys.stderr)
         return 2
-    if configured:
-        print(f"tokenmill: {configured}", flush=True)
+    if store.configured_key:
+        print(f"tokenmill: {store.configured_key}", flush=True)
     if args.ray:
-        return serve_on_ray(settings, args)
-    app, engine = build_server(settings)
+        return serve_on_ray(settings, args, store)
+    app, engine = build_server(settings, migrated=True)
     try:
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
-        created = None if settings.admin_key else provision_admin_key(settings)
-        if created:
-            deliver_admin_key(created, settings.data_dir)
+        if store.created_admin_key:
+            deliver_admin_key(store.created_admin_key, settings.data_dir)
         # proxy_headers=False: uvicorn would believe X-Forwarded-For from 127.0.0.1; the app itself trusts
         # only --forwarded-allow-ips.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
@@ -53,6 +51,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser)
+    parser.epilog = environment_only_help()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     from app.cli.ray import add_ray_arguments
 

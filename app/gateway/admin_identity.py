@@ -50,13 +50,18 @@ CONFIGURED_KEY_NAME = "--api-key"
 MIN_CONFIGURED_KEY_CHARS = 16
 
 
+def check_configured_key(key: str) -> None:
+    """A --api-key that is short or looks like an admin key is refused (ValueError) before anything runs."""
+    if len(key) < MIN_CONFIGURED_KEY_CHARS or key.startswith(ADMIN_KEY_PREFIX):
+        raise ValueError(f"--api-key must be at least {MIN_CONFIGURED_KEY_CHARS} characters and not an admin key "
+                         f"({ADMIN_KEY_PREFIX}...); `tokenmill keys create` makes a strong one")
+
+
 def ensure_configured_key(sessions: sessionmaker[Session], key: str) -> str:
     """`tokenmill serve --api-key KEY`: KEY becomes a key of team "default" (both made on first start,
     stored hashed like every other key), so clients configured with it work and are metered. A key an
     admin revoked stays revoked. Returns what happened, for the start-up line."""
-    if len(key) < MIN_CONFIGURED_KEY_CHARS or key.startswith(ADMIN_KEY_PREFIX):
-        raise ValueError(f"--api-key must be at least {MIN_CONFIGURED_KEY_CHARS} characters and not an admin key "
-                         f"({ADMIN_KEY_PREFIX}...); `tokenmill keys create` makes a strong one")
+    check_configured_key(key)
     with sessions() as session:
         found = find_key(session, key_hash=hash_key(key))
         if found is not None:

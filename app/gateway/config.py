@@ -1,17 +1,16 @@
-"""Gateway settings, read once at the edge and passed down frozen.
+"""The gateway's settings, taken from the app's Settings and passed down frozen.
 
-Until a model registry exists, prices come from here: USD per 1M input / cached input / output
-tokens per model name, "*" for any model not listed, 0 otherwise.
+Prices: the registry's price sheet of a model wins; for a model without one, USD per 1M input / cached
+input / output tokens from --model-prices, "*" for any model not listed, 0 otherwise.
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from app.db import default_database_url
+from app.settings import Settings, default_database_url
 
 
 @dataclass(frozen=True)
@@ -64,6 +63,7 @@ class GatewayConfig:
     spill_dir: str = ".tokenmill"  # where rows go if the DB is still down at shutdown
     auth_failures_per_minute: int = 10  # per client address, then 429 until the minute is over; 0: no limit
     instance_id: str | None = None  # this replica's name on its usage rows (Ray Serve replica id, pod name)
+    run_migrations: bool = True  # False where the caller migrated already (tokenmill serve, Ray replicas)
 
     def __post_init__(self) -> None:
         if self.rate_window_s <= 0:
@@ -75,42 +75,13 @@ class GatewayConfig:
         return self.prices.get(model) or self.prices.get("*") or FREE
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:
-        env = os.environ if env is None else env
-        data_dir = env.get("TOKENMILL_DATA_DIR", ".tokenmill")
+    def from_settings(cls, settings: Settings, **overrides: Any) -> GatewayConfig:
+        """The gateway's part of the app's Settings (flags and TOKENMILL_* variables, read once there)."""
         values: dict[str, Any] = {
-            "database_url": env.get("TOKENMILL_DATABASE_URL") or default_database_url(data_dir),
-            "redis_url": env.get("TOKENMILL_REDIS_URL") or None,
-            "admin_key": env.get("TOKENMILL_ADMIN_KEY") or None,
-            "prices": parse_prices(env.get("TOKENMILL_MODEL_PRICES")),
-            "spill_dir": data_dir,
-            "instance_id": env.get("TOKENMILL_INSTANCE_ID") or None,
+            "database_url": settings.database_url, "redis_url": settings.redis_url, "admin_key": settings.admin_key,
+            "prices": parse_prices(settings.model_prices), "rate_window_s": settings.rate_window_s,
+            "key_cache_ttl_s": settings.key_cache_ttl_s, "usage_flush_interval_s": settings.usage_flush_interval_s,
+            "auth_failures_per_minute": settings.auth_failures_per_minute, "instance_id": settings.instance_id,
+            "spill_dir": settings.data_dir,
         }
-        for name, kind in (("rate_window_s", float), ("key_cache_ttl_s", float),
-                           ("usage_flush_interval_s", float), ("auth_failures_per_minute", int)):
-            raw = env.get("TOKENMILL_" + name.upper())
-            if raw:
-                values[name] = kind(raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-    @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> GatewayConfig:
-        """Take what the app's Settings carries; everything else from the environment."""
-        values: dict[str, Any] = {}
-        data_dir = getattr(settings, "data_dir", None)
-        if data_dir:
-            values["spill_dir"] = str(data_dir)
-            values["database_url"] = default_database_url(data_dir)
-        for name in ("database_url", "redis_url", "admin_key"):
-            value = getattr(settings, name, None)
-            if value:
-                values[name] = value
-        prices = getattr(settings, "model_prices", None)
-        if prices:
-            values["prices"] = parse_prices(prices)
-        env_values = cls.from_env()
-        base = {name: getattr(env_values, name) for name in (
-            "prices", "rate_window_s", "key_cache_ttl_s", "usage_flush_interval_s", "auth_failures_per_minute",
-            "instance_id")}
-        return cls(**{**base, **values, **{k: v for k, v in overrides.items() if v is not None}})
+        return cls(**{**values, **overrides})

@@ -60,10 +60,10 @@ class TeamGateway:
 
     # lifecycle: blocking, so the async forms run them in a thread
 
-    def start(self, *, run_migrations: bool = True) -> None:
+    def start(self) -> None:
         if self.started:
             return
-        if run_migrations:
+        if self.config.run_migrations:
             migrate(self.engine)
         self.admin, created = ensure_admin_identity(self.sessions, configured_key=self.config.admin_key)
         if created is not None:

@@ -1,44 +1,41 @@
-"""The gateway from the app's Settings, and the database steps `tokenmill serve` takes before it starts
-serving (migrations, the --api-key, the admin key)."""
+"""The gateway from the app's Settings, and the database steps taken once before a server (or a set of Ray
+Serve replicas) starts: migrations, the --api-key, the admin key on first start."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.db import make_engine, migrate, session_factory
+from app.gateway.admin_identity import check_configured_key, ensure_admin_identity, ensure_configured_key
+from app.gateway.config import GatewayConfig
 from app.gateway.service import TeamGateway
+from app.settings import Settings
 
 
-def gateway_from_settings(settings) -> TeamGateway:  # noqa: ANN001 - app.settings.Settings
-    from app.gateway.config import GatewayConfig
+def gateway_from_settings(settings: Settings, *, migrated: bool = False) -> TeamGateway:
+    """migrated: prepare_store ran for this database already, so the gateway's start skips migrations."""
+    return TeamGateway(GatewayConfig.from_settings(settings, run_migrations=not migrated))
 
-    return TeamGateway(GatewayConfig.from_settings(settings))
+
+@dataclass(frozen=True)
+class PreparedStore:
+    configured_key: str | None  # what became of --api-key, for the start-up line; None without one
+    created_admin_key: str | None  # the admin key generated on this first start (to deliver once), else None
 
 
-def provision_configured_key(settings) -> str | None:  # noqa: ANN001
-    """For `tokenmill serve --api-key`: store that key (hashed) under team "default"; None without one."""
-    if not settings.api_key:
-        return None
-    from pathlib import Path
-
-    from app.db import make_engine, migrate, session_factory
-    from app.gateway.admin_identity import ensure_configured_key
-
+def prepare_store(settings: Settings) -> PreparedStore:
+    """Migrate once, store --api-key (hashed) under team "default", create the admin key on first start
+    (unless TOKENMILL_ADMIN_KEY names it). Raises ValueError for a --api-key too weak to use, before
+    anything is written."""
+    if settings.api_key:
+        check_configured_key(settings.api_key)
     Path(settings.data_dir).mkdir(parents=True, exist_ok=True)  # the SQLite default lives there
     engine = make_engine(settings.database_url)
     try:
         migrate(engine)
-        return ensure_configured_key(session_factory(engine), settings.api_key)
+        sessions = session_factory(engine)
+        configured = ensure_configured_key(sessions, settings.api_key) if settings.api_key else None
+        _, created = ensure_admin_identity(sessions, configured_key=settings.admin_key)
     finally:
         engine.dispose()
-
-
-def provision_admin_key(settings) -> str | None:  # noqa: ANN001
-    """For `tokenmill serve`: migrate, and create the admin key on first start. Returns the plaintext
-    once (the caller prints it), None when it exists already or TOKENMILL_ADMIN_KEY names it."""
-    from app.db import make_engine, migrate, session_factory
-    from app.gateway.admin_identity import ensure_admin_identity
-
-    engine = make_engine(settings.database_url)
-    try:
-        migrate(engine)
-        _, created = ensure_admin_identity(session_factory(engine), configured_key=settings.admin_key)
-    finally:
-        engine.dispose()
-    return created
+    return PreparedStore(configured, created)

@@ -10,6 +10,7 @@ Needs the `ray` extra (`pip install -e '.[ray]'`); `tokenmill serve --ray` (app/
 """
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import time
@@ -89,9 +90,11 @@ class TokenmillReplica:
         from app.scaleout.replica_app import build_server
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        os.environ["TOKENMILL_INSTANCE_ID"] = self.replica_id  # the gateway names its usage rows after it
+        # Its usage rows carry its name. The database was migrated once, before the replicas started
+        # (app.gateway.wiring.prepare_store): replicas don't migrate.
+        settings = dataclasses.replace(settings, instance_id=self.replica_id)
         # Loading the model blocks for seconds: off this replica's event loop.
-        self.app, self.engine = await asyncio.to_thread(build_server, settings)
+        self.app, self.engine = await asyncio.to_thread(build_server, settings, migrated=True)
         self.identity = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them
@@ -205,7 +208,8 @@ def drain_and_shutdown(app_name: str = "tokenmill", timeout_s: float = DRAIN_TIM
 
 
 def forwarded_env() -> dict[str, str]:
-    """Settings the replicas read from their environment (the gateway's TOKENMILL_* knobs among them)."""
+    """The environment the replicas inherit (torch threads, the hub libraries' offline switches); their
+    settings travel as the Settings object itself."""
     return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
 
 

@@ -67,7 +67,7 @@ def clear_redis(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):  # noqa: F811
-    from app.gateway.wiring import provision_admin_key
+    from app.gateway.wiring import prepare_store
     from app.settings import Settings
     from engine.config import EngineConfig
 
@@ -80,7 +80,7 @@ def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):  # noqa:
         admin_key=ADMIN_KEY, min_replicas=2, max_replicas=2,
         engine=EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny-llama", num_kv_blocks=64,
                             max_num_seqs=8, num_threads=1, data_dir=str(data_dir)))
-    provision_admin_key(settings)  # migrate once, before the replicas start
+    prepare_store(settings)  # migrate once, before the replicas start
     saved = {name: os.environ.get(name) for name in ("TOKENMILL_USAGE_FLUSH_INTERVAL_S",)}
     os.environ["TOKENMILL_USAGE_FLUSH_INTERVAL_S"] = "0.05"  # forwarded to the replicas
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

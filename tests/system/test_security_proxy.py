@@ -27,7 +27,7 @@ def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,  # noqa: ANN001, 
         monkeypatch.setenv("TOKENMILL_ADMIN_KEY", admin_key)
     else:
         monkeypatch.delenv("TOKENMILL_ADMIN_KEY", raising=False)
-    monkeypatch.setattr("app.scaleout.replica_app.build_server", lambda settings: (
+    monkeypatch.setattr("app.scaleout.replica_app.build_server", lambda settings, migrated=False: (
         create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)), engine))
     results = []
 
