@@ -50,9 +50,10 @@ async def chat_completion(request: Request, context: ModelContext, principal: Pr
                           body: ChatCompletionRequest):
     plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
     params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.token_budget))
-    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
-                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
+                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
+                                          sequences=params.n, request_id=request_id, price=context.price)
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="chat.completions")
     tracker.priority = body.priority or 0
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -69,7 +69,9 @@ async def completion(request: Request, context: ModelContext, principal: Princip
     prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
     headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
                                           prompt_tokens=sum(len(p.ids) for p in prompts),
-                                          max_tokens=prompts[0].params.max_tokens)
+                                          max_tokens=prompts[0].params.max_tokens,
+                                          sequences=prompts[0].params.n * len(prompts), request_id=request_id,
+                                          price=context.price)
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions")
     tracker.priority = body.priority or 0
     try:

@@ -66,10 +66,11 @@ async def run_response(request: Request, context: ModelContext, principal: Princ
     tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict resolved
     params = renamed_errors(lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids),
                                                                          context.token_budget)))
-    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
-                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens)
     header = ResponseHeader(id=new_item_id("resp"), model=context.model_name, body=body, tools=tools,
                             temperature=params.temperature, top_p=params.top_p)
+    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
+                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
+                                          sequences=params.n, request_id=header.id, price=context.price)
     tracker = RequestTracker(context, principal, request_id=header.id, endpoint="responses")
     try:
         check_fits(context, prompt_ids, params, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM)

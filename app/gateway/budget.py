@@ -58,6 +58,9 @@ class BudgetTracker:
         self._committed: dict[tuple[str, date], _Spend] = {}  # (scope, period start) -> committed spend
         self._pending: dict[str, dict[date, int]] = {}  # scope -> day -> nano USD queued, not committed
         self._generation = 0  # bumped per committed batch
+        # scope -> nano USD reserved by requests in flight in this process (the priced estimate of each,
+        # settled when it ends): concurrent requests can't together spend past the budget.
+        self._reserved: dict[str, int] = {}
         self.refreshes = RefreshRounds(self.refresh_due, "budget")
 
     def today(self) -> date:
@@ -93,11 +96,32 @@ class BudgetTracker:
             self.refreshes.soon()
         return False
 
-    def first_exhausted(self, scopes: Sequence[BudgetScope]) -> BudgetScope | None:
+    def first_exhausted(self, scopes: Sequence[BudgetScope], estimate_nano_usd: int = 0) -> BudgetScope | None:
+        """The first scope whose spend, plus what requests in flight reserved, plus `estimate_nano_usd`,
+        would pass its budget."""
         for scope in scopes:
-            if scope.max_budget_usd is not None and self.spent_nano_usd(scope) >= scope.max_budget_usd * NANO:
+            if scope.max_budget_usd is None:
+                continue
+            committed = self.spent_nano_usd(scope) + self._reserved.get(scope.name, 0)
+            limit = scope.max_budget_usd * NANO
+            if committed >= limit or committed + estimate_nano_usd > limit:
                 return scope
         return None
+
+    def reserve(self, scopes: Sequence[BudgetScope], nano_usd: int) -> None:
+        with self._lock:
+            for scope in scopes:
+                self._reserved[scope.name] = self._reserved.get(scope.name, 0) + nano_usd
+
+    def release(self, scopes: Sequence[BudgetScope], nano_usd: int) -> None:
+        """A reservation ends: the request's actual cost arrives through `queued`."""
+        with self._lock:
+            for scope in scopes:
+                left = self._reserved.get(scope.name, 0) - nano_usd
+                if left > 0:
+                    self._reserved[scope.name] = left
+                else:
+                    self._reserved.pop(scope.name, None)
 
     def _cached(self, scope: BudgetScope, start: date) -> int | None:
         entry = self._committed.get((scope.name, start))

@@ -68,10 +68,12 @@ class Gateway(Protocol):
     async def authenticate(self, request: Request) -> Principal:
         """Raise OpenAIError (401) to refuse."""
 
-    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int, max_tokens: int | None
+    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int, max_tokens: int | None,
+                    sequences: int = 1, request_id: str | None = None, price: ModelPrice | None = None
                     ) -> dict[str, str]:
         """Model access, rate limits, budget: raise OpenAIError (403, 429) to refuse. Returns headers for
-        the response (x-ratelimit-*)."""
+        the response (x-ratelimit-*). With `request_id`, what the request can cost (prompt_tokens +
+        max_tokens x sequences, and its price) is reserved until request_finished() reports that id."""
 
     def request_finished(self, record: UsageRecord) -> None:
         """Runs on the event loop: queue the row, never block."""
@@ -99,7 +101,8 @@ class SingleKeyGateway:
             raise invalid_api_key()
         return Principal()
 
-    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int, max_tokens: int | None
+    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int, max_tokens: int | None,
+                    sequences: int = 1, request_id: str | None = None, price: ModelPrice | None = None
                     ) -> dict[str, str]:
         return {}
 

@@ -43,6 +43,7 @@ class Decision:
     requests: Budget | None
     tokens: Budget | None
     retry_after_s: float = 0.0
+    window: int = -1  # the window its token reservation was counted in (settled there when it ends)
 
     def headers(self) -> dict[str, str]:
         out = {}
@@ -70,8 +71,11 @@ def format_duration(seconds: float) -> str:
 
 
 class Counters(Protocol):
-    async def acquire(self, window: int, ttl_s: float, scopes: Sequence[Scope]) -> tuple[int, list[tuple[int, int]]]:
-        """(0 admitted | 1 over requests | 2 over tokens, [(requests, tokens) per scope, this one included])."""
+    async def acquire(self, window: int, ttl_s: float, scopes: Sequence[Scope],
+                      reserve: int = 0) -> tuple[int, list[tuple[int, int]]]:
+        """(0 admitted | 1 over requests | 2 over tokens, [(requests, tokens) per scope, this one included]).
+
+        An admitted request's `reserve` tokens count at once, so requests in flight count against tpm."""
 
     async def add_tokens(self, window: int, ttl_s: float, amounts: Sequence[tuple[Scope, int]]) -> None:
         """Add each scope's tokens to its counter of `window`."""
@@ -79,10 +83,10 @@ class Counters(Protocol):
     async def close(self) -> None: ...
 
 
-def _over(scope: Scope, requests: int, tokens: int) -> int:
+def _over(scope: Scope, requests: int, tokens: int, reserve: int = 0) -> int:
     if scope.rpm is not None and requests >= scope.rpm:
         return 1
-    if scope.tpm is not None and tokens >= scope.tpm:
+    if scope.tpm is not None and (tokens >= scope.tpm or tokens + reserve > scope.tpm):
         return 2
     return 0
 
@@ -100,18 +104,21 @@ class InProcessCounters:
             self._window = window
         return self._counts.setdefault((name, window), [0, 0])
 
-    async def acquire(self, window, ttl_s, scopes):
+    async def acquire(self, window, ttl_s, scopes, reserve=0):
         slots = [self._slot(scope.name, window) for scope in scopes]
-        rejected = next((code for scope, (r, t) in zip(scopes, slots) if (code := _over(scope, r, t))), 0)
+        rejected = next((code for scope, (r, t) in zip(scopes, slots) if (code := _over(scope, r, t, reserve))), 0)
         if not rejected:
             for slot in slots:
                 slot[0] += 1
+                slot[1] += reserve
         return rejected, [(r, t) for r, t in slots]
 
     async def add_tokens(self, window, ttl_s, amounts):
         self.add_tokens_now(window, amounts)
 
     def add_tokens_now(self, window: int, amounts: Sequence[tuple[Scope, int]]) -> None:
+        if window < self._window:  # a past window is never read again
+            return
         for scope, tokens in amounts:
             self._slot(scope.name, window)[1] += tokens
 
@@ -120,8 +127,8 @@ class InProcessCounters:
 
 
 # Requests in turn, as if each had its own call: check all its scopes, then count them all or none.
-# ARGV: ttl ms, then per request: its number of scopes n, then (rpm, tpm) per scope (-1: no limit).
-# KEYS: per request, per scope: the requests counter, the tokens counter.
+# ARGV: ttl ms, then per request: its number of scopes n, the tokens it reserves, then (rpm, tpm) per scope
+# (-1: no limit). KEYS: per request, per scope: the requests counter, the tokens counter.
 # Returns per request: code (0 admitted, 1 over requests, 2 over tokens), then (requests, tokens) per scope.
 _ACQUIRE_LUA = """
 local ttl = tonumber(ARGV[1])
@@ -129,7 +136,8 @@ local out = {}
 local k, a = 1, 2
 while a <= #ARGV do
   local n = tonumber(ARGV[a])
-  a = a + 1
+  local reserve = tonumber(ARGV[a + 1])
+  a = a + 2
   local code = 0
   local counts = {}
   for i = 0, n - 1 do
@@ -138,7 +146,7 @@ while a <= #ARGV do
     local rpm = tonumber(ARGV[a + 2*i])
     local tpm = tonumber(ARGV[a + 2*i + 1])
     if code == 0 then
-      if rpm >= 0 and r >= rpm then code = 1 elseif tpm >= 0 and t >= tpm then code = 2 end
+      if rpm >= 0 and r >= rpm then code = 1 elseif tpm >= 0 and (t >= tpm or t + reserve > tpm) then code = 2 end
     end
     counts[2*i + 1] = r
     counts[2*i + 2] = t
@@ -147,6 +155,10 @@ while a <= #ARGV do
     for i = 0, n - 1 do
       counts[2*i + 1] = redis.call('INCR', KEYS[k + 2*i])
       if counts[2*i + 1] == 1 then redis.call('PEXPIRE', KEYS[k + 2*i], ttl) end
+      if reserve > 0 then
+        counts[2*i + 2] = redis.call('INCRBY', KEYS[k + 2*i + 1], reserve)
+        if counts[2*i + 2] == reserve then redis.call('PEXPIRE', KEYS[k + 2*i + 1], ttl) end
+      end
     end
   end
   out[#out + 1] = code
@@ -178,7 +190,7 @@ class RedisCounters:
         self._prefix = prefix
         self._acquire = self._redis.register_script(_ACQUIRE_LUA)
         self._add = self._redis.register_script(_ADD_TOKENS_LUA)
-        self._waiting: list[tuple[int, float, Sequence[Scope], asyncio.Future]] = []
+        self._waiting: list[tuple[int, float, Sequence[Scope], int, asyncio.Future]] = []
         self._sender: asyncio.Task | None = None
         self.calls = 0
 
@@ -186,10 +198,10 @@ class RedisCounters:
         base = f"{self._prefix}{scope.name}:{window}"
         return base + ":r", base + ":t"
 
-    async def acquire(self, window, ttl_s, scopes):
+    async def acquire(self, window, ttl_s, scopes, reserve=0):
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._waiting.append((window, ttl_s, scopes, future))
+        self._waiting.append((window, ttl_s, scopes, reserve, future))
         if self._sender is None or self._sender.done() or self._sender.get_loop() is not loop:
             self._sender = loop.create_task(self._send_acquires())
         return await future
@@ -198,8 +210,8 @@ class RedisCounters:
         while self._waiting:
             batch, self._waiting = self._waiting, []
             keys, args = [], [int(batch[0][1] * 1000)]
-            for window, _, scopes, _ in batch:
-                args.append(len(scopes))
+            for window, _, scopes, reserve, _ in batch:
+                args.extend((len(scopes), reserve))
                 for scope in scopes:
                     keys.extend(self._keys(scope, window))
                     args.extend((-1 if scope.rpm is None else scope.rpm, -1 if scope.tpm is None else scope.tpm))
@@ -212,7 +224,7 @@ class RedisCounters:
                         future.set_exception(error)
                 continue
             at = 0
-            for _, _, scopes, future in batch:
+            for _, _, scopes, _, future in batch:
                 code = int(out[at])
                 counts = [(int(out[at + 1 + 2 * i]), int(out[at + 2 + 2 * i])) for i in range(len(scopes))]
                 at += 1 + 2 * len(scopes)
@@ -243,20 +255,23 @@ class RateLimiter:
         window = int(now // self.window_s)
         return window, (window + 1) * self.window_s - now
 
-    async def acquire(self, scopes: Sequence[Scope]) -> Decision:
+    async def acquire(self, scopes: Sequence[Scope], reserve_tokens: int = 0) -> Decision:
+        """Admit a request or not; an admitted one's `reserve_tokens` count against tpm until it is
+        settled (count_tokens with the decision's window and the difference to what it really used)."""
         scopes = [s for s in scopes if s.rpm is not None or s.tpm is not None]
         if not scopes:
             return UNLIMITED
         window, reset_s = self._window()
+        reserve = reserve_tokens if any(s.tpm is not None for s in scopes) else 0
         try:
-            rejected, counts = await self.counters.acquire(window, 2 * self.window_s, scopes)
+            rejected, counts = await self.counters.acquire(window, 2 * self.window_s, scopes, reserve)
         except Exception as exc:  # noqa: BLE001 - a counter outage must not take the API down
             self._log_outage(exc)
             return UNLIMITED
         requests = _binding([(s.rpm, r) for s, (r, _t) in zip(scopes, counts)], reset_s)
         tokens = _binding([(s.tpm, t) for s, (_r, t) in zip(scopes, counts)], reset_s)
         exceeded = {0: None, 1: REQUESTS, 2: TOKENS}[rejected]
-        return Decision(not rejected, exceeded, requests, tokens, retry_after_s=reset_s)
+        return Decision(not rejected, exceeded, requests, tokens, retry_after_s=reset_s, window=window)
 
     async def add_tokens(self, scopes: Sequence[Scope], tokens: int) -> None:
         """Count a finished request's tokens now, wherever the counters are."""
@@ -269,13 +284,19 @@ class RateLimiter:
         except Exception as exc:  # noqa: BLE001
             self._log_outage(exc)
 
-    def count_tokens(self, scopes: Sequence[Scope], tokens: int) -> None:
+    def count_tokens(self, scopes: Sequence[Scope], tokens: int, window: int | None = None) -> None:
         """On the event loop, once per finished request: in-process counters take the tokens at once;
-        for Redis they are summed per scope and sent within `token_flush_s`, one round trip for all."""
+        for Redis they are summed per scope and sent within `token_flush_s`, one round trip for all.
+        A settlement passes its admission `window` and may be negative (the unused reservation returns);
+        once that window is over, only tokens beyond the reservation still count, in the current one."""
         scopes = [s for s in scopes if s.tpm is not None]
-        if not scopes or tokens <= 0:
+        current, _ = self._window()
+        if window is None:
+            window = current
+        elif window != current:  # its window is over: only tokens past the reservation still count, now
+            window, tokens = current, max(tokens, 0)
+        if not scopes or tokens == 0:
             return
-        window, _ = self._window()
         if isinstance(self.counters, InProcessCounters):
             self.counters.add_tokens_now(window, [(s, tokens) for s in scopes])
             return

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, TextIO
 
@@ -16,20 +17,32 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from app.db import make_engine, migrate, session_factory
+from app.tables import NANO
 from app.errors import OpenAIError, invalid_api_key, model_not_found
 from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_admin_identity
 from app.gateway.auth import FailedAuthLimiter, KeyCache, KeyPrincipal
-from app.gateway.budget import BudgetTracker
-from app.gateway.config import GatewayConfig
+from app.gateway.budget import BudgetScope, BudgetTracker
+from app.gateway.config import GatewayConfig, ModelPrice
 from app.gateway.headers import offer_headers
 from app.gateway.keys import bearer_token, visible_prefix
-from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters
+from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters, Scope
 from app.gateway.usage import UsageEvent, UsageWriter
 from app.gateway.contract import UsageRecord
 
 log = logging.getLogger("tokenmill.gateway")
 
 RATE_LIMITED, OVER_BUDGET, FORBIDDEN = "rate_limited", "over_budget", "forbidden"
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What one admitted request may still cost: tokens counted in its admission window's tpm, and
+    nano USD held against its budgets. Settled by request_finished()."""
+    rate_scopes: tuple[Scope, ...]
+    window: int
+    tokens: int
+    budget_scopes: tuple[BudgetScope, ...]
+    nano_usd: int
 
 
 def naive_utc(unix: float) -> datetime:
@@ -55,6 +68,7 @@ class TeamGateway:
             last_used_flush_s=config.last_used_flush_s, on_committed=self.budgets.committed)
         self.admin: AdminIdentity | None = None
         self.started = False
+        self._reservations: dict[str, Reservation] = {}  # request id -> what admit() set aside for it
         self.admitted = 0  # requests let through to the engine ...
         self.finished = 0  # ... and those that reported back
 
@@ -125,39 +139,61 @@ class TeamGateway:
                            f"Try again in {math.ceil(wait)}s.", type="requests", code="too_many_auth_failures",
                            headers={"Retry-After": str(max(math.ceil(wait), 1))})
 
-    async def admit(self, principal: KeyPrincipal, *, model: str, prompt_tokens: int,
-                    max_tokens: int | None) -> dict[str, str]:
+    async def admit(self, principal: KeyPrincipal, *, model: str, prompt_tokens: int, max_tokens: int | None,
+                    sequences: int = 1, request_id: str | None = None, price: ModelPrice | None = None
+                    ) -> dict[str, str]:
         """Model access, then budget, then rate limits. A refusal raises in OpenAI's shape and is
-        metered as a row of its own (status forbidden / over_budget / rate_limited)."""
+        metered as a row of its own (status forbidden / over_budget / rate_limited).
+
+        With a `request_id` the admission is honest: what the request can cost (prompt_tokens +
+        max_tokens x sequences tokens, priced by `price`) must fit what is left of each budget and
+        tpm after the reservations of requests in flight, and is itself reserved until
+        request_finished() settles it at the actual cost. Without one, only spend already made counts."""
         if not isinstance(principal, KeyPrincipal):
             return {}
         if not principal.allows(model):
             self._refused(principal, model, FORBIDDEN)
             raise model_not_found(model)
+        honest = request_id is not None
+        worst_tokens = prompt_tokens + (max_tokens or 0) * sequences if honest else 0
+        price = price or self.config.price(model)
+        estimate = price.cost_nano_usd(prompt_tokens, 0, (max_tokens or 0) * sequences) if honest else 0
         if principal.budget_scopes:
+            exhausted = None
             if any(self.budgets.needs_refresh(s) for s in principal.budget_scopes):
                 try:
-                    exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes)
+                    exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes,
+                                                        estimate)
                 except SQLAlchemyError as error:
                     raise store_unavailable(error) from None
-            else:
-                exhausted = self.budgets.first_exhausted(principal.budget_scopes)
+            # Decide again and reserve in one turn of the event loop (the spend is cached now), so that
+            # concurrent requests each see the others' reservations.
+            exhausted = exhausted or self.budgets.first_exhausted(principal.budget_scopes, estimate)
             if exhausted is not None:
                 self._refused(principal, model, OVER_BUDGET)
                 raise OpenAIError(
                     429, f"You exceeded your current quota: the {exhausted.kind}'s budget of "
-                    f"${exhausted.max_budget_usd:g} per {exhausted.period} is spent.",
+                    f"${exhausted.max_budget_usd:g} per {exhausted.period} can't cover this request "
+                    f"(up to ${estimate / NANO:.6f}) on top of what is spent and reserved.",
                     type="insufficient_quota", code="insufficient_quota")
-        decision = await self.limiter.acquire(principal.rate_scopes)
+        if honest:
+            self.budgets.reserve(principal.budget_scopes, estimate)
+        decision = await self.limiter.acquire(principal.rate_scopes, worst_tokens)
         headers = decision.headers()
         offer_headers(headers)
         if not decision.allowed:
+            if honest:
+                self.budgets.release(principal.budget_scopes, estimate)
             self._refused(principal, model, RATE_LIMITED)
             budget = decision.requests if decision.exceeded == "requests" else decision.tokens
+            detail = f" (this request may need {worst_tokens})" if decision.exceeded == "tokens" and honest else ""
             raise OpenAIError(
                 429, f"Rate limit reached for {decision.exceeded} per {self.limiter.window_s:g}s: limit "
-                f"{budget.limit}. Try again in {headers['x-ratelimit-reset-' + decision.exceeded]}.",
+                f"{budget.limit}{detail}. Try again in {headers['x-ratelimit-reset-' + decision.exceeded]}.",
                 type=decision.exceeded, code="rate_limit_exceeded", headers=headers)
+        if honest:
+            self._reservations[request_id] = Reservation(
+                principal.rate_scopes, decision.window, worst_tokens, principal.budget_scopes, estimate)
         self.admitted += 1
         return headers
 
@@ -167,6 +203,9 @@ class TeamGateway:
 
     def request_finished(self, record: UsageRecord) -> None:
         """On the event loop, once per request that reached the engine: queue its row, never block."""
+        reservation = self._reservations.pop(record.request_id, None)
+        if reservation is not None:
+            self.budgets.release(reservation.budget_scopes, reservation.nano_usd)
         if not isinstance(record.key_id, int) or not isinstance(record.team_id, int):
             return
         self.finished += 1
@@ -182,10 +221,14 @@ class TeamGateway:
             cost_nano_usd=price.cost_nano_usd(record.prompt_tokens, record.cached_tokens,
                                               record.completion_tokens)))
         tokens = record.prompt_tokens + record.completion_tokens
-        scopes = [s for s in self._scopes_of(record) if s.tpm is not None]
+        if reservation is not None:  # settle: the unused part of the reservation returns to the window
+            scopes = [s for s in reservation.rate_scopes if s.tpm is not None]
+            tokens, window = tokens - reservation.tokens, reservation.window
+        else:
+            scopes, window = [s for s in self._scopes_of(record) if s.tpm is not None], None
         if tokens and scopes:
             try:
-                self.limiter.count_tokens(scopes, tokens)
+                self.limiter.count_tokens(scopes, tokens, window)
             except RuntimeError:  # no loop: called from a thread; tokens for Redis can't be sent from there
                 return
 

@@ -99,6 +99,9 @@ class ChatCompletionRequest(SamplingFields):
 Prompt = str | list[int]
 
 
+MAX_PROMPTS = 2048
+
+
 class CompletionRequest(SamplingFields):
     prompt: list[Prompt]
     echo: bool | None = None
@@ -117,5 +120,7 @@ class CompletionRequest(SamplingFields):
         if is_ids(value) and value:
             return [value]
         if isinstance(value, list) and value and all(isinstance(item, str) or is_ids(item) for item in value):
+            if len(value) > MAX_PROMPTS:  # OpenAI's cap; each prompt is an engine request of its own
+                raise ValueError(f"prompt takes at most {MAX_PROMPTS} prompts, got {len(value)}")
             return list(value)
         raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")

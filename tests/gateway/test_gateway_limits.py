@@ -47,16 +47,16 @@ def test_tpm_limit_counts_prompt_and_completion_tokens_and_recovers(make_gateway
     gateway = make_gateway(clock=clock, rate_window_s=WINDOW)
     with TestClient(build_app(gateway)) as client:
         key = create_key(client, create_team(client)["id"], tpm_limit=30)
-        first = post(client, key, max_tokens=25)  # 6 prompt + 25 completion tokens: over 30 after it
+        first = post(client, key, max_tokens=20)  # 6 prompt + 20 completion tokens: 26 of 30
         assert first.status_code == 200
         assert first.headers["x-ratelimit-limit-tokens"] == "30"
         assert "x-ratelimit-limit-requests" not in first.headers  # no rpm limit set
         gateway_tasks_settle(client)
-        second = post(client, key, max_tokens=1)
+        second = post(client, key, max_tokens=5)  # 26 + 6 + 5 would pass 30: refused before it runs
         assert second.status_code == 429
         assert second.json()["error"]["code"] == "rate_limit_exceeded" and second.json()["error"]["type"] == "tokens"
-        assert prompt_tokens_of("say hello") + 25 > 30
-        assert second.headers["x-ratelimit-remaining-tokens"] == "0"
+        assert prompt_tokens_of("say hello") + 20 == 26
+        assert second.headers["x-ratelimit-remaining-tokens"] == "4"
         assert second.headers["x-ratelimit-reset-tokens"] == "1m0s"
         clock.advance(WINDOW)
         assert post(client, key, max_tokens=1).status_code == 200
@@ -109,14 +109,15 @@ def test_budget_exhaustion_returns_insufficient_quota(make_gateway):
     with TestClient(build_app(gateway)) as client:
         key = create_key(client, create_team(client)["id"], max_budget_usd=0.5, budget_period="day")
         assert post(client, key, max_tokens=3).status_code == 200  # $0.30
-        assert post(client, key, max_tokens=3).status_code == 200  # $0.60: over now
+        assert post(client, key, max_tokens=3).status_code == 429  # could reach $0.60: refused up front
+        assert post(client, key, max_tokens=2).status_code == 200  # $0.50: spent
         refused = post(client, key, max_tokens=1)
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "insufficient_quota"
         assert refused.json()["error"]["type"] == "insufficient_quota"
     rows = usage_rows(gateway)
-    assert [r.status for r in rows] == ["ok", "ok", "over_budget"]
-    assert sum(r.cost_nano_usd for r in rows) == 600_000_000
+    assert [r.status for r in rows] == ["ok", "over_budget", "ok", "over_budget"]
+    assert sum(r.cost_nano_usd for r in rows) == 500_000_000
 
 
 def test_team_budget_is_shared_and_survives_a_restart(make_gateway):
@@ -125,7 +126,7 @@ def test_team_budget_is_shared_and_survives_a_restart(make_gateway):
     prices = parse_prices({"*": [0.0, 0.0, 100_000.0]})
     gateway = make_gateway(prices=prices)
     with TestClient(build_app(gateway)) as client:
-        team = create_team(client, max_budget_usd=0.25)
+        team = create_team(client, max_budget_usd=0.35)
         key_a, key_b = create_key(client, team["id"]), create_key(client, team["id"])
         assert post(client, key_a, max_tokens=3).status_code == 200
         assert post(client, key_b, max_tokens=1).json()["error"]["code"] == "insufficient_quota"

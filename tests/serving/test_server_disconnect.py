@@ -24,7 +24,7 @@ class RecordingGateway:
     async def authenticate(self, request) -> Principal:
         return Principal(team_id="team-a", key_id="key-1")
 
-    async def admit(self, principal, *, model, prompt_tokens, max_tokens) -> dict[str, str]:
+    async def admit(self, principal, *, model, prompt_tokens, max_tokens, **reservation) -> dict[str, str]:
         return {"x-ratelimit-remaining-requests": "99"}
 
     def request_finished(self, record: UsageRecord) -> None:
