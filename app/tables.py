@@ -151,6 +151,7 @@ class RegisteredModel(Base):
     price_cached_input_per_1m: Mapped[float | None] = mapped_column(Float)
     price_output_per_1m: Mapped[float | None] = mapped_column(Float)
     hardware_cost_per_hour: Mapped[float | None] = mapped_column(Float)  # USD; None: a share of the server's
+    sampling_defaults: Mapped[dict] = mapped_column(JSON, default=dict)  # what requests that set none get
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     updated_at: Mapped[datetime] = mapped_column(DateTime)

@@ -37,6 +37,8 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str) -> dict:
         else spec.max_model_len
     if context_length is not None:  # vLLM's name and the one OpenRouter-style clients (Codex, LiteLLM) read
         card["max_model_len"] = card["context_length"] = context_length
+    if spec.kind == "chat":  # an extension, like max_model_len: what a request that sets none gets
+        card["sampling_defaults"] = dict(spec.sampling_defaults)
     return card
 
 

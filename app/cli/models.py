@@ -1,4 +1,4 @@
-"""`tokenmill models add|list|load|unload|enable|disable|remove`, against the running server's admin API.
+"""`tokenmill models add|update|list|load|unload|enable|disable|remove`, against the running server's admin API.
 
 Loading and unloading are things a running process does to its own memory, so these commands talk to
 the server (TOKENMILL_URL or --url, with the admin key), not to the database: the change takes effect
@@ -18,6 +18,9 @@ import httpx
 from app.registry.spec import DEFAULT_SOURCE
 
 TIMEOUT_S = 600.0  # a first load of a GGUF converts it
+DEFAULT_HELP = ("a sampling default for requests that leave the field out, e.g. temperature=0.2 or "
+                "max_tokens=512 (temperature, top_p, top_k, min_p, repetition/presence/frequency_penalty, "
+                "max_tokens; repeat for more)")
 
 
 def _server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +57,7 @@ def _call(args: argparse.Namespace, method: str, path: str, **kwargs) -> dict | 
     return body
 
 
-COLUMNS = ["name", "kind", "state", "aliases", "price_in_out_per_1m", "path"]
+COLUMNS = ["name", "kind", "state", "aliases", "price_in_out_per_1m", "defaults", "path"]
 
 
 def _print_models(models: list[dict]) -> None:
@@ -62,7 +65,9 @@ def _print_models(models: list[dict]) -> None:
 
     rows = [{**model, "aliases": ",".join(model["aliases"]),
              "price_in_out_per_1m": "" if model.get("price") is None
-             else f"${model['price']['input_per_1m']:g} / ${model['price']['output_per_1m']:g}"} for model in models]
+             else f"${model['price']['input_per_1m']:g} / ${model['price']['output_per_1m']:g}",
+             "defaults": " ".join(f"{name}={value:g}" for name, value in model.get("sampling_defaults", {}).items())}
+            for model in models]
     _table(rows, COLUMNS)
 
 
@@ -85,11 +90,30 @@ def models_add(args: argparse.Namespace) -> int:
             fields[field] = value
     if args.engine_setting:
         fields["engine_settings"] = dict(_setting(text) for text in args.engine_setting)
+    if args.default:
+        fields["sampling_defaults"] = _sampling_defaults(args.default)
     body = _call(args, "POST", "/models", json=fields)
     if body is None:
         return 1
     _print_models([body])
     return 0
+
+
+def models_update(args: argparse.Namespace) -> int:
+    if not args.default:
+        print("tokenmill: nothing to change: give --default NAME=VALUE", file=sys.stderr)
+        return 2
+    body = _call(args, "PATCH", f"/models/{args.name}", json={"sampling_defaults": _sampling_defaults(args.default)})
+    if body is None:
+        return 1
+    _print_models([body])
+    return 0
+
+
+def _sampling_defaults(texts: list[str]) -> dict[str, object]:
+    """NAME=VALUE pairs; NAME=none drops that default (the server checks names and values)."""
+    pairs = dict(_setting(text) for text in texts)
+    return {name: None if value in ("none", "") else value for name, value in pairs.items()}
 
 
 def _setting(text: str) -> tuple[str, object]:
@@ -132,9 +156,15 @@ def _models_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--max-model-len", type=int, default=None)
     add.add_argument("--engine-setting", action="append", metavar="NAME=VALUE",
                      help="e.g. num_kv_blocks=256 or max_num_seqs=16 (repeat for more)")
+    add.add_argument("--default", action="append", metavar="NAME=VALUE", help=DEFAULT_HELP)
     add.add_argument("--disabled", action="store_true", help="register it disabled")
     add.add_argument("--load", action="store_true", help="load it now")
     add.set_defaults(run=models_add)
+    update = sub.add_parser("update", help="change a model's sampling defaults (they apply to the next request)")
+    update.add_argument("name")
+    update.add_argument("--default", action="append", metavar="NAME=VALUE",
+                        help=DEFAULT_HELP + "; NAME=none drops one")
+    update.set_defaults(run=models_update)
     listing = sub.add_parser("list", help="registered models and their state on the server")
     listing.set_defaults(run=models_list)
     for name, help_text, run in (

@@ -45,6 +45,7 @@ def model_cards(app) -> list[dict]:  # noqa: ANN001
                 "source": spec.source, "architecture": spec.architecture, "enabled": spec.enabled,
                 "in_flight": served.in_flight if served is not None else 0,
                 "max_model_len": spec.max_model_len, "price": None if price is None else asdict(price),
+                "sampling_defaults": dict(spec.sampling_defaults),
                 "settings": [(name, value, ENGINE_SETTING_NOTES.get(name, ""))
                              for name, value in spec.engine_settings.items()], "engine": None}
         if engine is not None:

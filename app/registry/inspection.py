@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.registry.files import read_regular
 from app.registry.gguf_header import gguf_header
+from app.registry.sampling_defaults import (
+    EMBEDDED_CHAT_DEFAULTS,
+    GGUF_SAMPLING_KEYS,
+    folder_sampling_defaults,
+    gguf_sampling_defaults,
+)
 from app.registry.spec import DEFAULT_SOURCE, RegistryError
 
 # What kind="embedding" runs: the BERT-family encoders sentence-transformers ships (all-MiniLM-L6-v2).
@@ -29,6 +35,7 @@ GGUF_SHAPES = {"context_length": "max_position_embeddings", "embedding_length": 
 class SourceFacts:
     architecture: str
     max_context: int | None
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)  # what the checkpoint recommends
 
 
 def inspect_source(kind: str, source: str) -> SourceFacts:
@@ -78,11 +85,12 @@ def _chat_facts(source: str) -> SourceFacts:
         if path.suffix != ".gguf":
             raise RegistryError(f"{path} is neither a .gguf file nor a checkpoint folder.", param="path",
                                 code="unsupported_model")
-        architecture, max_context = _gguf_facts(path)
+        architecture, max_context, sampling_defaults = _gguf_facts(path)
     else:
         config = _folder_config(path)
         _require_weights(path)
         architecture, max_context = str(config.get("model_type")), config.get("max_position_embeddings")
+        sampling_defaults = folder_sampling_defaults(path)
         activation = config.get("hidden_act", "silu")
         if architecture in SUPPORTED_ARCHITECTURES and activation != "silu":
             raise RegistryError(f"activation {activation!r} is not supported (only silu).", param="path",
@@ -90,7 +98,9 @@ def _chat_facts(source: str) -> SourceFacts:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise RegistryError(f"architecture {architecture!r} is not supported for chat; tokenmill runs "
                             f"{sorted(SUPPORTED_ARCHITECTURES)}.", param="path", code="unsupported_model")
-    return SourceFacts(architecture, max_context)
+    if source == DEFAULT_SOURCE:
+        sampling_defaults = {**EMBEDDED_CHAT_DEFAULTS, **sampling_defaults}
+    return SourceFacts(architecture, max_context, sampling_defaults)
 
 
 def _embedding_facts(source: str) -> SourceFacts:
@@ -137,9 +147,9 @@ def _require_weights(path: Path) -> None:
                             code="unsupported_model")
 
 
-def _gguf_facts(path: Path) -> tuple[str, int | None]:
+def _gguf_facts(path: Path) -> tuple[str, int | None, dict[str, float | int]]:
     try:
-        header = gguf_header(path, wanted=("general.architecture",), stop_prefix="tokenizer.")
+        header = gguf_header(path, wanted=("general.architecture", *GGUF_SAMPLING_KEYS), stop_prefix="tokenizer.")
         architecture = str(header["general.architecture"])
         header.update(gguf_header(path, wanted=tuple(f"{architecture}.{key}" for key in GGUF_SHAPES),
                                   stop_prefix="tokenizer."))
@@ -148,4 +158,4 @@ def _gguf_facts(path: Path) -> tuple[str, int | None]:
                             code="unsupported_model") from None
     for key, field in GGUF_SHAPES.items():
         _check_shape(header.get(f"{architecture}.{key}"), f"{architecture}.{key}", SHAPE_LIMITS[field], path)
-    return architecture, header.get(f"{architecture}.context_length")
+    return architecture, header.get(f"{architecture}.context_length"), gguf_sampling_defaults(header, path)

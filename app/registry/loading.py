@@ -29,11 +29,12 @@ def preloaded_spec(engine) -> ModelSpec:
     config = engine.config
     source = config.model if config.model == DEFAULT_SOURCE else str(Path(config.model).expanduser().resolve())
     try:
-        architecture = inspect_source("chat", source).architecture
+        facts = inspect_source("chat", source)
+        architecture, sampling_defaults = facts.architecture, facts.sampling_defaults
     except RegistryError:
-        architecture = "unknown"
+        architecture, sampling_defaults = "unknown", {}
     return ModelSpec(name=engine.model_name, kind="chat", source=source, architecture=architecture,
-                     dtype=config.dtype, max_model_len=engine.max_model_len)
+                     dtype=config.dtype, max_model_len=engine.max_model_len, sampling_defaults=sampling_defaults)
 
 
 def embedded_defaults() -> tuple[dict[str, Any], ...]:

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.registry.inspection import SourceFacts, inspect_source
+from app.registry.sampling_defaults import changed_sampling_defaults
 from app.registry.spec import (
     DTYPES,
     KINDS,
@@ -20,13 +21,15 @@ from app.registry.spec import (
 from engine.config import EngineConfig
 
 PRICE_FIELDS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")
-LIVE_FIELDS = ("aliases", "enabled", "hardware_cost_per_hour", *PRICE_FIELDS)  # take effect at once; the rest at the next load
+# These take effect at once (sampling defaults: from the next request); the rest at the next load.
+LIVE_FIELDS = ("aliases", "enabled", "hardware_cost_per_hour", "sampling_defaults", *PRICE_FIELDS)
 
 
 def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec],
              facts: SourceFacts | None = None) -> ModelSpec:
     """fields: name, path, and optionally kind, dtype, max_model_len, engine_settings, aliases, prices,
-    enabled. `facts`: the path's, when the caller inspected it already."""
+    enabled, sampling_defaults (over the checkpoint's own). `facts`: the path's, when the caller inspected
+    it already."""
     kind = fields.get("kind") or "chat"
     if kind not in KINDS:
         raise RegistryError(f"kind must be one of {list(KINDS)}, got {kind!r}.", param="kind")
@@ -41,14 +44,15 @@ def new_spec(fields: Mapping[str, Any], *, base: EngineConfig, others: Iterable[
 def changed_spec(spec: ModelSpec, changes: Mapping[str, Any], *, base: EngineConfig, others: Iterable[ModelSpec],
                  source: str | None = None, facts: SourceFacts | None = None) -> ModelSpec:
     """`spec` with `changes` applied and checked. `source` (a new path) is inspected again, unless the
-    caller gives its `facts`."""
+    caller gives its `facts`. New weights bring their own sampling defaults (the old ones described the
+    old weights); `sampling_defaults` in `changes` are merged over them, a null removing one."""
     others = [other for other in others if other.name != spec.name]
     values: dict[str, Any] = {}
     if "path" in changes:
         source = str(changes["path"])
     if source is not None:
         facts = facts or inspect_source(spec.kind, source)
-        values.update(source=source, architecture=facts.architecture)
+        values.update(source=source, architecture=facts.architecture, sampling_defaults=dict(facts.sampling_defaults))
         max_context = facts.max_context
     else:
         max_context = None
@@ -73,6 +77,11 @@ def changed_spec(spec: ModelSpec, changes: Mapping[str, Any], *, base: EngineCon
         if cost is not None and cost < 0:
             raise RegistryError("hardware_cost_per_hour must not be negative.", param="hardware_cost_per_hour")
         values["hardware_cost_per_hour"] = cost
+    if changes.get("sampling_defaults") is not None:
+        if spec.kind != "chat" and changes["sampling_defaults"]:
+            raise RegistryError("sampling_defaults apply to chat models only.", param="sampling_defaults")
+        values["sampling_defaults"] = changed_sampling_defaults(
+            values.get("sampling_defaults", spec.sampling_defaults), changes["sampling_defaults"])
     if changes.get("enabled") is not None:
         values["enabled"] = bool(changes["enabled"])
     updated = dataclasses.replace(spec, **values)

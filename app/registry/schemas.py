@@ -26,6 +26,10 @@ class ModelChanges(BaseModel):
     price_cached_input_per_1m: float | None = Price
     price_output_per_1m: float | None = Price
     enabled: bool | None = None
+    sampling_defaults: dict[str, Any] | None = Field(
+        None, description="what requests that leave them out get: temperature, top_p, top_k, min_p, "
+                          "repetition_penalty, presence_penalty, frequency_penalty, max_tokens; merged over the "
+                          "model's (its checkpoint's, at registration), a null removing one")
     hardware_cost_per_hour: float | None = Field(
         None, ge=0, description="USD per hour of this model's own hardware (null: a share of the server's)")
 
@@ -56,6 +60,7 @@ class ModelView(BaseModel):
     price: PriceView | None
     enabled: bool
     hardware_cost_per_hour: float | None
+    sampling_defaults: dict[str, float | int] = Field(description="what requests that leave them out get")
     state: str = Field(description="loaded | loading | draining | unloaded | disabled, in this process")
     in_flight: int = Field(description="requests using it now")
     created_at: str | None
@@ -67,7 +72,7 @@ class ModelView(BaseModel):
         return cls(name=spec.name, kind=spec.kind, path=spec.source, architecture=spec.architecture,
                    dtype=spec.dtype, max_model_len=spec.max_model_len, engine_settings=spec.engine_settings,
                    aliases=list(spec.aliases), enabled=spec.enabled, state=state,
-                   hardware_cost_per_hour=spec.hardware_cost_per_hour,
+                   hardware_cost_per_hour=spec.hardware_cost_per_hour, sampling_defaults=spec.sampling_defaults,
                    in_flight=served.in_flight if served is not None else 0,
                    price=None if price is None else PriceView(**vars(price)),
                    created_at=_utc(spec.created_at), updated_at=_utc(spec.updated_at))

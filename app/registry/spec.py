@@ -43,6 +43,8 @@ class ModelSpec:
     price: ModelPrice | None = None  # None: no price sheet (TOKENMILL_MODEL_PRICES may still name one)
     enabled: bool = True
     hardware_cost_per_hour: float | None = None  # USD; None: the model shares the server's cost
+    # What a request gets for the sampling fields it leaves out (app.registry.sampling_defaults)
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     created_at: datetime | None = None
     updated_at: datetime | None = None
 

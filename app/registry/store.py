@@ -19,7 +19,8 @@ def spec_of(row: RegisteredModel) -> ModelSpec:
         name=row.name, kind=row.kind, source=row.source, architecture=row.architecture, dtype=row.dtype,
         max_model_len=row.max_model_len, engine_settings=dict(row.engine_settings or {}),
         aliases=tuple(row.aliases or ()), price=price_of(*(getattr(row, c) for c in PRICE_COLUMNS)),
-        enabled=row.enabled, hardware_cost_per_hour=row.hardware_cost_per_hour, created_at=row.created_at, updated_at=row.updated_at)
+        enabled=row.enabled, hardware_cost_per_hour=row.hardware_cost_per_hour,
+        sampling_defaults=dict(row.sampling_defaults or {}), created_at=row.created_at, updated_at=row.updated_at)
 
 
 def columns_of(spec: ModelSpec) -> dict[str, Any]:
@@ -28,6 +29,7 @@ def columns_of(spec: ModelSpec) -> dict[str, Any]:
         "name": spec.name, "kind": spec.kind, "source": spec.source, "architecture": spec.architecture,
         "dtype": spec.dtype, "max_model_len": spec.max_model_len, "engine_settings": dict(spec.engine_settings),
         "aliases": list(spec.aliases), "enabled": spec.enabled, "hardware_cost_per_hour": spec.hardware_cost_per_hour,
+        "sampling_defaults": dict(spec.sampling_defaults),
         "price_input_per_1m": None if price is None else price.input_per_1m,
         "price_cached_input_per_1m": None if price is None else price.cached_input_per_1m,
         "price_output_per_1m": None if price is None else price.output_per_1m,
