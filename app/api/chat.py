@@ -49,7 +49,7 @@ async def create_chat_completion(request: Request, server: ContextDep, principal
 async def chat_completion(request: Request, context: ModelContext, principal: Principal,
                           body: ChatCompletionRequest):
     plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
-    params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.token_budget))
+    params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
                                           prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,

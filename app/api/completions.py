@@ -97,7 +97,7 @@ def prepare_prompts(context: ModelContext, body: CompletionRequest, request_id: 
     for index, prompt in enumerate(body.prompt):
         ids = completion_prompt_ids(tokenizer, prompt, index, many)
         text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-        params = completion_sampling_params(body, len(ids), context.token_budget)
+        params = completion_sampling_params(body, len(ids), context.sampling)
         prepared.append(PreparedPrompt(f"{request_id}-{index}", ids, text, params))
     return prepared
 

@@ -12,6 +12,8 @@ from app.errors import model_not_found
 from app.gateway.contract import Principal
 from app.registry.pool import ModelPool
 from app.registry.spec import ModelSpec
+from app.serving.sampling import sampling_defaults
+from app.settings import Settings
 
 router = APIRouter()
 STARTED_AT = int(time.time())  # what a model registered only in memory says it was created at
@@ -26,7 +28,7 @@ def visible_names(spec: ModelSpec, principal: Principal) -> list[str]:
     return [alias for alias in spec.aliases if principal.allows(alias)]
 
 
-def model_card(pool: ModelPool, spec: ModelSpec, model_id: str) -> dict:
+def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settings) -> dict:
     created = int(spec.created_at.replace(tzinfo=UTC).timestamp()) if spec.created_at else STARTED_AT
     card = {"id": model_id, "object": "model", "created": created, "owned_by": "tokenmill", "kind": spec.kind,
             "status": pool.state(spec.name)}
@@ -38,14 +40,14 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str) -> dict:
     if context_length is not None:  # vLLM's name and the one OpenRouter-style clients (Codex, LiteLLM) read
         card["max_model_len"] = card["context_length"] = context_length
     if spec.kind == "chat":  # an extension, like max_model_len: what a request that sets none gets
-        card["sampling_defaults"] = dict(spec.sampling_defaults)
+        card["sampling_defaults"] = sampling_defaults(spec, settings)
     return card
 
 
 @router.get("/v1/models")
 async def list_models(context: ContextDep, principal: PrincipalDep) -> dict:
     pool = context.models
-    return {"object": "list", "data": [model_card(pool, spec, name) for spec in pool.specs.values()
+    return {"object": "list", "data": [model_card(pool, spec, name, context.settings) for spec in pool.specs.values()
                                        for name in visible_names(spec, principal)]}
 
 
@@ -54,4 +56,4 @@ async def retrieve_model(model_id: str, context: ContextDep, principal: Principa
     spec = context.models.spec(model_id)
     if spec is None or model_id not in visible_names(spec, principal):
         raise model_not_found(model_id)
-    return model_card(context.models, spec, model_id)
+    return model_card(context.models, spec, model_id, context.settings)

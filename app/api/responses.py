@@ -65,7 +65,7 @@ async def run_response(request: Request, context: ModelContext, principal: Princ
                                                           context.engine.max_model_len)
     tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict resolved
     params = renamed_errors(lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids),
-                                                                         context.token_budget)))
+                                                                         context.sampling)))
     header = ResponseHeader(id=new_item_id("resp"), model=context.model_name, body=body, tools=tools,
                             temperature=params.temperature, top_p=params.top_p)
     headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),

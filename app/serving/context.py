@@ -14,7 +14,7 @@ from app.gateway.contract import Gateway, Principal
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
 from app.serving.responses.store import ResponseStore
-from app.serving.sampling import TokenBudget
+from app.serving.sampling import ModelSampling, sampling_defaults
 from app.settings import Settings
 
 
@@ -98,11 +98,12 @@ class ModelContext:
         return self.served.spec.price
 
     @property
-    def token_budget(self) -> TokenBudget:
-        """A default max_tokens must fit the context and the KV pool, or the engine refuses it."""
+    def sampling(self) -> ModelSampling:
+        """The model's sampling defaults, read per request (an admin's change applies to the next one); a
+        default max_tokens must fit the context and the KV pool, or the engine refuses it."""
         pool_tokens = self.engine.stats().kv_blocks_total * self.engine.config.block_size
-        return TokenBudget(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap,
-                           self.settings.default_temperature)
+        return ModelSampling(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap,
+                             sampling_defaults(self.served.spec, self.settings))
 
     def access_name(self, principal: Principal, requested: str) -> str:
         """What the gateway checks access against: the name the caller used if its key lists it (an

@@ -1,4 +1,4 @@
-"""The Models page shows the registry (state, aliases, prices) and its Load / Unload buttons act on the
+"""The Models page shows the registry (state, aliases, prices, sampling defaults) and its Load / Unload buttons act on the
 pool: unloading the served model makes /v1 answer 503 model_not_loaded; a model that cannot load says
 why."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ import time
 from tests.support.dashboard import bearer, chat
 from tests.support.gateway import FAKE_MODEL, admin_headers
 from tests.registry.test_registry import checkpoint
+from tests.registry.test_sampling_defaults import with_generation_config
 
 
 def models_page(admin) -> str:  # noqa: F811
@@ -24,6 +25,16 @@ def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):  # noq
     assert 'data-model="tiny" data-state="unloaded"' in page
     assert "gpt-4o-mini" in page and "$0.15 in" in page and "$0.6 out" in page
     assert f'action="/admin/models/{FAKE_MODEL}/unload"' in page and 'action="/admin/models/tiny/load"' in page
+
+
+def test_the_models_page_shows_each_models_sampling_defaults(admin, tmp_path):  # noqa: F811
+    response = admin.client.post("/admin/api/models", headers=admin_headers(), json={
+        "name": "qwen-like", "path": str(with_generation_config(tmp_path / "qwen-like"))})
+    assert response.status_code == 201, response.text
+    page = models_page(admin)
+    embedded, registered = page[page.index(f'data-model="{FAKE_MODEL}"'):], page[page.index('data-model="qwen-like"'):]
+    assert embedded.index("temperature 0.2 · top_p 0.9") < embedded.index("</section>")  # the model card's
+    assert "temperature 0.6 · top_p 0.95 · top_k 20 · repetition_penalty 1.05 · max_tokens 256" in registered
 
 
 def test_the_unload_button_stops_serving_the_model(admin):  # noqa: F811
