@@ -92,9 +92,11 @@ def folder_sampling_defaults(folder: Path) -> dict[str, float | int]:
 
 
 def gguf_sampling_defaults(header: Mapping[str, Any], where: Path) -> dict[str, float | int]:
-    """The general.sampling.* metadata of a GGUF header, where its converter recorded them."""
-    return _usable({ours: header[theirs] for theirs, ours in GGUF_SAMPLING_KEYS.items() if theirs in header},
-                   str(where))
+    """The general.sampling.* metadata of a GGUF header, where its converter recorded them. They are
+    float32s: 0.7 reads back as 0.699999988, so each is given to float32's precision (7 digits)."""
+    found = {ours: header[theirs] for theirs, ours in GGUF_SAMPLING_KEYS.items() if theirs in header}
+    return _usable({key: float(f"{value:.7g}") if isinstance(value, float) else value
+                    for key, value in found.items()}, str(where))
 
 
 def _usable(found: dict[str, Any], where: str) -> dict[str, float | int]:

@@ -67,6 +67,26 @@ def test_a_value_the_engine_cannot_use_is_skipped_not_the_model(store, tmp_path)
     assert register(store, name="odd", path=str(folder)).sampling_defaults == {"top_p": 0.8}
 
 
+def test_a_gguf_registers_with_its_sampling_metadata(store, tmp_path):  # noqa: F811
+    import gguf
+
+    path = tmp_path / "tuned.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 2048), (writer.add_embedding_length, 64),
+                       (writer.add_block_count, 2), (writer.add_feed_forward_length, 128),
+                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2)):
+        add(value)
+    writer.add_float32("general.sampling.temp", 0.7)
+    writer.add_float32("general.sampling.top_p", 0.8)
+    writer.add_int32("general.sampling.top_k", 40)
+    writer.add_float32("general.sampling.penalty_repeat", 1.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert register(store, name="tuned-gguf", path=str(path)).sampling_defaults == {
+        "temperature": 0.7, "top_p": 0.8, "top_k": 40, "repetition_penalty": 1.1}
+
+
 def test_a_folder_without_generation_config_has_none(store, tmp_path):  # noqa: F811
     assert register(store, name="plain", path=str(checkpoint(tmp_path / "plain"))).sampling_defaults == {}
 
