@@ -39,9 +39,18 @@ def test_agents_sdk_runs_a_function_tool(smollm2):
             model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
             model_settings=agents.ModelSettings(tool_choice="required", temperature=0),
             tool_use_behavior="stop_on_first_tool")
-        result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
-    assert asked and result.final_output == f"It is sunny in {asked[0]}."
-    assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
+
+        async def run_both():
+            whole = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+            streamed = agents.Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=3)
+            kinds = [event.type async for event in streamed.stream_events()]
+            return whole, streamed, kinds
+
+        whole, streamed, kinds = asyncio.run(run_both())
+    assert len(asked) == 2 and whole.final_output == f"It is sunny in {asked[0]}."
+    assert streamed.final_output == f"It is sunny in {asked[1]}." and "raw_response_event" in kinds
+    for result in (whole, streamed):
+        assert [item.type for item in result.new_items] == ["tool_call_item", "tool_call_output_item"]
 
 
 def codex_binary() -> str | None:
