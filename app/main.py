@@ -18,6 +18,7 @@ from app.gateway.contract import Gateway, SingleKeyGateway
 from app.gateway.headers import RateLimitHeadersMiddleware
 from app.gateway.service import TeamGateway
 from app.observability.costs import HardwareCostMeter
+from app.observability.metrics import ModelReading, app_registry
 from app.registry.pool import ModelPool
 from app.registry.store import RegistryStore
 from app.serving.body_limit import install_body_limit
@@ -27,12 +28,12 @@ from app.settings import Settings
 
 
 def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = None,
-               pool: ModelPool | None = None) -> FastAPI:
+               pool: ModelPool | None = None, replica: str | None = None) -> FastAPI:
     """Serves the models in `pool`, or a pool of one: `engine`, an engine.async_engine.AsyncEngine the
     caller started (and will shut down). `gateway` authenticates, admits and meters requests (see
     app.gateway.contract); by default a single key from settings.api_key, or none. With a TeamGateway
     the registry lives in its database: /admin/api (teams, keys, usage, models) and the dashboard come
-    with it."""
+    with it. `replica` (a Ray Serve replica id) labels every series of this app's /metrics."""
     gateway = gateway if gateway is not None else SingleKeyGateway(settings.api_key)
     if pool is None:
         pool = ModelPool(settings.engine,
@@ -47,6 +48,8 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     stored_responses = response_store(gateway.sessions, settings.response_retention_s)
     app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter,
                                       responses=stored_responses)
+    app.state.metrics_registry = app_registry(lambda: model_readings(pool),
+                                              constant_labels={"replica": replica} if replica else None)
     install_error_handlers(app)
     for module in (models, chat, completions, embeddings, operations, responses, tokenize):
         app.include_router(module.router)
@@ -70,6 +73,13 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     if settings.forwarded_allow_ips:  # the client address the trusted proxies vouch for, before any route sees it
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     return app
+
+
+def model_readings(pool: ModelPool) -> list[ModelReading]:
+    """What /metrics reports at this instant: each served engine's latest stats snapshot (draining ones
+    too, until they are gone)."""
+    return [ModelReading(served.metrics, served.engine.stats()) for served in list(pool.served.values())
+            if served.engine is not None]
 
 
 Step = Callable[[], Awaitable[None]]

@@ -1,11 +1,10 @@
 """GET /health and GET /metrics: for load balancers and Prometheus, no API key."""
 from __future__ import annotations
 
-from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
-from app.api.deps import ContextDep
-from app.observability.metrics import PROMETHEUS_CONTENT_TYPE, merge_expositions
+from app.observability.metrics import exposition
 
 router = APIRouter()
 
@@ -18,7 +17,7 @@ async def health() -> dict:
 
 
 @router.get("/metrics")
-async def metrics(context: ContextDep) -> PlainTextResponse:
-    texts = [served.metrics.render(served.engine.stats()) for served in list(context.models.served.values())
-             if served.engine is not None]
-    return PlainTextResponse(merge_expositions(texts), media_type=PROMETHEUS_CONTENT_TYPE)
+async def metrics(request: Request) -> Response:
+    """The app's registry, in the format the scraper asks for (Accept: application/openmetrics-text)."""
+    body, content_type = exposition(request.app.state.metrics_registry, request.headers.get("accept"))
+    return Response(body, media_type=content_type)

@@ -2,7 +2,10 @@
 inside the bucket the way Prometheus' histogram_quantile does."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from prometheus_client import Histogram
 
 
 @dataclass(frozen=True)
@@ -11,8 +14,16 @@ class HistogramCounts:
     counts: tuple[int, ...]  # per bucket, not cumulative; one more than bounds (+Inf)
 
     @classmethod
-    def of(cls, histogram) -> HistogramCounts:  # noqa: ANN001 - app.observability.prometheus.Histogram
-        return cls(tuple(histogram.bounds), tuple(histogram.bucket_counts))
+    def of(cls, histogram: Histogram) -> HistogramCounts:
+        """From an unlabelled prometheus_client Histogram, through its public collect(): its buckets are
+        cumulative there, so each count is the difference from the bucket below."""
+        cumulative = [(float(sample.labels["le"]), sample.value) for family in histogram.collect()
+                      for sample in family.samples if sample.name.endswith("_bucket")]
+        counts, below = [], 0.0
+        for _, count in cumulative:
+            counts.append(int(count - below))
+            below = count
+        return cls(tuple(bound for bound, _ in cumulative if not math.isinf(bound)), tuple(counts))
 
     @classmethod
     def empty(cls) -> HistogramCounts:

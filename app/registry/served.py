@@ -2,7 +2,7 @@
 metrics, and how many requests are using it, so that unloading can wait for them (drain)."""
 from __future__ import annotations
 
-from app.observability.metrics import ServerMetrics
+from app.observability.metrics import ModelMetrics
 from app.registry.spec import ModelSpec
 from app.serving.token_text import TokenTexts
 
@@ -15,7 +15,7 @@ class ServedModel:
         self.engine = engine  # engine.async_engine.AsyncEngine for kind "chat"
         self.embedder = embedder  # engine.embeddings.EmbeddingModel for kind "embedding"
         self.owned = owned  # the pool started it, so the pool shuts it down when the server stops
-        self.metrics = ServerMetrics(spec.name)
+        self.metrics = ModelMetrics(spec.name)
         self.token_texts = TokenTexts(engine.tokenizer) if engine is not None else None
         self.state = LOADED
         self.in_flight = 0

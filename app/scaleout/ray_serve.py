@@ -94,7 +94,8 @@ class TokenmillReplica:
         # (app.gateway.wiring.prepare_store): replicas don't migrate.
         settings = dataclasses.replace(settings, instance_id=self.replica_id)
         # Loading the model blocks for seconds: off this replica's event loop.
-        self.app, self.engine = await asyncio.to_thread(build_server, settings, migrated=True)
+        self.app, self.engine = await asyncio.to_thread(build_server, settings, migrated=True,
+                                                        replica=self.replica_id)
         self.identity = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them

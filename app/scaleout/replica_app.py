@@ -10,10 +10,11 @@ import app.offline  # noqa: F401  (Ray Serve replicas start here, not in app.cli
 from app.settings import Settings
 
 
-def build_server(settings: Settings, *, migrated: bool = False) -> tuple[FastAPI, object]:
+def build_server(settings: Settings, *, migrated: bool = False,
+                 replica: str | None = None) -> tuple[FastAPI, object]:
     """The app and its engine (an engine.async_engine.AsyncEngine the caller shuts down after the app's
     lifespan has ended). migrated: the caller ran app.gateway.wiring.prepare_store on this database, so
-    the gateway doesn't migrate again."""
+    the gateway doesn't migrate again. `replica` labels the app's /metrics series (the Ray Serve replica id)."""
     from app.gateway.wiring import gateway_from_settings
     from app.main import create_app
     from app.registry.loading import embedded_defaults
@@ -28,7 +29,7 @@ def build_server(settings: Settings, *, migrated: bool = False) -> tuple[FastAPI
         # --model is served as before; every other enabled model of the registry loads in the background.
         pool = ModelPool(settings.engine, store=RegistryStore(gateway.sessions), load_enabled_at_start=True,
                          first_start=embedded_defaults(), refresh_interval_s=15.0)
-        return create_app(settings, engine, gateway=gateway, pool=pool), engine
+        return create_app(settings, engine, gateway=gateway, pool=pool, replica=replica), engine
     except BaseException:
         engine.shutdown()
         raise

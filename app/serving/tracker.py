@@ -128,7 +128,7 @@ class RequestTracker:
         if status != "rejected":
             metrics.e2e_request_latency.observe(latency)
         for reason in self.finish_reasons:
-            metrics.finished_requests[reason] += 1
+            metrics.request_finished(reason)
         ttft = None if self.first_token_at is None else self.first_token_at - self.started_at
         record = UsageRecord(
             request_id=self.request_id, team_id=self.principal.team_id, key_id=self.principal.key_id,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 import pytest
+from prometheus_client import Histogram
 
 from app.dashboard.histograms import HistogramCounts, quantile
 from app.dashboard.live import LiveSampler, ModelSource, cost_per_million
-from app.observability.prometheus import Histogram
 from engine.stats import EngineStats
 
 START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc).timestamp()
@@ -20,8 +20,8 @@ class FakeModel:
     def __init__(self) -> None:
         self.now = START
         self.stats = EngineStats(max_num_seqs=8, max_num_batched_tokens=100, kv_blocks_total=200)
-        self.ttft = Histogram("ttft", "", (0.1, 0.2, 0.5, 1.0))
-        self.itl = Histogram("itl", "", (0.01, 0.02, 0.05))
+        self.ttft = Histogram("ttft", "", buckets=(0.1, 0.2, 0.5, 1.0), registry=None)
+        self.itl = Histogram("itl", "", buckets=(0.01, 0.02, 0.05), registry=None)
 
     def source(self) -> ModelSource:
         return ModelSource("m", self.stats.snapshot, lambda: HistogramCounts.of(self.ttft),

@@ -2,7 +2,6 @@
 thread on a free port, reached with the official openai client."""
 from __future__ import annotations
 
-import re
 import threading
 import time
 from contextlib import contextmanager
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
 from app.settings import Settings
@@ -39,15 +39,8 @@ class RunningServer:
                                   **options)
 
     def metrics(self) -> dict[str, float]:
-        """Unlabelled view of /metrics: metric name (with its non-model labels) -> value."""
-        text = httpx.get(f"{self.url}/metrics").text
-        values = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line:
-                continue
-            name, value = line.rsplit(" ", 1)
-            values[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
-        return values
+        """Unlabelled view of /metrics: sample name (with its labels other than the model's) -> value."""
+        return sample_values(httpx.get(f"{self.url}/metrics").text)
 
     def wait_for_metrics(self, predicate, timeout: float = 15.0) -> dict[str, float]:
         deadline = time.monotonic() + timeout
@@ -69,6 +62,17 @@ class RunningServer:
                 return rows[-1]
             time.sleep(0.05)
         raise AssertionError(f"no usage row for {endpoint}")
+
+
+def sample_values(exposition: str) -> dict[str, float]:
+    """Every sample of a text-format exposition, parsed by prometheus_client, keyed as it is written
+    without its model_name label: `vllm:request_success_total{finished_reason="length"}`."""
+    values = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = ",".join(f'{name}="{value}"' for name, value in sample.labels.items() if name != "model_name")
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
 
 
 @contextmanager
