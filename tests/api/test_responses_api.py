@@ -237,3 +237,18 @@ def test_tokenize_counts_what_chat_usage_counts(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     missing = httpx.post(f"{server.url}/tokenize", json={"model": "nope", "prompt": "x"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_obfuscation_pads_deltas_only_when_asked(server):
+    def deltas(**extra) -> list[dict]:
+        body = {"model": MODEL, "input": "Say hi.", "stream": True, "temperature": 0, "max_output_tokens": 4, **extra}
+        with httpx.stream("POST", f"{server.base_url}/responses", json=body, timeout=60) as reply:
+            events = [json.loads(line[len("data: "):]) for line in reply.iter_lines() if line.startswith("data: ")]
+        return [event for event in events if event["type"] == "response.output_text.delta"]
+
+    padded, plain = deltas(stream_options={"include_obfuscation": True}), deltas()
+    assert padded and all(event["obfuscation"] for event in padded)
+    assert plain and not any("obfuscation" in event for event in plain)
+    refused = httpx.post(f"{server.base_url}/responses", json={
+        "model": MODEL, "input": "hi", "stream_options": {"include_obfuscation": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
