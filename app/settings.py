@@ -60,6 +60,7 @@ class Settings:
     key_cache_ttl_s: float = 5.0  # how stale a replica may see a key changed elsewhere
     usage_flush_interval_s: float = 0.5
     auth_failures_per_minute: int = 10  # per client address and key prefix, then 429; 0: no limit
+    max_in_flight_per_key: int = 0  # requests one key may have running at once (a key's own field wins); 0: no limit
     instance_id: str | None = None  # this replica's name on its usage rows (a Ray Serve replica id, a pod name)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -72,6 +73,8 @@ class Settings:
             raise SettingsError("max_tokens_cap must be at least 1")
         if not 0 <= self.hardware_cost_per_hour < math.inf:
             raise SettingsError("hardware_cost_per_hour must be a finite number, not negative")
+        if self.max_in_flight_per_key < 0:
+            raise SettingsError("max_in_flight_per_key must be 0 (no limit) or more")
         if self.prefix_cache_scope not in ("team", "global"):
             raise SettingsError("prefix_cache_scope must be 'team' or 'global'")
         if self.default_temperature is not None and not 0 <= self.default_temperature <= 2:
@@ -174,6 +177,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--usage-flush-interval-s", "usage_flush_interval_s", float, "how often queued usage rows are written"),
     Option("--auth-failures-per-minute", "auth_failures_per_minute", int,
            "failed authentications per client address and key prefix before 429 (0: no limit)"),
+    Option("--max-in-flight-per-key", "max_in_flight_per_key", int,
+           "requests one key may have in flight on a replica (a key's max_in_flight wins; 0: no limit)"),
     Option("--instance-id", "instance_id", str, "this replica's name on its usage rows (Ray Serve sets it per "
            "replica; in Kubernetes, the pod name)"),
     Option("--response-retention-days", "response_retention_days", float,

@@ -73,6 +73,7 @@ class ApiKey(Base):
     # The most urgent `priority` its requests may ask for (lower runs first); None: 0, so only an admin
     # lets a key jump ahead, while any key may ask to go later.
     priority_floor: Mapped[int | None] = mapped_column(Integer)
+    max_in_flight: Mapped[int | None] = mapped_column(Integer)  # requests at once; None: the server's setting
 
 
 class AdminCredential(Base):

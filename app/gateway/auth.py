@@ -40,6 +40,7 @@ class KeyPrincipal(contract.Principal):
     budget_scopes: tuple[BudgetScope, ...] = ()
     expires_at: float | None = None  # unix seconds: the earlier of key and team expiry
     active: bool = False  # not revoked, team neither blocked nor deleted
+    max_in_flight: int | None = None  # the key's own cap on requests at once (None: the server's setting)
 
     def allows(self, model: str) -> bool:
         return (not self.key_models or model in self.key_models) and (not self.team_models or model in self.team_models)
@@ -69,6 +70,7 @@ def principal_of(key: ApiKey, team: Team) -> KeyPrincipal:
         team_weight=team.scheduling_weight if team.scheduling_weight is not None else 1.0,
         cache_group=team.cache_group,
         priority_floor=key.priority_floor if key.priority_floor is not None else 0,
+        max_in_flight=key.max_in_flight,
     )
 
 

@@ -62,6 +62,7 @@ class GatewayConfig:
     last_used_flush_s: float = 10.0
     spill_dir: str = ".tokenmill"  # where rows go if the DB is still down at shutdown
     auth_failures_per_minute: int = 10  # per client address, then 429 until the minute is over; 0: no limit
+    max_in_flight_per_key: int = 0  # requests one key may have in flight here; a key's max_in_flight wins; 0: none
     instance_id: str | None = None  # this replica's name on its usage rows (Ray Serve replica id, pod name)
     run_migrations: bool = True  # False where the caller migrated already (tokenmill serve, Ray replicas)
 
@@ -82,6 +83,7 @@ class GatewayConfig:
             "prices": parse_prices(settings.model_prices), "rate_window_s": settings.rate_window_s,
             "key_cache_ttl_s": settings.key_cache_ttl_s, "usage_flush_interval_s": settings.usage_flush_interval_s,
             "auth_failures_per_minute": settings.auth_failures_per_minute, "instance_id": settings.instance_id,
+            "max_in_flight_per_key": settings.max_in_flight_per_key,
             "spill_dir": settings.data_dir,
         }
         return cls(**{**values, **overrides})

@@ -55,11 +55,14 @@ class KeyCreate(Limits):
     name: str = Field("", max_length=128)
     priority_floor: int | None = Field(None, ge=-1000, le=1000,
                                        description="the most urgent priority its requests may ask for; default 0")
+    max_in_flight: int | None = Field(None, ge=1, le=100_000,
+                                      description="requests it may have in flight at once; default: the server's")
 
 
 class KeyUpdate(Limits):
     name: str | None = Field(None, max_length=128)
     priority_floor: int | None = Field(None, ge=-1000, le=1000)
+    max_in_flight: int | None = Field(None, ge=1, le=100_000)
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name"))
 
@@ -105,6 +108,7 @@ class KeyView(_View):
     max_budget_usd: float | None
     budget_period: str
     priority_floor: int | None
+    max_in_flight: int | None
     expires_at: datetime | None
     revoked: bool
     created_at: datetime

@@ -43,6 +43,7 @@ class Reservation:
     tokens: int
     budget_scopes: tuple[BudgetScope, ...]
     nano_usd: int
+    key_id: int | None
 
 
 def naive_utc(unix: float) -> datetime:
@@ -69,6 +70,7 @@ class TeamGateway:
         self.admin: AdminIdentity | None = None
         self.started = False
         self._reservations: dict[str, Reservation] = {}  # request id -> what admit() set aside for it
+        self._in_flight_by_key: dict[int | None, int] = {}  # admitted, not yet finished (this replica)
         self.admitted = 0  # requests let through to the engine ...
         self.finished = 0  # ... and those that reported back
 
@@ -155,6 +157,12 @@ class TeamGateway:
             self._refused(principal, model, FORBIDDEN)
             raise model_not_found(model)
         honest = request_id is not None
+        cap = principal.max_in_flight or self.config.max_in_flight_per_key
+        if honest and cap and self._in_flight_by_key.get(principal.key_id, 0) >= cap:
+            self._refused(principal, model, RATE_LIMITED)
+            raise OpenAIError(429, f"Too many requests in flight for this key: at most {cap} at once. Retry when "
+                              "one has finished.", type="requests", code="rate_limit_exceeded",
+                              headers={"retry-after": "1"})
         worst_tokens = prompt_tokens + (max_tokens or 0) * sequences if honest else 0
         price = price or self.config.price(model)
         estimate = price.cost_nano_usd(prompt_tokens, 0, (max_tokens or 0) * sequences) if honest else 0
@@ -193,7 +201,9 @@ class TeamGateway:
                 type=decision.exceeded, code="rate_limit_exceeded", headers=headers)
         if honest:
             self._reservations[request_id] = Reservation(
-                principal.rate_scopes, decision.window, worst_tokens, principal.budget_scopes, estimate)
+                principal.rate_scopes, decision.window, worst_tokens, principal.budget_scopes, estimate,
+                principal.key_id)
+            self._in_flight_by_key[principal.key_id] = self._in_flight_by_key.get(principal.key_id, 0) + 1
         self.admitted += 1
         return headers
 
@@ -206,6 +216,11 @@ class TeamGateway:
         reservation = self._reservations.pop(record.request_id, None)
         if reservation is not None:
             self.budgets.release(reservation.budget_scopes, reservation.nano_usd)
+            left = self._in_flight_by_key.get(reservation.key_id, 0) - 1
+            if left > 0:
+                self._in_flight_by_key[reservation.key_id] = left
+            else:
+                self._in_flight_by_key.pop(reservation.key_id, None)
         if not isinstance(record.key_id, int) or not isinstance(record.team_id, int):
             return
         self.finished += 1

@@ -88,3 +88,17 @@ def test_a_prompt_list_reserves_every_prompt_times_n(make_gateway):
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 20
     assert huge_list.status_code == 400 and huge_list.json()["error"]["param"] == "prompt"
     assert len(engine.tenancies) == 10  # only the prompts of the request that fit ran
+
+
+@pytest.mark.parametrize("where", ["key_field", "server_setting"])
+def test_a_key_has_at_most_its_cap_of_requests_in_flight(make_gateway, where):
+    gateway = make_gateway(**({"max_in_flight_per_key": 2} if where == "server_setting" else {}))
+    with serve_in_thread(build_app(gateway, FakeEngine(token_delay_s=0.05))) as url:
+        key = team_and_key(url, **({"max_in_flight": 2} if where == "key_field" else {}))
+        responses = asyncio.run(send_together([url], key, [chat_body(max_tokens=10)] * 5))
+        after = httpx.post(f"{url}/v1/chat/completions", json=chat_body(), headers=bearer(key))
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200, 200, 429, 429, 429]
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.headers["retry-after"] == "1"
+    assert after.status_code == 200  # the finished ones gave their places back
