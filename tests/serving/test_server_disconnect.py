@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.gateway.contract import Principal, UsageRecord
+from app.gateway.contract import Principal, SingleKeyGateway, UsageRecord
 from tests.support.server import MODEL, running_server
 
 pytestmark = pytest.mark.real_model
@@ -15,10 +15,11 @@ ENDLESS = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a 
            "ignore_eos": True}
 
 
-class RecordingGateway:
+class RecordingGateway(SingleKeyGateway):
     """Stands in for the real gateway: lets everyone in as team-a and keeps the usage rows."""
 
     def __init__(self) -> None:
+        super().__init__(api_key=None)
         self.records: list[UsageRecord] = []
 
     async def authenticate(self, request) -> Principal:
