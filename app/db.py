@@ -40,7 +40,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_connection, _record):  # noqa: ANN001
+        def _sqlite_pragmas(dbapi_connection, _record):
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")  # readers don't block the usage writer
             cursor.execute("PRAGMA synchronous=NORMAL")

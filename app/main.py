@@ -10,8 +10,7 @@ from fastapi import FastAPI
 from sqlalchemy.exc import DataError
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from app.api import (admin, admin_models, chat, completions, embeddings, models, operations, responses, tokenize,
-                     usage)
+from app.api import admin, admin_models, chat, completions, embeddings, models, operations, responses, tokenize, usage
 from app.dashboard.wiring import install_dashboard
 from app.errors import install_error_handlers, out_of_range
 from app.gateway.contract import Gateway, SingleKeyGateway
@@ -85,7 +84,7 @@ def model_readings(pool: ModelPool) -> list[ModelReading]:
 Step = Callable[[], Awaitable[None]]
 
 
-def lifespan_of(parts: list[tuple[Step, Step]], inner):  # noqa: ANN001, ANN201 - lifespan context factories
+def lifespan_of(parts: list[tuple[Step, Step]], inner):  # lifespan context factories
     """Starts `parts` in order; stops the ones that started, in the reverse order, also after a failure."""
 
     @asynccontextmanager

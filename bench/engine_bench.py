@@ -20,27 +20,27 @@ import os
 # op (a 2048-token step went from 7 s to 74 s at 2 threads). Both sides run under the same setting.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import checkpoint_folder, load_model  # noqa: E402
-from engine.models.llama import LlamaShape  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from kernels.linear import Linear  # noqa: E402
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import checkpoint_folder, load_model
+from engine.models.llama import LlamaShape
+from engine.sampling_params import SamplingParams
+from kernels.linear import Linear
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_RATIO = 4.0

@@ -239,7 +239,7 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     port = free_port()
     timings = workdir / f"timings-{mode}.json"
     log_path = workdir / f"server-{mode}.log"
-    server_log = open(log_path, "w")  # noqa: SIM115
+    server_log = open(log_path, "w")
     process = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(port), mode, database_url,
          REDIS_URL if mode == "pg+redis" else "", str(timings), "" if args.server_cpu is None else str(args.server_cpu)],

@@ -15,20 +15,20 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as in engine_bench: both sides under the same setting
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.linear import Linear  # noqa: E402
+from kernels.linear import Linear
 
 RESULTS = ROOT / "bench" / "results"
 # SmolLM2-135M: hidden 576, 9 + 2x3 heads of 64, MLP 1536, vocabulary 49152.

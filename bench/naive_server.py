@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.config import EngineConfig  # noqa: E402
-from engine.loader import DEFAULT_MODEL_NAME, checkpoint_folder  # noqa: E402
+from engine.config import EngineConfig
+from engine.loader import DEFAULT_MODEL_NAME, checkpoint_folder
 
 
 class TokenQueue(BaseStreamer):

@@ -156,7 +156,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
     command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--data-dir", args.data_dir,
                "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", str(args.max_num_seqs),
                "--max-waiting", str(args.max_waiting), "--max-tokens-cap", "64", "--log-level", "warning"]
-    log = open(workdir / "server.log", "w")  # noqa: SIM115 - the child writes to it until it exits
+    log = open(workdir / "server.log", "w")  # the child writes to it until it exits
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

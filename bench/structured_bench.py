@@ -17,24 +17,24 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as in engine_bench: shared cores
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.serving.structured.guides import compiler_for, json_schema_grammar  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from app.serving.structured.guides import compiler_for, json_schema_grammar
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
 
 RESULTS = ROOT / "bench" / "results"
 SCHEMAS = {

@@ -109,7 +109,7 @@ class AsyncEngine:
             _, request_id, prompt_token_ids, params, tenancy = command
             try:
                 self.core.add_request(request_id, prompt_token_ids, params, tenancy)
-            except Exception as error:  # noqa: BLE001 - refused to its caller; the loop must live on
+            except Exception as error:  # refused to its caller; the loop must live on
                 if not isinstance(error, EngineRejected):
                     log.exception("could not add request %s", request_id)
                 self._deliver(request_id, error)
@@ -135,7 +135,7 @@ class AsyncEngine:
             try:
                 for output in self.core.step():
                     self._deliver(output.request_id, output)
-            except Exception as error:  # noqa: BLE001 - a broken step fails its requests, not the engine
+            except Exception as error:  # a broken step fails its requests, not the engine
                 log.exception("engine step failed")
                 for request_id in list(self.core.groups):
                     self.core.abort(request_id)

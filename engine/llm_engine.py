@@ -166,7 +166,7 @@ class LLMEngine:
             for request, count in zip(batch.requests, batch.num_new_tokens):
                 try:
                     parts.append(self.runner.forward([request], [count]))
-                except Exception as error:  # noqa: BLE001 - reported to that request's caller
+                except Exception as error:  # reported to that request's caller
                     failed.append((request, f"{type(error).__name__}: {error}"))
         failed_set = {request for request, _ in failed}
         for request, count in zip(batch.requests, batch.num_new_tokens):

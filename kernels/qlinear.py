@@ -21,8 +21,8 @@ outputs agree to float32 rounding before the cast to the activation dtype.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 

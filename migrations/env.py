@@ -33,7 +33,7 @@ def run_online() -> None:
         connection.commit()
 
 
-def _run(connection) -> None:  # noqa: ANN001
+def _run(connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

@@ -13,8 +13,18 @@ from app.api.deps import AdminDep, GatewayDep
 from app.errors import invalid_request
 from app.gateway import admin, crud
 from app.gateway.reports import list_requests, parse_group_by, parse_when, to_csv, usage_report
-from app.gateway.schemas import (KeyCreate, KeyCreated, KeyUpdate, KeyView, Page, TeamCreate, TeamUpdate,
-                                 TeamView, UsageReport, UsageRequestView)
+from app.gateway.schemas import (
+    KeyCreate,
+    KeyCreated,
+    KeyUpdate,
+    KeyView,
+    Page,
+    TeamCreate,
+    TeamUpdate,
+    TeamView,
+    UsageReport,
+    UsageRequestView,
+)
 from app.tables import NANO
 
 router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[AdminDep])
@@ -29,7 +39,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
 
-def _page(items: list, limit: int, view) -> dict:  # noqa: ANN001
+def _page(items: list, limit: int, view) -> dict:
     data = [view.of(item) for item in items[:limit]]
     return {"data": data, "has_more": len(items) > limit,
             "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}

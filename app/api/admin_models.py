@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.errors import OpenAIError, invalid_request
 from app.api.deps import AdminDep
+from app.errors import OpenAIError, invalid_request
 from app.registry.pool import ModelPool
 from app.registry.schemas import ModelChanges, ModelCreate, ModelList, ModelView
 from app.registry.spec import RegistryError

@@ -9,18 +9,25 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.serving.body import read_body
 from app.api.deps import ContextDep, PrincipalDep
-from app.serving.context import ModelContext
 from app.errors import invalid_request, server_error
 from app.gateway.contract import Principal
-from app.serving.tracker import (Choice, EngineFailure, RequestTracker, abort_on_disconnect, check_fits,
-                            engine_outputs, rejection_error)
+from app.serving.body import read_body
+from app.serving.context import ModelContext
 from app.serving.prompts import completion_prompt_ids
 from app.serving.sampling import completion_sampling_params
 from app.serving.schemas import CompletionRequest
 from app.serving.streaming import finished_stream, merge, sse, sse_response
 from app.serving.token_text import TokenTexts
+from app.serving.tracker import (
+    Choice,
+    EngineFailure,
+    RequestTracker,
+    abort_on_disconnect,
+    check_fits,
+    engine_outputs,
+    rejection_error,
+)
 from engine.async_engine import EngineRejected
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams

@@ -17,14 +17,14 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
-from app.serving.body import read_body
 from app.api.deps import ContextDep, PrincipalDep
-from app.serving.context import ModelContext
-from app.serving.encoder_queue import EncoderQueue
 from app.errors import OpenAIError, invalid_request
 from app.gateway.contract import Principal, UsageRecord
-from app.serving.tracker import abort_on_disconnect
+from app.serving.body import read_body
+from app.serving.context import ModelContext
+from app.serving.encoder_queue import EncoderQueue
 from app.serving.schemas import Body
+from app.serving.tracker import abort_on_disconnect
 from engine.embeddings import EmbeddingModel, length_sorted_batches
 
 log = logging.getLogger("tokenmill.embeddings")

@@ -13,22 +13,29 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from app.serving.body import read_body
 from app.api.deps import ContextDep, PrincipalDep
-from app.serving.context import ModelContext
 from app.errors import OpenAIError, invalid_request, server_error
 from app.gateway.contract import Principal
-from app.serving.tracker import (Choice, EngineFailure, RequestTracker, abort_on_disconnect, check_fits,
-                            engine_outputs, rejection_error)
-from app.serving.sampling import chat_sampling_params
-from app.serving.schemas import ChatCompletionRequest
+from app.serving.body import read_body
+from app.serving.context import ModelContext
 from app.serving.responses.items import chat_messages, new_item_id, normalize_input, output_items
 from app.serving.responses.output import ResponseEvents, ResponseHeader, final_status, response_usage
 from app.serving.responses.request import ResponsesRequest, check_fields
 from app.serving.responses.store import ResponseStore
 from app.serving.responses.translate import chat_request, renamed_errors
+from app.serving.sampling import chat_sampling_params
+from app.serving.schemas import ChatCompletionRequest
 from app.serving.streaming import sse_response
 from app.serving.structured.plan import StructuredPlan, prepare_chat
+from app.serving.tracker import (
+    Choice,
+    EngineFailure,
+    RequestTracker,
+    abort_on_disconnect,
+    check_fits,
+    engine_outputs,
+    rejection_error,
+)
 from engine.async_engine import EngineRejected
 from engine.sampling_params import SamplingParams
 

@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict
 
-from app.serving.body import read_body
 from app.api.deps import ContextDep, PrincipalDep
-from app.serving.context import ModelContext
 from app.errors import invalid_request
+from app.serving.body import read_body
+from app.serving.context import ModelContext
 from app.serving.schemas import ChatCompletionRequest
 from app.serving.structured.plan import prepare_chat
 

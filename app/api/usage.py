@@ -5,10 +5,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
-from app.errors import OpenAIError
-from app.gateway import crud
 from app.api.admin import CSV_RESPONSE, SessionDep, UsageQuery, usage_response
 from app.api.deps import TeamKeyDep
+from app.errors import OpenAIError
+from app.gateway import crud
 from app.gateway.schemas import UsageReport
 
 router = APIRouter(prefix="/v1", tags=["usage"])

@@ -9,8 +9,8 @@ import argparse
 import os
 import re
 import sys
-from datetime import datetime, timedelta, timezone
-from typing import Callable
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 from app.db import make_engine, migrate, session_factory
 from app.gateway import crud
@@ -47,7 +47,7 @@ def parse_expiry(text: str | None) -> datetime | None:
     if match:
         amount, unit = int(match[1]), match[2]
         delta = {"d": timedelta(days=amount), "h": timedelta(hours=amount), "m": timedelta(minutes=amount)}[unit]
-        return datetime.now(timezone.utc).replace(tzinfo=None) + delta
+        return datetime.now(UTC).replace(tzinfo=None) + delta
     return parse_when(text)
 
 
@@ -59,7 +59,7 @@ def _limits(args: argparse.Namespace) -> dict:
     return {k: v for k, v in limits.items() if v is not None}
 
 
-def _table(rows: list[dict], columns: list[str], out=None) -> None:  # noqa: ANN001
+def _table(rows: list[dict], columns: list[str], out=None) -> None:
     out = out or sys.stdout
     cells = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
@@ -73,7 +73,7 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _team_named(session, name: str):  # noqa: ANN001
+def _team_named(session, name: str):
     team = crud.get_team_by_name(session, name=name)
     if team is None:
         raise LookupError(f"no team named {name!r}")

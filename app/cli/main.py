@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import app.offline  # noqa: F401  (before anything imports huggingface_hub or transformers)
+import app.offline  # noqa: F401 - before anything imports huggingface_hub or transformers
 
 # Before torch loads: idle OpenMP workers sleep instead of spinning, so they don't starve the event loop
 # and the engine thread on small machines (set OMP_WAIT_POLICY=ACTIVE to override on a dedicated box).

@@ -18,15 +18,15 @@ def is_dashboard_path(path: str) -> bool:
 
 
 class DashboardHeadersMiddleware:
-    def __init__(self, app) -> None:  # noqa: ANN001
+    def __init__(self, app) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not is_dashboard_path(scope["path"]):
             await self.app(scope, receive, send)
             return
 
-        async def send_with_headers(message) -> None:  # noqa: ANN001
+        async def send_with_headers(message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *HEADERS]}
             await send(message)

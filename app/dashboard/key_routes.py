@@ -11,13 +11,13 @@ from app.dashboard.rendering import render
 from app.dashboard.team_routes import PAGE_SIZE, team_page
 from app.errors import OpenAIError
 from app.gateway import admin, crud
-from app.tables import Team
 from app.gateway.schemas import KeyCreate, KeyUpdate
+from app.tables import Team
 
 router = APIRouter()
 
 
-def team_names(session, team_ids: set[int]) -> dict[int, str]:  # noqa: ANN001
+def team_names(session, team_ids: set[int]) -> dict[int, str]:
     if not team_ids:
         return {}
     return dict(session.execute(select(Team.id, Team.name).where(Team.id.in_(team_ids))).all())

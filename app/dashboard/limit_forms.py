@@ -29,7 +29,7 @@ def limits_from(form: dict[str, str]) -> dict:
     return values
 
 
-def body_from(form: dict[str, str], model: type[Body], **fields) -> Body:  # noqa: ANN003
+def body_from(form: dict[str, str], model: type[Body], **fields) -> Body:
     """The form's limits (and `fields`) as `model`, or FormError with a message for the page."""
     values = {**limits_from(form), **fields}
     try:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from app.dashboard.histograms import HistogramCounts, quantile
 from engine.stats import EngineStats
@@ -111,7 +111,7 @@ SERIES_FIELDS = ("running", "waiting", "swapped", "seq_occupancy", "token_occupa
 
 
 def _utc_day(unix: float) -> str:
-    return datetime.fromtimestamp(unix, timezone.utc).date().isoformat()
+    return datetime.fromtimestamp(unix, UTC).date().isoformat()
 
 
 class ModelHistory:
@@ -215,7 +215,7 @@ class LiveSampler:
         while True:
             try:
                 self.sample()
-            except Exception:  # noqa: BLE001 - a failed sample must not end sampling
+            except Exception:  # a failed sample must not end sampling
                 log.exception("dashboard sampler failed")
             await asyncio.sleep(self.interval_s)
 

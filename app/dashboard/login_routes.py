@@ -10,8 +10,8 @@ from starlette.concurrency import run_in_threadpool
 
 from app.dashboard.deps import CheckedForm, DashboardDep, PageSession, current_session, read_form, safe_next
 from app.dashboard.rendering import render
-from app.errors import OpenAIError
 from app.dashboard.sessions import LOGIN_COOKIE, SESSION_COOKIE, AdminSession
+from app.errors import OpenAIError
 
 router = APIRouter()
 
@@ -22,7 +22,7 @@ def _secure(request: Request) -> bool:
     return request.app.state.context.settings.secure_cookies or request.url.scheme == "https"
 
 
-def login_page(request: Request, dashboard, *, next_path: str, error: str | None = None,  # noqa: ANN001
+def login_page(request: Request, dashboard, *, next_path: str, error: str | None = None,
                status_code: int = 200) -> Response:
     token, cookie = dashboard.signer.login_token()
     response = render(request, "login.html", None, status_code=status_code, login_token=token,

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy.exc import IntegrityError
 
@@ -30,7 +30,7 @@ class PlaygroundKey:
 
 
 class PlaygroundKeys:
-    def __init__(self, gateway, *, clock: Callable[[], float] = time.time) -> None:  # noqa: ANN001
+    def __init__(self, gateway, *, clock: Callable[[], float] = time.time) -> None:
         self.gateway = gateway
         self.clock = clock
         self._by_session: dict[str, PlaygroundKey] = {}
@@ -48,7 +48,7 @@ class PlaygroundKeys:
 
     def _mint(self) -> PlaygroundKey:
         expires_at = int(self.clock() + KEY_LIFETIME_S)
-        expires = datetime.fromtimestamp(expires_at, timezone.utc)
+        expires = datetime.fromtimestamp(expires_at, UTC)
         with self.gateway.sessions() as session:
             team_id = self._team_id(session)
             created = admin.create_key(KeyCreate(team_id=team_id, name="dashboard playground",
@@ -56,7 +56,7 @@ class PlaygroundKeys:
         return PlaygroundKey(created.key, created.id, team_id, expires_at)
 
     @staticmethod
-    def _team_id(session) -> int:  # noqa: ANN001
+    def _team_id(session) -> int:
         team = crud.get_team_by_name(session, name=PLAYGROUND_TEAM)
         if team is not None:
             return team.id

@@ -2,7 +2,7 @@
 /v1/chat/completions with a short-lived key of the `playground` team (see playground_keys)."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +24,6 @@ def playground(request: Request, session: PageSession) -> Response:
 @router.post("/admin/playground/key", include_in_schema=False)
 async def playground_key(session: CheckedCall, dashboard: DashboardDep) -> Response:
     minted = await run_in_threadpool(dashboard.playground.key_for, session.session_id)
-    expires = datetime.fromtimestamp(minted.expires_at, timezone.utc).isoformat()
+    expires = datetime.fromtimestamp(minted.expires_at, UTC).isoformat()
     return JSONResponse({"key": minted.key, "key_id": minted.key_id, "team_id": minted.team_id,
                          "expires_at": expires}, headers=NO_STORE)

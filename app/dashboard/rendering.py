@@ -1,7 +1,7 @@
 """Jinja2 pages from web/templates (autoescaped), with the CSRF token and a few number filters."""
 from __future__ import annotations
 
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 from fastapi import Request
@@ -14,7 +14,7 @@ WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 NO_STORE = {"cache-control": "no-store"}
 
 
-def _number(value) -> str:  # noqa: ANN001
+def _number(value) -> str:
     if value is None:
         return "—"
     if isinstance(value, float) and not value.is_integer():
@@ -22,25 +22,25 @@ def _number(value) -> str:  # noqa: ANN001
     return f"{int(value):,}"
 
 
-def _usd(value) -> str:  # noqa: ANN001
+def _usd(value) -> str:
     if value is None:
         return "—"
     return f"${value:,.6f}".rstrip("0").rstrip(".") if value < 1 else f"${value:,.2f}"
 
 
-def _when(value) -> str:  # noqa: ANN001
+def _when(value) -> str:
     if value is None:
         return "—"
     if isinstance(value, datetime):
         if value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+            value = value.astimezone(UTC).replace(tzinfo=None)
         return value.strftime("%Y-%m-%d %H:%M")
     if isinstance(value, date):
         return value.isoformat()
     return str(value)
 
 
-def _field_value(value) -> str:  # noqa: ANN001
+def _field_value(value) -> str:
     """A value as a form field shows it: empty for None, lists comma-separated, times without seconds."""
     if value is None:
         return ""
@@ -58,7 +58,7 @@ templates.env.filters.update(number=_number, usd=_usd, when=_when, field=_field_
 
 
 def render(request: Request, name: str, session: AdminSession | None, *, status_code: int = 200,
-           **context) -> HTMLResponse:  # noqa: ANN003
+           **context) -> HTMLResponse:
     signer = request.app.state.dashboard.signer
     context = {"csrf_token": signer.csrf_token(session) if session is not None else "", "logged_in": session
                is not None, **context}

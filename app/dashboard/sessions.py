@@ -10,7 +10,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -92,7 +92,7 @@ def _id_hash(session_id: str) -> str:
 
 
 def _naive_utc(unix: float) -> datetime:
-    return datetime.fromtimestamp(unix, timezone.utc).replace(tzinfo=None)
+    return datetime.fromtimestamp(unix, UTC).replace(tzinfo=None)
 
 
 class SessionStore:

@@ -19,7 +19,7 @@ def _source(served: ServedModel) -> ModelSource:
     )
 
 
-def model_sources(app) -> list[ModelSource]:  # noqa: ANN001 - FastAPI
+def model_sources(app) -> list[ModelSource]:  # FastAPI
     return [_source(served) for served in app.state.context.models.loaded() if served.engine is not None]
 
 
@@ -32,7 +32,7 @@ ENGINE_SETTING_NOTES = {
 }
 
 
-def model_cards(app) -> list[dict]:  # noqa: ANN001
+def model_cards(app) -> list[dict]:
     """Every registered model; the engine's numbers for those loaded here."""
     pool = app.state.context.models
     gateway = getattr(app.state, "gateway", None)

@@ -11,8 +11,8 @@ from app.dashboard.limit_forms import FormError, body_from
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
 from app.gateway import admin, crud
-from app.tables import ApiKey
 from app.gateway.schemas import TeamCreate, TeamUpdate
+from app.tables import ApiKey
 
 router = APIRouter()
 PAGE_SIZE = 50
@@ -20,7 +20,7 @@ NOTICES = {"created": "Team created.", "saved": "Limits saved.", "revoked": "Key
            "deleted": "Team deleted; its keys are revoked.", "key_saved": "Key saved."}
 
 
-def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:  # noqa: ANN001
+def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:
     if not team_ids:
         return {}
     query = (select(ApiKey.team_id, func.count()).where(ApiKey.team_id.in_(team_ids), ApiKey.revoked_at.is_(None))
@@ -28,7 +28,7 @@ def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:  # noqa: AN
     return dict(session.execute(query).all())
 
 
-def teams_page(request: Request, session_, dashboard, *, after: int | None, error: str | None = None,  # noqa: ANN001
+def teams_page(request: Request, session_, dashboard, *, after: int | None, error: str | None = None,
                form: dict | None = None, status_code: int = 200) -> Response:
     with dashboard.gateway.sessions() as session:
         teams = list(crud.list_teams(session, limit=PAGE_SIZE + 1, after=after))
@@ -55,7 +55,7 @@ def create_team(request: Request, session: PageSession, dashboard: DashboardDep,
     return RedirectResponse(f"/admin/teams/{team.id}?done=created", status_code=303)
 
 
-def team_page(request: Request, session_, dashboard, team_id: int, *, after: int | None = None,  # noqa: ANN001
+def team_page(request: Request, session_, dashboard, team_id: int, *, after: int | None = None,
               revoked: bool = False, done: str | None = None, error: str | None = None,
               status_code: int = 200) -> Response:
     with dashboard.gateway.sessions() as session:

@@ -3,7 +3,7 @@ daily chart (JSON for the page's script) and a CSV download. The gateway's repor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -42,7 +42,7 @@ class UsageFilter:
     @classmethod
     def of(cls, *, since: str | None, until: str | None, group: list[str], team_id: str | None,
            key_id: str | None, model: str | None, offset: int = 0) -> UsageFilter:
-        today = datetime.now(timezone.utc).date()
+        today = datetime.now(UTC).date()
         last = _day(until, today)
         first = min(_day(since, last - timedelta(days=DEFAULT_DAYS - 1)), last)
         groups = tuple(g for g in GROUPS if g in group) or ("day",)
@@ -54,7 +54,7 @@ class UsageFilter:
                 "until": datetime.combine(self.last_day + timedelta(days=1), time()),
                 "team_id": self.team_id, "key_id": self.key_id, "model": self.model}
 
-    def query(self, **changes) -> str:  # noqa: ANN003
+    def query(self, **changes) -> str:
         values = {"since": self.first_day.isoformat(), "until": self.last_day.isoformat(), "group": list(self.group_by),
                   "team_id": self.team_id, "key_id": self.key_id, "model": self.model, "offset": self.offset, **changes}
         return urlencode([(k, v) for k, v in values.items() if v not in (None, "", 0) and k != "group"]
@@ -63,7 +63,7 @@ class UsageFilter:
 
 @router.get("/admin/usage", include_in_schema=False)
 def usage_page(request: Request, session: PageSession, dashboard: DashboardDep, since: str | None = None,
-               until: str | None = None, group: Annotated[list[str], Query()] = [],  # noqa: B006
+               until: str | None = None, group: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies the default per request
                team_id: str | None = None, key_id: str | None = None, model: str | None = None,
                offset: int = 0) -> Response:
     query = UsageFilter.of(since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model,
@@ -80,7 +80,7 @@ def usage_page(request: Request, session: PageSession, dashboard: DashboardDep, 
 
 @router.get("/admin/usage.csv", include_in_schema=False)
 def usage_csv(session: PageSession, dashboard: DashboardDep, since: str | None = None, until: str | None = None,
-              group: Annotated[list[str], Query()] = [],  # noqa: B006
+              group: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies the default per request
               team_id: str | None = None, key_id: str | None = None, model: str | None = None) -> Response:
     query = UsageFilter.of(since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model)
     with dashboard.gateway.sessions() as db:

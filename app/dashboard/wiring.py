@@ -7,8 +7,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from app.dashboard import (key_routes, login_routes, model_routes, overview_routes, playground_routes, team_routes,
-                           usage_routes)
+from app.dashboard import (
+    key_routes,
+    login_routes,
+    model_routes,
+    overview_routes,
+    playground_routes,
+    team_routes,
+    usage_routes,
+)
 from app.dashboard.deps import CsrfRejected, Dashboard, LoginRequired, login_url
 from app.dashboard.headers import DashboardHeadersMiddleware
 from app.dashboard.live import LiveSampler

@@ -22,7 +22,7 @@ def _commit(session: Session) -> None:
         raise
 
 
-def _changes(body) -> dict:  # noqa: ANN001
+def _changes(body) -> dict:
     return body.model_dump(exclude_unset=True)
 
 

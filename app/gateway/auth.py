@@ -22,9 +22,9 @@ from app.gateway import contract
 from app.gateway.budget import BudgetScope
 from app.gateway.crud import find_key
 from app.gateway.keys import hash_key
-from app.tables import ApiKey, Team
 from app.gateway.ratelimit import Scope
 from app.gateway.refresh import RefreshRounds
+from app.tables import ApiKey, Team
 
 
 @dataclass(frozen=True)

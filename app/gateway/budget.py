@@ -18,9 +18,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.tables import NANO, UsageDaily
 from app.gateway.refresh import RefreshRounds
 from app.gateway.usage import UsageEvent
+from app.tables import NANO, UsageDaily
 
 
 @dataclass(frozen=True)

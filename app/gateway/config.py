@@ -6,9 +6,10 @@ input / output tokens from --model-prices, "*" for any model not listed, 0 other
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from app.settings import Settings, default_database_url
 

@@ -14,8 +14,9 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 log = logging.getLogger("tokenmill.gateway.ratelimit")
 
@@ -218,7 +219,7 @@ class RedisCounters:
             try:
                 self.calls += 1
                 out = await self._acquire(keys=keys, args=args)
-            except Exception as error:  # noqa: BLE001 - each caller decides what an outage means
+            except Exception as error:  # each caller decides what an outage means
                 for *_, future in batch:
                     if not future.done():
                         future.set_exception(error)
@@ -265,7 +266,7 @@ class RateLimiter:
         reserve = reserve_tokens if any(s.tpm is not None for s in scopes) else 0
         try:
             rejected, counts = await self.counters.acquire(window, 2 * self.window_s, scopes, reserve)
-        except Exception as exc:  # noqa: BLE001 - a counter outage must not take the API down
+        except Exception as exc:  # a counter outage must not take the API down
             self._log_outage(exc)
             return UNLIMITED
         requests = _binding([(s.rpm, r) for s, (r, _t) in zip(scopes, counts)], reset_s)
@@ -281,7 +282,7 @@ class RateLimiter:
         window, _ = self._window()
         try:
             await self.counters.add_tokens(window, 2 * self.window_s, [(s, tokens) for s in scopes])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._log_outage(exc)
 
     def count_tokens(self, scopes: Sequence[Scope], tokens: int, window: int | None = None) -> None:
@@ -319,7 +320,7 @@ class RateLimiter:
         for window, amounts in by_window.items():
             try:
                 await self.counters.add_tokens(window, 2 * self.window_s, amounts)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._log_outage(exc)
 
     def _log_outage(self, exc: Exception) -> None:

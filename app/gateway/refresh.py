@@ -32,7 +32,7 @@ class RefreshRounds:
         try:
             if self.refresh_due():
                 self.rounds += 1
-        except Exception as error:  # noqa: BLE001 - the store is away: entries expire by their own rule
+        except Exception as error:  # the store is away: entries expire by their own rule
             log.debug("%s refresh failed: %s", self.what, type(error).__name__)
 
     def _done(self, _future: asyncio.Future) -> None:

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import date, datetime, time, timedelta, timezone
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from datetime import UTC, date, datetime, time, timedelta
+from typing import Any
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from app.tables import NANO, ApiKey, Team, UsageDaily, UsageRow
 from app.gateway.usage import ABORTED, OK
+from app.tables import NANO, ApiKey, Team, UsageDaily, UsageRow
 
 GROUPS = ("day", "team", "key", "model", "replica")
 SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "cost_usd")
@@ -32,7 +33,7 @@ def parse_when(value: str | date | datetime | None) -> datetime | None:
         text = value.strip().replace("Z", "+00:00")
         parsed = datetime.combine(date.fromisoformat(text), time()) if len(text) == 10 else datetime.fromisoformat(text)
     if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(timezone.utc).replace(tzinfo=None)
+        parsed = parsed.astimezone(UTC).replace(tzinfo=None)
     return parsed
 
 

@@ -1,7 +1,7 @@
 """Admin API bodies and views. Views never carry a key's hash; only create returns the plaintext."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
@@ -72,7 +72,7 @@ class _View(BaseModel):
 
     @field_serializer("created_at", "last_used_at", "expires_at", check_fields=False)
     def _utc(self, value: datetime | None) -> str | None:
-        return None if value is None else value.replace(tzinfo=timezone.utc).isoformat()
+        return None if value is None else value.replace(tzinfo=UTC).isoformat()
 
 
 class TeamView(_View):

@@ -8,26 +8,27 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable, TextIO
+from datetime import UTC, datetime
+from typing import TextIO
 
 from fastapi import Request
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from app.db import make_engine, migrate, session_factory
-from app.tables import NANO
 from app.errors import OpenAIError, invalid_api_key, model_not_found
 from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_admin_identity
 from app.gateway.auth import FailedAuthLimiter, KeyCache, KeyPrincipal
 from app.gateway.budget import BudgetScope, BudgetTracker
 from app.gateway.config import GatewayConfig, ModelPrice
+from app.gateway.contract import UsageRecord
 from app.gateway.headers import offer_headers
 from app.gateway.keys import bearer_token, visible_prefix
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters, Scope
 from app.gateway.usage import UsageEvent, UsageWriter
-from app.gateway.contract import UsageRecord
+from app.tables import NANO
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -47,7 +48,7 @@ class Reservation:
 
 
 def naive_utc(unix: float) -> datetime:
-    return datetime.fromtimestamp(unix, timezone.utc).replace(tzinfo=None)
+    return datetime.fromtimestamp(unix, UTC).replace(tzinfo=None)
 
 
 class TeamGateway:

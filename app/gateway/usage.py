@@ -262,7 +262,7 @@ class UsageWriter:
             team_times, self._team_times = self._team_times, {}
         try:
             write_batch(self.engine, batch, key_times=key_times, team_times=team_times)
-        except Exception as exc:  # noqa: BLE001 - keep the rows, retry later
+        except Exception as exc:  # keep the rows, retry later
             self._buffer.extendleft(reversed(batch))
             if key_times:
                 self._key_times = {**key_times, **self._key_times}
@@ -308,7 +308,7 @@ class UsageWriter:
             except OSError:
                 return 0
         try:
-            handle = open(claimed, encoding="utf-8")  # noqa: SIM115 - held locked while its rows are written
+            handle = open(claimed, encoding="utf-8")  # held locked while its rows are written
         except OSError:  # another replica replayed it meanwhile
             return 0
         with handle:

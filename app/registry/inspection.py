@@ -128,8 +128,8 @@ def _folder_config(path: Path) -> dict:
                             code="unsupported_model") from None
     if not isinstance(config, dict):
         raise RegistryError(f"{path}/config.json is not a JSON object.", param="path", code="unsupported_model")
-    for field, limit in SHAPE_LIMITS.items():
-        _check_shape(config.get(field), field, limit, path / "config.json")
+    for shape_field, limit in SHAPE_LIMITS.items():
+        _check_shape(config.get(shape_field), shape_field, limit, path / "config.json")
     return config
 
 
@@ -156,6 +156,6 @@ def _gguf_facts(path: Path) -> tuple[str, int | None, dict[str, float | int]]:
     except (OSError, ValueError, KeyError, struct.error, RecursionError) as error:
         raise RegistryError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}", param="path",
                             code="unsupported_model") from None
-    for key, field in GGUF_SHAPES.items():
-        _check_shape(header.get(f"{architecture}.{key}"), f"{architecture}.{key}", SHAPE_LIMITS[field], path)
+    for key, shape_field in GGUF_SHAPES.items():
+        _check_shape(header.get(f"{architecture}.{key}"), f"{architecture}.{key}", SHAPE_LIMITS[shape_field], path)
     return architecture, header.get(f"{architecture}.context_length"), gguf_sampling_defaults(header, path)

@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
-from app.observability.costs import HardwareCostMeter
 from app.errors import OpenAIError, model_not_found
+from app.observability.costs import HardwareCostMeter
 from app.registry.inspection import SourceFacts, inspect_source
 from app.registry.loading import load_model, preloaded_spec, return_memory_to_os
 from app.registry.memory import check_fits
@@ -176,7 +176,7 @@ class ModelPool:
             await asyncio.sleep(interval_s)
             try:
                 await self.refresh()
-            except Exception as error:  # noqa: BLE001 - the store may be away for a while; try again later
+            except Exception as error:  # the store may be away for a while; try again later
                 log.warning("could not re-read the model registry: %s", error)
 
     async def register(self, fields: Mapping[str, Any], *, load: bool = False) -> ModelSpec:

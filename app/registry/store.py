@@ -8,8 +8,8 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.gateway.crud import utcnow
-from app.tables import RegisteredModel
 from app.registry.spec import ModelSpec, price_of
+from app.tables import RegisteredModel
 
 PRICE_COLUMNS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")
 

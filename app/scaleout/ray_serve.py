@@ -24,8 +24,8 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from app.errors import OpenAIError
+from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from app.scaleout.prefix_routing import (
     IMBALANCE,
     PREFIX_CHARS,

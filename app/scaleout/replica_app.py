@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-import app.offline  # noqa: F401  (Ray Serve replicas start here, not in app.cli.main)
+import app.offline  # noqa: F401 - Ray Serve replicas start here, not in app.cli.main
 from app.settings import Settings
 
 

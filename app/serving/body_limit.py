@@ -73,11 +73,11 @@ class BodyLimitMiddleware:
             await body_too_large(limit).response()(scope, receive, send)
 
 
-async def _body_too_large(request, error: BodyTooLarge):  # noqa: ANN001, ANN201 - a FastAPI exception handler
+async def _body_too_large(request, error: BodyTooLarge):  # a FastAPI exception handler
     return body_too_large(error.limit).response()
 
 
-def install_body_limit(app, max_body_bytes: int) -> None:  # noqa: ANN001 - a FastAPI app
+def install_body_limit(app, max_body_bytes: int) -> None:  # a FastAPI app
     """Outermost of the app's own middleware, so it also covers what other middleware would read."""
     app.add_exception_handler(BodyTooLarge, _body_too_large)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)

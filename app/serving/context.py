@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Response
 
-from app.observability.costs import HardwareCostMeter
 from app.errors import invalid_request, model_not_found
 from app.gateway.contract import Gateway, Principal
+from app.observability.costs import HardwareCostMeter
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
 from app.serving.responses.store import ResponseStore

@@ -65,7 +65,7 @@ class EncoderQueue:
                 continue
             try:
                 vectors, _ = batch[0].model.encode_token_ids([ids for job in batch for ids in job.token_ids])
-            except Exception as error:  # noqa: BLE001  (the requests in this batch fail; the worker goes on)
+            except Exception as error:  # the requests in this batch fail; the worker goes on
                 for job in batch:
                     job.result.set_exception(error)
                 continue

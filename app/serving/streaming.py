@@ -30,11 +30,11 @@ class TrackedStreamingResponse(StreamingResponse):
     never start and their finally never runs, so the response finishes the tracker itself (a no-op
     when the events did) and closes the events, which aborts whatever they began in the engine."""
 
-    def __init__(self, events: AsyncIterator[str], tracker: RequestTracker, **options) -> None:  # noqa: ANN003
+    def __init__(self, events: AsyncIterator[str], tracker: RequestTracker, **options) -> None:
         super().__init__(events, **options)
         self.tracker = tracker
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

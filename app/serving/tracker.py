@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from app.serving.context import ModelContext
 from app.errors import OpenAIError, invalid_request
 from app.gateway.contract import Principal, UsageRecord
+from app.serving.context import ModelContext
 from engine.async_engine import EngineRejected
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.sampling_params import SamplingParams

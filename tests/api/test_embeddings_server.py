@@ -12,8 +12,16 @@ import pytest
 
 from app.main import create_app
 from app.settings import Settings
-from tests.support.gateway import (FAKE_MODEL, FakeEngine, bearer, build_app, create_key, create_team, serve_in_thread,
-                                   usage_rows)
+from tests.support.gateway import (
+    FAKE_MODEL,
+    FakeEngine,
+    bearer,
+    build_app,
+    create_key,
+    create_team,
+    serve_in_thread,
+    usage_rows,
+)
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = ["The capital of France is Paris.", "Ünïcödé café 日本語 🚀", "a"]
@@ -173,7 +181,7 @@ def test_embedding_tokens_count_in_the_real_cost_per_token(served_app, minilm):
 
 
 @pytest.fixture
-def gateway(make_gateway):  # noqa: F811  (the fixture imported above)
+def gateway(make_gateway):  # the fixture imported above
     """The real gateway on a fresh database (SQLite, then PostgreSQL)."""
     return make_gateway()
 

@@ -10,8 +10,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import (Response, ResponseFunctionToolCall, ResponseInputMessageItem,
-                                    ResponseOutputMessage, ResponseTextDeltaEvent)
+from openai.types.responses import (
+    Response,
+    ResponseFunctionToolCall,
+    ResponseInputMessageItem,
+    ResponseOutputMessage,
+    ResponseTextDeltaEvent,
+)
 
 from engine.config import EngineConfig
 from tests.support.server import MODEL, running_server

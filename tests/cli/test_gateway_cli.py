@@ -9,7 +9,7 @@ from app.cli.main import main
 from tests.support.gateway import bearer, build_app, chat_body
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:  # noqa: ANN001
+def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     captured = capsys.readouterr()
     return code, captured.out, captured.err

@@ -71,7 +71,7 @@ def server(browser, smollm2, tmp_path_factory):  # no model load when there is n
 class Visit:
     """One browser context on the server: every URL it requests and every script error it hits."""
 
-    def __init__(self, browser, server) -> None:  # noqa: ANN001
+    def __init__(self, browser, server) -> None:
         self.server = server
         self.context = browser.new_context(base_url=server.url, viewport={"width": 1440, "height": 1000})
         self.urls: list[str] = []
@@ -106,11 +106,11 @@ def visit(browser, server):
     assert [error for error in visit.errors if "401" not in error] == [], "script errors on the page"
 
 
-def number_in(page, selector: str) -> int:  # noqa: ANN001
+def number_in(page, selector: str) -> int:
     return int(re.sub(r"[^\d]", "", page.inner_text(selector)) or 0)
 
 
-def wait_for_number(page, selector: str, at_least: int) -> None:  # noqa: ANN001
+def wait_for_number(page, selector: str, at_least: int) -> None:
     page.wait_for_function(
         "([selector, n]) => { const node = document.querySelector(selector);"
         " return node && Number(node.textContent.replace(/[^0-9]/g, '')) >= n; }",

@@ -2,7 +2,7 @@
 last minute, real cost per token (hardware cost over tokens produced), 15 minutes of history."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from prometheus_client import Histogram
@@ -11,7 +11,7 @@ from app.dashboard.histograms import HistogramCounts, quantile
 from app.dashboard.live import LiveSampler, ModelSource, cost_per_million
 from engine.stats import EngineStats
 
-START = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc).timestamp()
+START = datetime(2026, 11, 29, 12, 0, tzinfo=UTC).timestamp()
 
 
 class FakeModel:
@@ -42,7 +42,7 @@ def model():
     return FakeModel()
 
 
-def sampler_for(model: FakeModel, **options) -> LiveSampler:  # noqa: ANN003
+def sampler_for(model: FakeModel, **options) -> LiveSampler:
     return LiveSampler(lambda: [model.source()], clock=lambda: model.now, **options)
 
 
@@ -170,7 +170,7 @@ def test_series_after_a_time_holds_only_newer_points(model):
 
 
 def test_today_starts_again_at_utc_midnight(model):
-    model.now = datetime(2026, 11, 29, 23, 59, 58, tzinfo=timezone.utc).timestamp()
+    model.now = datetime(2026, 11, 29, 23, 59, 58, tzinfo=UTC).timestamp()
     sampler = sampler_for(model, hardware_cost_per_hour=1.0)
     sampler.sample()
     model.stats.generation_tokens_total += 500
@@ -181,7 +181,7 @@ def test_today_starts_again_at_utc_midnight(model):
     tick(sampler, model)
     current = sampler.current("m")
     assert current["today_tokens_out"] == 70
-    assert datetime.fromtimestamp(current["today_since"], timezone.utc).day == 30
+    assert datetime.fromtimestamp(current["today_since"], UTC).day == 30
 
 
 def test_the_live_payload_samples_on_first_use(model):

@@ -8,7 +8,7 @@ import io
 import random
 import re
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from datetime import time as dt_time
 from pathlib import Path
 
@@ -115,14 +115,14 @@ def test_usage_table_and_csv_follow_the_requests(admin):
     assert "attachment" in response.headers["content-disposition"]
     [row] = list(csv.DictReader(io.StringIO(response.text)))
     assert (row["team_name"], row["requests"], row["completion_tokens"]) == ("metered", "3", "12")
-    assert row["day"] == datetime.now(timezone.utc).date().isoformat()
+    assert row["day"] == datetime.now(UTC).date().isoformat()
 
 
 def test_usage_chart_data_has_every_day_of_the_range(admin):
     key = admin.create_key(admin.create_team())
     assert chat(admin.client, key, max_tokens=6).status_code == 200
     admin.usage_rows()
-    today = datetime.now(timezone.utc).date()
+    today = datetime.now(UTC).date()
     data = admin.client.get(f"/admin/data/usage?since={today - timedelta(days=6)}&until={today}").json()
     assert len(data["day"]) == 7 and data["day"][-1] == today.isoformat()
     assert data["completion_tokens"] == [0] * 6 + [6]
@@ -140,7 +140,7 @@ def test_the_playground_key_is_a_short_lived_metered_key(admin):
     response = admin.client.post("/admin/playground/key", headers={"x-csrf-token": admin.csrf})
     minted = response.json()
     expires = datetime.fromisoformat(minted["expires_at"])
-    assert timedelta(minutes=50) < expires - datetime.now(timezone.utc) <= timedelta(hours=1)
+    assert timedelta(minutes=50) < expires - datetime.now(UTC) <= timedelta(hours=1)
     again = admin.client.post("/admin/playground/key", headers={"x-csrf-token": admin.csrf}).json()
     assert again["key"] == minted["key"]
     assert chat(admin.client, minted["key"]).status_code == 200
@@ -171,7 +171,7 @@ def test_the_overview_data_reports_the_fake_engine(admin):
 def fill(gateway, *, keys: int, usage_rows: int, days: int = 30) -> int:
     """10k keys in one team and 100k usage rows over `days` days, with their daily roll-ups."""
     rng = random.Random(0)
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = datetime.now(UTC).replace(tzinfo=None)
     with gateway.engine.begin() as connection:
         team_id = connection.execute(insert(Team).values(name="big", allowed_models=[], budget_period="month",
                                                          blocked=False, created_at=now)).inserted_primary_key[0]
@@ -200,7 +200,7 @@ def fill(gateway, *, keys: int, usage_rows: int, days: int = 30) -> int:
     return team_id
 
 
-def timed_get(admin, path: str) -> tuple[float, str]:  # noqa: ANN001
+def timed_get(admin, path: str) -> tuple[float, str]:
     started = time.perf_counter()
     response = admin.client.get(path)
     assert response.status_code == 200, (path, response.text[:500])
@@ -209,7 +209,7 @@ def timed_get(admin, path: str) -> tuple[float, str]:  # noqa: ANN001
 
 def test_pages_stay_fast_with_100k_usage_rows_and_10k_keys(admin):
     team_id = fill(admin.gateway, keys=10_000, usage_rows=100_000)
-    today = datetime.now(timezone.utc).date()
+    today = datetime.now(UTC).date()
     since = today - timedelta(days=29)
     pages = [
         "/admin/teams", f"/admin/teams/{team_id}", "/admin/keys", "/admin/keys?after=9000",

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import time
 
-from tests.support.dashboard import bearer, chat
-from tests.support.gateway import FAKE_MODEL, admin_headers
 from tests.registry.test_registry import checkpoint
 from tests.registry.test_sampling_defaults import with_generation_config
+from tests.support.dashboard import bearer, chat
+from tests.support.gateway import FAKE_MODEL, admin_headers
 
 
-def models_page(admin) -> str:  # noqa: F811
+def models_page(admin) -> str:
     return admin.client.get("/admin/models").text
 
 
-def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):  # noqa: F811
+def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):
     response = admin.client.post("/admin/api/models", headers=admin_headers(), json={
         "name": "tiny", "path": str(checkpoint(tmp_path / "tiny")), "aliases": ["gpt-4o-mini"],
         "price_input_per_1m": 0.15, "price_output_per_1m": 0.6})
@@ -27,7 +27,7 @@ def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):  # noq
     assert f'action="/admin/models/{FAKE_MODEL}/unload"' in page and 'action="/admin/models/tiny/load"' in page
 
 
-def test_the_models_page_shows_each_models_sampling_defaults(admin, tmp_path):  # noqa: F811
+def test_the_models_page_shows_each_models_sampling_defaults(admin, tmp_path):
     response = admin.client.post("/admin/api/models", headers=admin_headers(), json={
         "name": "qwen-like", "path": str(with_generation_config(tmp_path / "qwen-like"))})
     assert response.status_code == 201, response.text
@@ -37,7 +37,7 @@ def test_the_models_page_shows_each_models_sampling_defaults(admin, tmp_path):  
     assert "temperature 0.6 · top_p 0.95 · top_k 20 · repetition_penalty 1.05 · max_tokens 256" in registered
 
 
-def test_the_unload_button_stops_serving_the_model(admin):  # noqa: F811
+def test_the_unload_button_stops_serving_the_model(admin):
     key = admin.create_key(admin.create_team())
     assert chat(admin.client, key).status_code == 200
     response = admin.post(f"/admin/models/{FAKE_MODEL}/unload")
@@ -51,7 +51,7 @@ def test_the_unload_button_stops_serving_the_model(admin):  # noqa: F811
     assert admin.client.get("/v1/models", headers=bearer(key)).json()["data"][0]["status"] == "unloaded"
 
 
-def test_a_model_that_cannot_load_says_why(admin, tmp_path):  # noqa: F811
+def test_a_model_that_cannot_load_says_why(admin, tmp_path):
     admin.client.post("/admin/api/models", headers=admin_headers(),
                       json={"name": "hollow", "path": str(checkpoint(tmp_path / "hollow"))})
     response = admin.post("/admin/models/hollow/load")

@@ -6,8 +6,15 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (Sampler, SamplingState, apply_logit_processors, blocked_argmax, inverse_cdf_sample,
-                            make_generator, truncation_thresholds)
+from engine.sampler import (
+    Sampler,
+    SamplingState,
+    apply_logit_processors,
+    blocked_argmax,
+    inverse_cdf_sample,
+    make_generator,
+    truncation_thresholds,
+)
 from engine.sampling_params import SamplingParams
 
 VOCAB = 1024  # a multiple of the block size, like real vocabularies: the blocked fast paths run

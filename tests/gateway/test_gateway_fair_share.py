@@ -6,8 +6,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.support.gateway import (FakeEngine, admin_headers, bearer, build_app, chat_body, create_key,
-                                   create_team)
+from tests.support.gateway import FakeEngine, admin_headers, bearer, build_app, chat_body, create_key, create_team
 from tests.support.server import MODEL, running_server
 
 SYSTEM = ("You are the support assistant of a company that sells bicycles, helmets and spare parts. Answer "

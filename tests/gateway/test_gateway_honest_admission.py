@@ -11,8 +11,17 @@ import httpx
 import pytest
 
 from app.gateway.config import parse_prices
-from tests.support.gateway import (FakeEngine, admin_headers, bearer, build_app, chat_body, prompt_tokens_of,
-                                   redis_prefix, serve_in_thread, usage_rows)
+from tests.support.gateway import (
+    FakeEngine,
+    admin_headers,
+    bearer,
+    build_app,
+    chat_body,
+    prompt_tokens_of,
+    redis_prefix,
+    serve_in_thread,
+    usage_rows,
+)
 
 CONCURRENT = 16
 PROMPT = prompt_tokens_of("say hello")  # 6 tokens under the fake chat template

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
@@ -10,11 +10,19 @@ from sqlalchemy import select
 
 from app.gateway.keys import hash_key
 from app.tables import ApiKey
-from tests.support.gateway import (FAKE_MODEL, FakeClock, admin_headers, bearer, build_app, chat_body, create_key,
-                                   create_team)
+from tests.support.gateway import (
+    FAKE_MODEL,
+    FakeClock,
+    admin_headers,
+    bearer,
+    build_app,
+    chat_body,
+    create_key,
+    create_team,
+)
 
 
-def client_for(gateway) -> TestClient:  # noqa: ANN001
+def client_for(gateway) -> TestClient:
     return TestClient(build_app(gateway))
 
 
@@ -63,7 +71,7 @@ def test_missing_unknown_and_malformed_keys_get_401_in_openai_shape(make_gateway
 def test_expired_key_gets_401(make_gateway):
     clock = FakeClock()
     gateway = make_gateway(clock=clock)
-    expires = datetime.fromtimestamp(clock.now, timezone.utc) + timedelta(minutes=5)
+    expires = datetime.fromtimestamp(clock.now, UTC) + timedelta(minutes=5)
     with client_for(gateway) as client:
         key = create_key(client, create_team(client)["id"], expires_at=expires.isoformat())
         assert client.post("/v1/chat/completions", json=chat_body(), headers=bearer(key["key"])).status_code == 200
@@ -180,7 +188,7 @@ def test_admin_errors_are_in_openai_shape(make_gateway):
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def make_keys(gateway, count: int = 2) -> list[tuple[int, str]]:  # noqa: ANN001
+def make_keys(gateway, count: int = 2) -> list[tuple[int, str]]:
     """(key id, plaintext) of `count` keys of a new team, made straight in the database (as the CLI does)."""
     from app.gateway import crud
 
@@ -190,7 +198,7 @@ def make_keys(gateway, count: int = 2) -> list[tuple[int, str]]:  # noqa: ANN001
         return [(key.id, plaintext) for key, plaintext in made]
 
 
-def revoke_elsewhere(gateway, key_id: int) -> None:  # noqa: ANN001
+def revoke_elsewhere(gateway, key_id: int) -> None:
     """A revoke this process's admin API doesn't see (CLI, another replica): no cache invalidation."""
     from app.gateway import crud
 
@@ -239,7 +247,7 @@ def test_a_load_that_raced_an_invalidation_is_not_kept(make_gateway, monkeypatch
     [(key_id, key)] = make_keys(gateway, 1)
     load_principal = auth.load_principal
 
-    def revoked_while_loading(sessions, key_hash):  # noqa: ANN001, ANN202
+    def revoked_while_loading(sessions, key_hash):
         principal = load_principal(sessions, key_hash)  # read before the revoke ...
         revoke_elsewhere(gateway, key_id)
         cache.invalidate([key_hash])  # ... which the admin API announces while the read is in flight

@@ -8,13 +8,24 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters, Scope, format_duration
-from tests.support.gateway import (FakeClock, FakeEngine, admin_headers, bearer, build_app, chat_body, create_key,
-                                   create_team, prompt_tokens_of, redis_prefix, usage_rows)
+from tests.support.gateway import (
+    FakeClock,
+    FakeEngine,
+    admin_headers,
+    bearer,
+    build_app,
+    chat_body,
+    create_key,
+    create_team,
+    prompt_tokens_of,
+    redis_prefix,
+    usage_rows,
+)
 
 WINDOW = 60.0
 
 
-def post(client, key, **body):  # noqa: ANN001, ANN201
+def post(client, key, **body):
     return client.post("/v1/chat/completions", json=chat_body(**body), headers=bearer(key["key"]))
 
 
@@ -62,7 +73,7 @@ def test_tpm_limit_counts_prompt_and_completion_tokens_and_recovers(make_gateway
         assert post(client, key, max_tokens=1).status_code == 200
 
 
-def gateway_tasks_settle(client) -> None:  # noqa: ANN001
+def gateway_tasks_settle(client) -> None:
     """Token counts are added by a task right after the response; a cheap request lets it run."""
     client.get("/admin/api/teams", headers=admin_headers())
 
@@ -144,7 +155,7 @@ def test_duration_format_follows_openai():
 
 # ---- counters: in process and in Redis ----
 
-def limiter_pair(kind: str, redis_url_value: str | None, clock: FakeClock):  # noqa: ANN201
+def limiter_pair(kind: str, redis_url_value: str | None, clock: FakeClock):
     """Two limiters as two replicas would have them: sharing Redis, or each on its own process memory."""
     if kind == "redis":
         prefix = redis_prefix()
@@ -233,7 +244,7 @@ def test_finished_requests_tokens_reach_redis_together(redis_url):
         sent = []
         send = a.counters.add_tokens
 
-        async def recorded(window, ttl_s, amounts):  # noqa: ANN001, ANN202
+        async def recorded(window, ttl_s, amounts):
             sent.append(sorted(tokens for _, tokens in amounts))
             await send(window, ttl_s, amounts)
 

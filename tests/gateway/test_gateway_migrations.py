@@ -20,7 +20,7 @@ TABLES = {"teams", "api_keys", "admin_credentials", "admin_sessions", "usage", "
           "response_input_items", "alembic_version"}
 
 
-def drop_everything(engine) -> None:  # noqa: ANN001
+def drop_everything(engine) -> None:
     Base.metadata.drop_all(engine)
     with engine.begin() as c:
         c.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
@@ -66,7 +66,7 @@ def test_concurrent_start_ups_migrate_once(database_url):
     def start() -> None:
         try:
             migrate(make_engine(database_url))
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             errors.append(error)
 
     threads = [threading.Thread(target=start) for _ in range(3)]

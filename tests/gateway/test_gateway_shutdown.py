@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, select
 
 from app.tables import UsageRow
 from tests.support.gateway import ADMIN_KEY, admin_headers, bearer, chat_body, free_port
@@ -26,7 +26,7 @@ def start_server(database_url: str, tmp_path: Path, *, delay: float, grace: floa
     env = {**os.environ, "TOKENMILL_DATABASE_URL": database_url, "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
            "TOKENMILL_DATA_DIR": str(tmp_path), "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "3600"}
     env.pop("TOKENMILL_REDIS_URL", None)
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - the child writes to it until it exits
+    log = open(tmp_path / "server.log", "w")  # the child writes to it until it exits
     process = subprocess.Popen([sys.executable, "-m", "tests.support.gateway_fake_server", str(port), str(delay), str(grace)],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     log.close()

@@ -3,19 +3,30 @@ roll-ups agree with rows, reports and CSV, last-used batching, a database outage
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
 import logging
 import time
+from datetime import UTC, datetime
 
 import httpx
 from fastapi.testclient import TestClient
 from sqlalchemy import event, func, select, text
 
 from app.gateway import usage as usage_module
-from app.tables import ApiKey, UsageDaily, UsageRow
 from app.gateway.usage import UsageEvent
-from tests.support.gateway import (FAKE_MODEL, FakeEngine, admin_headers, bearer, build_app, chat_body, create_key,
-                                   create_team, prompt_tokens_of, serve_in_thread, usage_rows)
+from app.tables import ApiKey, UsageDaily, UsageRow
+from tests.support.gateway import (
+    FAKE_MODEL,
+    FakeEngine,
+    admin_headers,
+    bearer,
+    build_app,
+    chat_body,
+    create_key,
+    create_team,
+    prompt_tokens_of,
+    serve_in_thread,
+    usage_rows,
+)
 
 
 def test_non_streamed_usage_row_matches_the_response(make_gateway):
@@ -171,7 +182,7 @@ def test_last_used_is_written_in_batches_not_per_request(make_gateway):
     updates = []
 
     @event.listens_for(gateway.engine, "before_cursor_execute")
-    def count(conn, cursor, statement, *args):  # noqa: ANN001, ANN002
+    def count(conn, cursor, statement, *args):
         if statement.lstrip().upper().startswith("UPDATE API_KEYS"):
             updates.append(statement)
 
@@ -188,7 +199,7 @@ def test_last_used_is_written_in_batches_not_per_request(make_gateway):
 
 
 def make_event(key_id: int = 1, team_id: int = 1, tokens: int = 1) -> UsageEvent:
-    return UsageEvent(created_at=datetime.now(timezone.utc).replace(tzinfo=None), team_id=team_id,
+    return UsageEvent(created_at=datetime.now(UTC).replace(tzinfo=None), team_id=team_id,
                       key_id=key_id, model=FAKE_MODEL, prompt_tokens=1, cached_tokens=0, completion_tokens=tokens,
                       latency_ms=1, ttft_ms=1, status="ok", cost_nano_usd=0)
 
@@ -198,7 +209,7 @@ def test_writer_keeps_rows_while_the_database_is_down_and_retries(make_gateway, 
     real_write = usage_module.write_batch
     failures = {"left": 3}
 
-    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003
+    def flaky(*args, **kwargs):
         if failures["left"] > 0:
             failures["left"] -= 1
             raise ConnectionError("database is down")

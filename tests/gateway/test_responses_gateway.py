@@ -14,8 +14,18 @@ from app.db import make_engine, migrate, session_factory
 from app.serving.responses.store import SqlResponseStore
 from app.tables import StoredResponse, StoredResponseItem
 from engine.outputs import RequestOutput, SequenceDelta
-from tests.support.gateway import (FAKE_MODEL, FakeClock, FakeEngine, admin_headers, bearer, build_app, create_key,
-                                   create_team, serve_in_thread, usage_rows)
+from tests.support.gateway import (
+    FAKE_MODEL,
+    FakeClock,
+    FakeEngine,
+    admin_headers,
+    bearer,
+    build_app,
+    create_key,
+    create_team,
+    serve_in_thread,
+    usage_rows,
+)
 from tests.support.server import MODEL, running_server
 
 
@@ -25,7 +35,7 @@ def team_key(url: str, name: str) -> dict:
     return {"team_id": team["id"], "key": key["key"]}
 
 
-def stored_counts(gateway) -> tuple[int, int]:  # noqa: ANN001
+def stored_counts(gateway) -> tuple[int, int]:
     with gateway.sessions() as session:
         return (session.scalar(select(func.count()).select_from(StoredResponse)),
                 session.scalar(select(func.count()).select_from(StoredResponseItem)))
@@ -104,7 +114,7 @@ def test_expired_responses_are_pruned(database_url):
 class FailingEngine(FakeEngine):
     """Writes two tokens, then its step fails."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):  # noqa: ANN001
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):
         yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
         yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
         raise RuntimeError("the engine step failed")
@@ -124,7 +134,7 @@ def stream_events(client: httpx.Client, key: str, stop_after_deltas: int | None 
     return events
 
 
-def wait_for_rows(gateway) -> list:  # noqa: ANN001
+def wait_for_rows(gateway) -> list:
     deadline = time.monotonic() + 10
     while not (rows := usage_rows(gateway)) and time.monotonic() < deadline:
         time.sleep(0.05)

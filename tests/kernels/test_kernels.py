@@ -20,16 +20,16 @@ if DEVICE == "cpu":
 
 pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.paged_attention import (
     paged_attention_decode_reference,
     paged_attention_decode_triton,
     paged_attention_prefill_reference,
     paged_attention_prefill_triton,
 )
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton  # noqa: E402
-from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton  # noqa: E402
-from kernels.store_kv import store_kv_reference, store_kv_triton  # noqa: E402
+from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from kernels.rotary import rotary_embedding_reference, rotary_embedding_triton
+from kernels.store_kv import store_kv_reference, store_kv_triton
 
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}

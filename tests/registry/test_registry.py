@@ -30,7 +30,7 @@ def checkpoint(folder, model_type: str = "llama", weights: bool = True):
 
 
 @pytest.fixture
-def store(database_url):  # noqa: F811
+def store(database_url):
     engine = make_engine(database_url)
     migrate(engine)
     yield RegistryStore(session_factory(engine))

@@ -36,7 +36,7 @@ GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "t
                      "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 256}
 
 
-def with_generation_config(folder, config=GENERATION_CONFIG):  # noqa: ANN001, ANN201
+def with_generation_config(folder, config=GENERATION_CONFIG):
     checkpoint(folder)
     (folder / "generation_config.json").write_text(json.dumps(config))
     return folder
@@ -93,7 +93,7 @@ def test_a_folder_without_generation_config_has_none(store, tmp_path):  # noqa: 
 
 # ---- the migration ------------------------------------------------------------------------------
 
-def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(database_url):  # noqa: F811
+def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(database_url):
     engine = make_engine(database_url)
     drop_everything(engine)
     config = alembic_config(engine)
@@ -124,7 +124,7 @@ class EngineSpy:
         self.params = []
         generate = engine.generate
 
-        def spy(request_id, prompt_token_ids, params, *rest, **options):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def spy(request_id, prompt_token_ids, params, *rest, **options):
             self.params.append(params)
             return generate(request_id, prompt_token_ids, params, *rest, **options)
 
@@ -175,7 +175,7 @@ def embedded_defaults_after(server):
     server.spy.take()
 
 
-def sampling(params) -> tuple:  # noqa: ANN001
+def sampling(params) -> tuple:
     return params.temperature, params.top_p
 
 

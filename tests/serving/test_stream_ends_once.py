@@ -12,8 +12,16 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.support.gateway import (FakeEngine, bearer, build_app, chat_body, create_key, create_team, serve_in_thread,
-                                   usage_rows)
+from tests.support.gateway import (
+    FakeEngine,
+    bearer,
+    build_app,
+    chat_body,
+    create_key,
+    create_team,
+    serve_in_thread,
+    usage_rows,
+)
 
 
 @pytest.fixture
@@ -21,7 +29,7 @@ def database_url(tmp_path):
     return f"sqlite:///{tmp_path / 'tokenmill.db'}"
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:  # noqa: ANN001
+def wait_until(predicate, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -46,7 +54,7 @@ STREAMS = [("/v1/chat/completions", chat_body(max_tokens=50, stream=True)),
            ("/v1/responses", {"model": "fake-model", "input": "hi", "max_output_tokens": 50, "stream": True})]
 
 
-async def post_to_a_client_already_gone(app, path: str, body: dict, key: str) -> None:  # noqa: ANN001
+async def post_to_a_client_already_gone(app, path: str, body: dict, key: str) -> None:
     """One request straight into the ASGI app, as a server on ASGI spec 2.4 delivers it once the client
     has gone: the body arrives, then every send fails with OSError, the first one included."""
     payload = json.dumps(body).encode()
@@ -65,7 +73,7 @@ async def post_to_a_client_already_gone(app, path: str, body: dict, key: str) ->
 
     try:
         await app(scope, receive, send)
-    except Exception:  # noqa: BLE001 - what the app raises to a server whose client is gone is not the point
+    except Exception:  # what the app raises to a server whose client is gone is not the point
         pass
 
 
@@ -91,7 +99,7 @@ def test_a_client_that_leaves_while_admitted_ends_its_request_once(make_gateway,
     app = build_app(gateway, FakeEngine(token_delay_s=0.05))
     admit = gateway.admit
 
-    async def slow_admit(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    async def slow_admit(*args, **kwargs):
         await asyncio.sleep(0.5)  # the client leaves meanwhile
         return await admit(*args, **kwargs)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from fastapi.testclient import TestClient
 
-from tests.support.gateway import ADMIN_KEY, FakeEngine, build_app
+from tests.support.gateway import ADMIN_KEY
 
 BASE_URL = "http://127.0.0.1"
 
@@ -28,15 +28,15 @@ class DashboardClient:
         self.csrf = page_csrf(self.client.get("/admin/teams").text)
         return self.csrf
 
-    def post(self, path: str, **fields):  # noqa: ANN003, ANN201
+    def post(self, path: str, **fields):
         return self.client.post(path, data={"csrf_token": self.csrf, **fields}, follow_redirects=False)
 
-    def create_team(self, name: str = "alpha", **limits) -> int:  # noqa: ANN003
+    def create_team(self, name: str = "alpha", **limits) -> int:
         response = self.post("/admin/teams", name=name, budget_period="month", **limits)
         assert response.status_code == 303, response.text
         return int(re.search(r"/admin/teams/(\d+)", response.headers["location"]).group(1))
 
-    def create_key(self, team_id: int, name: str = "k", **limits) -> str:  # noqa: ANN003
+    def create_key(self, team_id: int, name: str = "k", **limits) -> str:
         response = self.post("/admin/keys", team_id=str(team_id), name=name, budget_period="month", **limits)
         assert response.status_code == 200, response.text
         return shown_key(response.text)
@@ -63,7 +63,7 @@ def shown_key(html: str) -> str:
     return re.search(r"data-new-key>([^<]+)<", html).group(1).strip()
 
 
-def make_dashboard_gateway(tmp_path, **overrides):  # noqa: ANN001, ANN003, ANN201
+def make_dashboard_gateway(tmp_path, **overrides):
     from app.gateway.config import GatewayConfig
     from app.gateway.service import TeamGateway
 
@@ -76,7 +76,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def chat(client: TestClient, key: str, content: str = "say hello", max_tokens: int = 5):  # noqa: ANN201
+def chat(client: TestClient, key: str, content: str = "say hello", max_tokens: int = 5):
     from tests.support.gateway import chat_body
 
     return client.post("/v1/chat/completions", json=chat_body(content, max_tokens=max_tokens), headers=bearer(key))

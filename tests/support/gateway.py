@@ -9,8 +9,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -60,7 +60,7 @@ def pg_databases():
         databases = PgDatabases()
         with databases.admin.connect() as c:
             c.execute(text("SELECT 1"))
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         unavailable("PostgreSQL", error)
     yield databases
     databases.drop_all()
@@ -101,7 +101,7 @@ def redis_url():
         client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1)
         client.ping()
         client.close()
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         unavailable("Redis", error)
     return REDIS_URL
 
@@ -159,13 +159,13 @@ class FakeEngine:
         self.queue_full = False  # set to make it refuse after admission, as a full engine does
         self.tenancies: list = []  # what each generate() was told about its caller, in order
 
-    def check_request(self, prompt_token_ids, params) -> None:  # noqa: ANN001
+    def check_request(self, prompt_token_ids, params) -> None:
         if not prompt_token_ids:
             raise EngineRejected("invalid_prompt", "the prompt is empty", "prompt")
         if self.queue_full:
             raise EngineRejected("queue_full", "too many requests are waiting")
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):  # noqa: ANN001
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):
         self.tenancies.append(tenancy)
         total = params.max_tokens or 16
         for i in range(total):
@@ -191,7 +191,7 @@ def prompt_tokens_of(content: str) -> int:
     return len(f"user : {content} assistant :".split())
 
 
-def build_app(gateway, engine=None, **settings_values):  # noqa: ANN001
+def build_app(gateway, engine=None, **settings_values):
     from app.main import create_app
     from app.settings import Settings
 
@@ -207,7 +207,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app, **config) -> Iterator[str]:  # noqa: ANN001
+def serve_in_thread(app, **config) -> Iterator[str]:
     import uvicorn
 
     port = free_port()
@@ -240,7 +240,7 @@ def make_gateway(database_url, tmp_path):
 
     made = []
 
-    def make(*, clock=None, start: bool = True, **overrides):  # noqa: ANN001, ANN202
+    def make(*, clock=None, start: bool = True, **overrides):
         values = {"database_url": database_url, "admin_key": ADMIN_KEY, "spill_dir": str(tmp_path / "spill"),
                   "usage_flush_interval_s": 0.05, **overrides}
         gateway = TeamGateway(GatewayConfig(**values), clock=clock or time.time)
@@ -267,19 +267,19 @@ def chat_body(content: str = "say hello", max_tokens: int = 5, model: str = FAKE
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
 
 
-def create_team(client, name: str = "alpha", **limits) -> dict:  # noqa: ANN001
+def create_team(client, name: str = "alpha", **limits) -> dict:
     response = client.post("/admin/api/teams", json={"name": name, **limits}, headers=admin_headers())
     assert response.status_code == 201, response.text
     return response.json()
 
 
-def create_key(client, team_id: int, **limits) -> dict:  # noqa: ANN001
+def create_key(client, team_id: int, **limits) -> dict:
     response = client.post("/admin/api/keys", json={"team_id": team_id, **limits}, headers=admin_headers())
     assert response.status_code == 201, response.text
     return response.json()
 
 
-def usage_rows(gateway) -> list:  # noqa: ANN001
+def usage_rows(gateway) -> list:
     """Every usage row, oldest first, after the writer has flushed."""
     from sqlalchemy import select
 

@@ -66,7 +66,7 @@ def clear_redis(url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):  # noqa: F811
+def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):
     from app.gateway.wiring import prepare_store
     from app.settings import Settings
     from engine.config import EngineConfig

@@ -11,15 +11,15 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from app.tables import UsageRow
 from app.gateway.usage import UsageEvent
+from app.tables import UsageRow
 from engine.config import EngineConfig
 from tests.support.gateway import ADMIN_KEY, FAKE_MODEL, admin_headers, bearer, chat_body, free_port
 from tests.support.server import MODEL, running_server
@@ -37,7 +37,7 @@ def faulty_server(smollm2):
         real_forward = runner.forward
         tokenizer = smollm2.tokenizer
 
-        def forward(requests, counts):  # noqa: ANN001, ANN202
+        def forward(requests, counts):
             if any(POISON in tokenizer.decode(r.prompt_token_ids) for r in requests):
                 raise RuntimeError("injected fault in the model step")
             return real_forward(requests, counts)
@@ -90,7 +90,7 @@ def start(database_url: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "TOKENMILL_DATABASE_URL": database_url, "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
            "TOKENMILL_DATA_DIR": str(data_dir), "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "0.1"}
     env.pop("TOKENMILL_REDIS_URL", None)
-    log = open(data_dir / f"server-{port}.log", "w")  # noqa: SIM115 - the child writes to it
+    log = open(data_dir / f"server-{port}.log", "w")  # the child writes to it
     process = subprocess.Popen([sys.executable, "-m", "tests.support.gateway_fake_server", str(port), "0.05"],
                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -107,7 +107,7 @@ def start(database_url: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
 
 
 def spilled(team_id: int, key_id: int, count: int) -> str:
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = datetime.now(UTC).replace(tzinfo=None)
     return "".join(UsageEvent(created_at=now, team_id=team_id, key_id=key_id, model=FAKE_MODEL, prompt_tokens=1,
                               cached_tokens=0, completion_tokens=100, latency_ms=1, ttft_ms=1, status="ok",
                               cost_nano_usd=0).to_json() + "\n" for _ in range(count))

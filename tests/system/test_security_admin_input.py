@@ -51,7 +51,7 @@ def test_plain_names_are_left_alone(client, gateway):
     assert (row["team_name"], row["model"]) == ("research", FAKE_MODEL)
 
 
-def send(client, method: str, path: str, raw_json: str):  # noqa: ANN001, ANN201
+def send(client, method: str, path: str, raw_json: str):
     """Raw JSON text: 1e999 and NaN as a client's JSON library may write them."""
     return client.request(method, path, content=raw_json.encode(),
                           headers={**admin_headers(), "content-type": "application/json"})

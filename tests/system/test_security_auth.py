@@ -12,8 +12,16 @@ from sqlalchemy import select
 
 from app.gateway.auth import FailedAuthLimiter
 from app.tables import ApiKey
-from tests.support.gateway import (ADMIN_KEY, FakeClock, admin_headers, bearer, build_app, chat_body, create_key,
-                                   create_team)
+from tests.support.gateway import (
+    ADMIN_KEY,
+    FakeClock,
+    admin_headers,
+    bearer,
+    build_app,
+    chat_body,
+    create_key,
+    create_team,
+)
 
 FOREIGN_ORIGIN = "https://evil.example"
 
@@ -24,7 +32,7 @@ def database_url(tmp_path):
     return f"sqlite:///{tmp_path / 'tokenmill.db'}"
 
 
-def client_for(gateway, address: str = "203.0.113.7") -> TestClient:  # noqa: ANN001
+def client_for(gateway, address: str = "203.0.113.7") -> TestClient:
     return TestClient(build_app(gateway), client=(address, 50000))
 
 

@@ -35,7 +35,7 @@ def outsider(client) -> dict[str, str]:
     return bearer(create_key(client, create_team(client, "outsiders")["id"], allowed_models=["only-this"])["key"])
 
 
-def assert_not_found_naming_only(response, asked: str) -> None:  # noqa: ANN001
+def assert_not_found_naming_only(response, asked: str) -> None:
     assert response.status_code == 404, response.text
     error = response.json()["error"]
     assert error["code"] == "model_not_found"

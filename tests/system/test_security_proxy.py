@@ -16,7 +16,7 @@ class StoppableFakeEngine(FakeEngine):
         pass
 
 
-def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,  # noqa: ANN001, ANN201
+def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,
                     admin_key: str | None = ADMIN_KEY):
     """Runs `tokenmill serve` as a user would, with the fake engine, under the uvicorn options serve
     chooses (on a free port); `probe(url)` runs while it serves. Returns what the probe returned."""
@@ -31,7 +31,7 @@ def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,  # noqa: ANN001, 
         create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)), engine))
     results = []
 
-    def run(app, **options):  # noqa: ANN001, ANN202
+    def run(app, **options):
         options = {name: value for name, value in options.items() if name not in ("host", "port")}
         with serve_in_thread(app, **options) as url:
             results.append(probe(url))

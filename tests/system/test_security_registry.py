@@ -29,7 +29,7 @@ def client(make_gateway):
         yield client
 
 
-def checkpoint(folder, config: dict | None = LLAMA_CONFIG):  # noqa: ANN001, ANN201
+def checkpoint(folder, config: dict | None = LLAMA_CONFIG):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"\0" * 8)
     if config is not None:
@@ -37,7 +37,7 @@ def checkpoint(folder, config: dict | None = LLAMA_CONFIG):  # noqa: ANN001, ANN
     return folder
 
 
-def register(client, name: str, path, timeout: float = 10.0):  # noqa: ANN001, ANN201
+def register(client, name: str, path, timeout: float = 10.0):
     """POST /admin/api/models in a thread: a hang fails the test instead of freezing it."""
     answer = []
     thread = threading.Thread(target=lambda: answer.append(client.post(
@@ -48,7 +48,7 @@ def register(client, name: str, path, timeout: float = 10.0):  # noqa: ANN001, A
     return answer[0]
 
 
-def assert_refused(response, *words: str) -> None:  # noqa: ANN001
+def assert_refused(response, *words: str) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "path"
@@ -118,7 +118,7 @@ def test_a_slow_source_holds_up_no_other_change_and_times_out(client, tmp_path, 
     real_inspect = pool_module.inspect_source
     release = threading.Event()
 
-    def slow_inspect(kind, source):  # noqa: ANN001, ANN202
+    def slow_inspect(kind, source):
         if source.endswith("slow"):
             release.wait(10)
         return real_inspect(kind, source)

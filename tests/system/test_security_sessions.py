@@ -80,7 +80,7 @@ def test_a_gateway_that_generates_the_key_writes_it_to_its_data_folder(make_gate
         assert session.query(AdminCredential).count() == 1
 
 
-def log_in(client: TestClient):  # noqa: ANN201
+def log_in(client: TestClient):
     page = client.get("/admin/login")
     return client.post("/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text),
                                              "next": "/admin"}, follow_redirects=False)

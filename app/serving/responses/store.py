@@ -10,7 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -32,7 +32,7 @@ class Stored:
 
 
 def _naive_utc(unix: float) -> datetime:
-    return datetime.fromtimestamp(unix, timezone.utc).replace(tzinfo=None)
+    return datetime.fromtimestamp(unix, UTC).replace(tzinfo=None)
 
 
 class SqlResponseStore:
@@ -82,7 +82,7 @@ class SqlResponseStore:
             session.execute(delete(StoredResponseItem).where(StoredResponseItem.response_id.in_(expired)))
             return session.execute(delete(StoredResponse).where(StoredResponse.expires_at <= _naive_utc(now))).rowcount
 
-    def _owned(self, query, response_id: str, team_id: int | None):  # noqa: ANN001, ANN202
+    def _owned(self, query, response_id: str, team_id: int | None):
         team = StoredResponse.team_id.is_(None) if team_id is None else StoredResponse.team_id == team_id
         return query.where(StoredResponse.id == response_id, team,
                            StoredResponse.expires_at > _naive_utc(self.clock()))

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from app.errors import OpenAIError, invalid_request
-from app.serving.schemas import ChatCompletionRequest, ChatMessage
 from app.serving.responses.request import ResponsesRequest
+from app.serving.schemas import ChatCompletionRequest, ChatMessage
 from app.serving.structured.guides import GrammarError, check_json_schema
 
 Result = TypeVar("Result")

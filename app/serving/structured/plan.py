@@ -12,8 +12,15 @@ from app.serving.prompts import chat_prompt_ids
 from app.serving.structured.guides import GrammarError, compiler_for, json_schema_grammar
 from app.serving.structured.response_format import response_schema
 from app.serving.structured.tool_calls import ToolCallParser, parse_message
-from app.serving.structured.tools import (Tool, check_tool_calls, conversation, parse_tool_choice, parse_tools,
-                                  template_knows_tools, tools_grammar)
+from app.serving.structured.tools import (
+    Tool,
+    check_tool_calls,
+    conversation,
+    parse_tool_choice,
+    parse_tools,
+    template_knows_tools,
+    tools_grammar,
+)
 from engine.sampling_params import SamplingParams
 
 
