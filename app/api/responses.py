@@ -8,10 +8,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
 
 from app.api.deps import ContextDep, PrincipalDep
 from app.errors import OpenAIError, invalid_request, server_error
@@ -44,6 +46,17 @@ router = APIRouter()
 PROMPT_PARAM, MAX_TOKENS_PARAM = "input", "max_output_tokens"
 
 Saver = Callable[[dict], None]
+Result = TypeVar("Result")
+
+
+async def in_store(call: Callable[..., Result], *args) -> Result:
+    """A store call off the event loop; a database that is away is a 503 to retry, not a 500."""
+    try:
+        return await run_in_threadpool(call, *args)
+    except SQLAlchemyError as error:
+        log.warning("response store unavailable: %s", type(error).__name__)
+        raise OpenAIError(503, "The response store is unavailable; please retry shortly.", type="server_error",
+                          code="service_unavailable", headers={"Retry-After": "2"}) from None
 
 
 def response_not_found(response_id: str, param: str | None = None) -> OpenAIError:
@@ -56,7 +69,7 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
     check_fields(body)
     earlier: list[dict] = []
     if body.previous_response_id is not None:  # another team's response is as absent as a missing one
-        previous = await run_in_threadpool(server.responses.get, body.previous_response_id, principal.team_id)
+        previous = await in_store(server.responses.get, body.previous_response_id, principal.team_id)
         if previous is None:
             raise response_not_found(body.previous_response_id, param="previous_response_id")
         earlier = previous.conversation
@@ -142,7 +155,7 @@ async def whole_response(request: Request, context: ModelContext, tracker: Reque
     output = output_items(message, "completed" if state == "completed" else "incomplete")
     response = header.response(state, output, response_usage(tracker.usage()), incomplete_reason=incomplete_reason)
     if save is not None and status == "ok":
-        await run_in_threadpool(save, response)
+        await in_store(save, response)
     return response
 
 
@@ -171,7 +184,7 @@ async def response_events(context: ModelContext, tracker: RequestTracker, header
         response = header.response(state, events.output, response_usage(tracker.usage()),
                                    incomplete_reason=incomplete_reason)
         if save is not None:
-            await run_in_threadpool(save, response)
+            await in_store(save, response)
         status = tracker.final_status()
         yield events.event(f"response.{state}", response=response)
     except EngineRejected as error:
@@ -180,6 +193,9 @@ async def response_events(context: ModelContext, tracker: RequestTracker, header
     except EngineFailure as error:
         status = "error"
         yield failed(events, server_error(f"The engine failed this request: {error}"))
+    except OpenAIError as error:  # the store was away: the answer was made but could not be kept
+        status = "error"
+        yield failed(events, error)
     except Exception:
         status = "error"
         log.exception("response stream %s failed", tracker.request_id)
@@ -199,7 +215,7 @@ async def retrieve_response(response_id: str, request: Request, server: ContextD
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         raise invalid_request("Streaming a stored response again is not supported.", param="stream",
                               code="unsupported_parameter")
-    stored = await run_in_threadpool(server.responses.get, response_id, principal.team_id)
+    stored = await in_store(server.responses.get, response_id, principal.team_id)
     if stored is None:
         raise response_not_found(response_id)
     return stored.response
@@ -207,14 +223,14 @@ async def retrieve_response(response_id: str, request: Request, server: ContextD
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, server: ContextDep, principal: PrincipalDep):
-    if not await run_in_threadpool(server.responses.delete, response_id, principal.team_id):
+    if not await in_store(server.responses.delete, response_id, principal.team_id):
         raise response_not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, server: ContextDep, principal: PrincipalDep):
-    if await run_in_threadpool(server.responses.get, response_id, principal.team_id) is None:
+    if await in_store(server.responses.get, response_id, principal.team_id) is None:
         raise response_not_found(response_id)
     raise invalid_request("Only responses created with background=true can be cancelled; this server runs none.",
                           code="not_background")
@@ -229,7 +245,7 @@ async def list_input_items(response_id: str, request: Request, server: ContextDe
     limit_text = query.get("limit", "20")
     if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
         raise invalid_request("Invalid value for 'limit': expected an integer from 1 to 100.", param="limit")
-    stored = await run_in_threadpool(server.responses.get, response_id, principal.team_id)
+    stored = await in_store(server.responses.get, response_id, principal.team_id)
     if stored is None:
         raise response_not_found(response_id)
     items = stored.input_items if order == "asc" else stored.input_items[::-1]

@@ -2,6 +2,7 @@
 them, metered like chat, nothing stored for a refused request, expired rows pruned."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -9,6 +10,7 @@ import httpx
 import openai
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
 
 from app.db import make_engine, migrate, session_factory
 from app.serving.responses.store import SqlResponseStore
@@ -168,3 +170,28 @@ def test_a_client_gone_mid_stream_aborts_and_stores_nothing(make_gateway):
     assert row.status == "aborted" and 3 <= row.completion_tokens < 100
     assert engine.aborted == [events[0]["response"]["id"]]
     assert stored_counts(gateway) == (0, 0)
+
+
+class AwayStore:
+    """A response store whose database does not answer."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        def unavailable(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+        return unavailable
+
+
+def test_a_store_that_is_away_is_a_503_to_retry(make_gateway):
+    gateway = make_gateway()
+    app = build_app(gateway, FakeEngine())
+    app.state.context = dataclasses.replace(app.state.context, responses=AwayStore())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        key = create_key(client, create_team(client)["id"])["key"]
+        whole = client.post("/v1/responses", headers=bearer(key), json={"model": FAKE_MODEL, "input": "say hi"})
+        read = client.get("/v1/responses/resp_x", headers=bearer(key))
+        events = stream_events(client, key)
+    for reply in (whole, read):
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "2"
+        assert reply.json()["error"]["code"] == "service_unavailable"
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "service_unavailable"

@@ -5,6 +5,7 @@ server with one shared key and no database).
 Blocking: call from a thread (run_in_threadpool)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -13,10 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import delete, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.tables import StoredResponse, StoredResponseItem
 
+log = logging.getLogger("tokenmill.responses")
 PRUNE_EVERY_S = 60.0  # expired rows are removed at most this often, by the next write
 
 
@@ -53,7 +56,10 @@ class SqlResponseStore:
             session.add_all(StoredResponseItem(response_id=response["id"], position=position, item=item)
                             for position, item in enumerate(input_items))
         if now - self._pruned_at >= PRUNE_EVERY_S:
-            self.prune()
+            try:
+                self.prune()
+            except SQLAlchemyError:  # the response is kept; expired rows wait for the next write
+                log.warning("pruning expired responses failed", exc_info=True)
 
     def get(self, response_id: str, team_id: int | None) -> Stored | None:
         with self.sessions() as session:
