@@ -175,8 +175,8 @@ def test_a_client_gone_mid_stream_aborts_and_stores_nothing(make_gateway):
 class AwayStore:
     """A response store whose database does not answer."""
 
-    def __getattr__(self, name: str):  # noqa: ANN204
-        def unavailable(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def __getattr__(self, name: str):
+        def unavailable(*args, **kwargs):
             raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
         return unavailable
 
