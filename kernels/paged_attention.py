@@ -1,7 +1,9 @@
 """Attention over a paged KV cache: decode (one query per sequence) and prefill (many, causal).
 
 Both read keys and values through a block table: sequence i's token j lives in block
-block_tables[i, j // block_size] at offset j % block_size. The references below are the CPU path.
+block_tables[i, j // block_size] at offset j % block_size. The torch references below define the result
+(the Triton kernels and kernels/cpu_attention.py are tested against them); on CPU, kernels/__init__.py
+runs them only for a cache that is not stored heads-major.
 """
 from __future__ import annotations
 

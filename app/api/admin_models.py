@@ -71,7 +71,7 @@ async def delete_model(name: str, request: Request) -> dict:
 
 
 @router.post("/models/{name:path}/load", response_model=ModelView)
-async def load_model(name: str, request: Request) -> ModelView:
+async def load_registered_model(name: str, request: Request) -> ModelView:
     """Loads it here and answers once it serves (seconds; a GGUF's first load converts it, ~30 s)."""
     pool = _pool(request)
     try:
@@ -82,7 +82,7 @@ async def load_model(name: str, request: Request) -> ModelView:
 
 
 @router.post("/models/{name:path}/unload", response_model=ModelView)
-async def unload_model(name: str, request: Request, wait: bool = False) -> ModelView:
+async def unload_registered_model(name: str, request: Request, wait: bool = False) -> ModelView:
     """New requests get 503 model_not_loaded at once; those in flight finish, then the engine stops.
     Answers at once (state draining) unless wait=true."""
     pool = _pool(request)

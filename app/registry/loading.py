@@ -12,7 +12,7 @@ from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
 
 
-def load_model(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
+def start_serving(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
     """Blocking: start a chat engine, or load an embedding model; ServedModel's keyword arguments."""
     if spec.kind == "chat":
         from engine.async_engine import AsyncEngine

@@ -158,7 +158,7 @@ def available_bytes() -> int:
     return available
 
 
-def check_fits(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
+def check_memory_fits(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     """Refuses (insufficient_memory) a load that would not fit; TOKENMILL_SKIP_MEMORY_CHECK=1 skips it."""
     if os.environ.get("TOKENMILL_SKIP_MEMORY_CHECK") == "1" or _on_gpu(spec, base):
         return None

@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from app.errors import OpenAIError, model_not_found
 from app.observability.costs import HardwareCostMeter
 from app.registry.inspection import SourceFacts, inspect_source
-from app.registry.loading import load_model, preloaded_spec, return_memory_to_os
-from app.registry.memory import check_fits
+from app.registry.loading import preloaded_spec, return_memory_to_os, start_serving
+from app.registry.memory import check_memory_fits
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
 from app.registry.served import DRAINING, LOADED, ServedModel
 from app.registry.spec import KINDS, ModelSpec, RegistryError
@@ -306,9 +306,9 @@ class ModelPool:
 
     async def _load(self, spec: ModelSpec) -> ServedModel:
         started = time.monotonic()
-        await run_in_threadpool(check_fits, spec, self.base)  # refused before a byte is loaded
+        await run_in_threadpool(check_memory_fits, spec, self.base)  # refused before a byte is loaded
         try:
-            loaded = await run_in_threadpool(load_model, spec, self.base)
+            loaded = await run_in_threadpool(start_serving, spec, self.base)
         except Exception as error:
             raise RegistryError(f"could not load {spec.name!r}: {type(error).__name__}: {error}",
                                 param="path", code="model_load_failed") from error
