@@ -73,6 +73,7 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
         if previous is None:
             raise response_not_found(body.previous_response_id, param="previous_response_id")
         earlier = previous.conversation
+    assert body.input is not None  # check_fields refused a request without one
     conversation = [*earlier, *normalize_input(body.input, earlier)]
     return await server.with_model(
         body.model, lambda context: run_response(request, context, principal, body, conversation, server.responses),
@@ -152,8 +153,8 @@ async def whole_response(request: Request, context: ModelContext, tracker: Reque
         tracker.finish(status)
     message, finish_reason = plan.message(choice.text, choice.finish_reason)
     state, incomplete_reason = final_status(finish_reason)
-    output = output_items(message, "completed" if state == "completed" else "incomplete")
-    response = header.response(state, output, response_usage(tracker.usage()), incomplete_reason=incomplete_reason)
+    items = output_items(message, "completed" if state == "completed" else "incomplete")
+    response = header.response(state, items, response_usage(tracker.usage()), incomplete_reason=incomplete_reason)
     if save is not None and status == "ok":
         await in_store(save, response)
     return response

@@ -13,7 +13,7 @@ from app.gateway.contract import Gateway, Principal
 from app.observability.costs import HardwareCostMeter
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
-from app.serving.responses.store import ResponseStore
+from app.serving.responses.store import ResponseStore, response_store
 from app.serving.sampling import ModelSampling, sampling_defaults
 from app.settings import Settings
 
@@ -24,7 +24,8 @@ class ServerContext:
     models: ModelPool
     gateway: Gateway
     cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
-    responses: ResponseStore | None = None  # stored responses of the Responses API
+    # Stored responses of the Responses API: the gateway's database, else this process's memory.
+    responses: ResponseStore = field(default_factory=lambda: response_store(None, retention_s=30 * 86400))
 
     async def check_access(self, principal: Principal, requested_model: str) -> None:
         spec = self.models.spec(requested_model)

@@ -58,7 +58,7 @@ def _normalize_item(entry: Any, param: str) -> dict:
             raise invalid_request("A function_call_output item needs 'call_id' as a string.",
                                   param=f"{param}.call_id")
         if not isinstance(output, str):
-            output = _joined_text(output, ("input_text", "output_text"), f"{param}.output")
+            output = "\n".join(_texts(output, ("input_text", "output_text"), f"{param}.output"))
         return {"id": _given_id(entry, "fco"), "type": "function_call_output", "call_id": call_id,
                 "output": output, "status": "completed"}
     if kind is None:
@@ -74,17 +74,17 @@ def _normalize_message(entry: dict, param: str) -> dict:
                               f"{', '.join(repr(r) for r in ROLES)}.", param=f"{param}.role")
     content = entry.get("content")
     if role == "assistant":
-        text = content if isinstance(content, str) else _joined_text(content, ("output_text", "refusal"),
-                                                                      f"{param}.content")
+        text = content if isinstance(content, str) else "\n".join(_texts(content, ("output_text", "refusal"),
+                                                                                f"{param}.content"))
         return _message(role, [{"type": "output_text", "text": text, "annotations": []}], entry.get("id"))
     if isinstance(content, str):
         return _message(role, [{"type": "input_text", "text": content}], entry.get("id"))
-    _joined_text(content, ("input_text",), f"{param}.content")  # checks every part
-    parts = [{"type": "input_text", "text": part["text"]} for part in content]
+    parts = [{"type": "input_text", "text": text} for text in _texts(content, ("input_text",), f"{param}.content")]
     return _message(role, parts, entry.get("id"))
 
 
-def _joined_text(parts: Any, kinds: tuple[str, ...], param: str) -> str:
+def _texts(parts: Any, kinds: tuple[str, ...], param: str) -> list[str]:
+    """The text of each content part; 400 for a part that is not one of `kinds` with text."""
     if not isinstance(parts, list):
         raise invalid_request("Content must be a string or a list of content parts.", param=param)
     texts = []
@@ -96,7 +96,7 @@ def _joined_text(parts: Any, kinds: tuple[str, ...], param: str) -> str:
             raise invalid_request(f"Content parts of type {shown!r} are not supported here; expected "
                                   f"{' or '.join(kinds)} with text.", param=f"{param}.[{index}]")
         texts.append(value)
-    return "\n".join(texts)
+    return texts
 
 
 def _message(role: str, content: list[dict], given_id: Any) -> dict:

@@ -111,9 +111,11 @@ class ResponseEvents:
 
     def _text(self, text: str) -> list[str]:
         events = self._open() if self._open_message is None else []
+        message = self._open_message
+        assert message is not None
         self._text_parts.append(text)
-        events.append(self.event("response.output_text.delta", item_id=self._open_message["id"],
-                                 output_index=self.output.index(self._open_message), content_index=0, delta=text,
+        events.append(self.event("response.output_text.delta", item_id=message["id"],
+                                 output_index=self.output.index(message), content_index=0, delta=text,
                                  logprobs=[], **self._delta_extras()))
         return events
 
