@@ -87,7 +87,7 @@ class SqlResponseStore:
         with self.sessions.begin() as session:
             session.execute(delete(StoredResponseItem).where(StoredResponseItem.response_id.in_(expired)))
             removed = session.execute(delete(StoredResponse).where(StoredResponse.expires_at <= _naive_utc(now)))
-            return removed.rowcount  # type: ignore[attr-defined]  # a DELETE's result is a CursorResult
+            return removed.rowcount
 
     def _owned(self, query, response_id: str, team_id: int | None):
         team = StoredResponse.team_id.is_(None) if team_id is None else StoredResponse.team_id == team_id
