@@ -9,14 +9,16 @@ When blocks run out for a running request the newest running request (fair: of t
 is preempted, by recompute (drop its KV, requeue it) or by swap (park its KV in the CPU pool).
 
 The bound fair share keeps (equal priorities). Let m = fair_min_run_steps, S = max_num_seqs, P = the longest
-prompt, and for team g with weight w_g: U_g = (prompt_weight * P + (m + 1) * output_weight * S) / w_g.
-While teams f and g both have requests queued, c_g - c_f <= U_g, where c is the virtual counter. Why: take
-the last moment c_g <= c_f held. After it g admits nothing new (f's request ranks first and the queue is
-never skipped), so g's counter grows only by the admission that crossed (at most prompt_weight * P / w_g)
-and by its running sequences' outputs (at most output_weight * S / w_g a step), and each of those is
-preempted for f's waiting request once it has run m steps. Over any interval in which both stay queued,
-their weighted service therefore differs by at most U_f + U_g (VTC's 2x bound, with preemption's m).
-tests/test_fair_share.py holds the engine to it on random workloads.
+prompt, and for teams f, g with weights w_f, w_g:
+    U_fg = prompt_weight * P / w_f + (prompt_weight * P + (m + 1) * output_weight * S) / w_g.
+While f and g both have requests queued, c_g - c_f <= U_fg, where c is the virtual counter. Why: take the
+last moment c_g <= c_f + prompt_weight * P / w_f held. After it g admits nothing new (f's request ranks
+first and the queue is never skipped), so g's counter grows only by the admission that crossed (at most
+prompt_weight * P / w_g) and by its running sequences' outputs (at most output_weight * S / w_g a step),
+and each of those is preempted for f's waiting request once it has run m steps (a victim's team must lead
+by more than the candidate's prompt, which keeps two teams from trading places on every admission). Over
+any interval in which both stay queued, their weighted service therefore differs by at most
+U_fg + U_gf (VTC's 2x bound, with preemption's m). tests/engine/test_fair_share.py holds the engine to it.
 """
 from __future__ import annotations
 
@@ -202,15 +204,18 @@ class Scheduler:
         return self.running[-1]
 
     def _victim_for(self, candidate: Request) -> Request | None:
-        """The running request that gives its place to `candidate`: of a lower priority class, or of a more
-        served team at the same priority; newest first, and only once it has run `fair_min_run_steps`."""
+        """The running request that gives its place to `candidate`: of a lower priority class, or at the same
+        priority of a team served more than the candidate's even once the candidate's prompt is counted
+        (else the two would trade places on every admission); newest first, and only once it has run
+        `fair_min_run_steps`."""
         rank = self._fair_rank(candidate)
+        margin = self.config.fair_prompt_weight * candidate.num_prompt_tokens / candidate.tenancy.weight
         victims = [
             request for request in self.running
             if self.num_steps - request.running_since_step >= self.config.fair_min_run_steps
             and (request.tenancy.priority > rank[0]
                  or (request.tenancy.priority == rank[0] and request.team != candidate.team
-                     and self.ledger.service(request.team) > rank[1]))
+                     and self.ledger.service(request.team) > rank[1] + margin))
         ]
         return max(victims, key=self._fair_rank, default=None)
 

@@ -66,10 +66,12 @@ def test_teams_in_one_cache_group_or_the_global_scope_share_prefixes(tiny):
 
 
 # ---- the service bound, work conservation, exact output ----------------------------------------------
-def service_bound(config: EngineConfig, longest_prompt: int, weight: float) -> float:
-    """U_g from engine/scheduler.py: (prompt_weight * P + (m + 1) * output_weight * S) / w_g."""
-    return (config.fair_prompt_weight * longest_prompt
-            + (config.fair_min_run_steps + 1) * config.fair_output_weight * config.max_num_seqs) / weight
+def service_bound(config: EngineConfig, longest_prompt: int, weight_g: float, weight_f: float = 1.0) -> float:
+    """U_fg from engine/scheduler.py, the most team g may lead team f by while both have requests queued:
+    prompt_weight * P / w_f + (prompt_weight * P + (m + 1) * output_weight * S) / w_g."""
+    return (config.fair_prompt_weight * longest_prompt / weight_f
+            + (config.fair_prompt_weight * longest_prompt
+               + (config.fair_min_run_steps + 1) * config.fair_output_weight * config.max_num_seqs) / weight_g)
 
 
 def fits_now(scheduler: Scheduler, request: Request, budget_left: int) -> bool:
@@ -148,8 +150,8 @@ def test_backlogged_teams_stay_within_the_bound_with_exact_output_and_no_idle_se
         backlogged_throughout &= queued_teams
         for f, g in combinations(sorted(backlogged_throughout), 2):
             c_f, c_g = scheduler.ledger.service(f), scheduler.ledger.service(g)
-            assert c_g - c_f <= service_bound(config, longest_prompt, weights[g]) + 1e-9
-            assert c_f - c_g <= service_bound(config, longest_prompt, weights[f]) + 1e-9
+            assert c_g - c_f <= service_bound(config, longest_prompt, weights[g], weights[f]) + 1e-9
+            assert c_f - c_g <= service_bound(config, longest_prompt, weights[f], weights[g]) + 1e-9
         for output in engine.step():
             for delta in output.deltas:
                 outputs.setdefault(output.request_id, []).extend(delta.token_ids)
@@ -206,7 +208,8 @@ def test_a_waiting_team_takes_the_seat_of_the_newest_request_that_has_run_its_mi
     engine.step()
     engine.add_request("a-new", prompt_of(2, 10), long_run, Tenancy(team="a"))
     engine.step()
-    engine.add_request("b-1", prompt_of(3, 10), GREEDY, Tenancy(team="b"))
+    # a 2-token prompt: team a need only lead it by 2 to give way (the candidate's prompt is the margin)
+    engine.add_request("b-1", prompt_of(3, 2), GREEDY, Tenancy(team="b"))
     engine.step()  # b-1 joined level with team a, whose counter moves on; both of a's requests are protected
     assert running() == {"a-old", "a-new"}
     engine.step()  # a-old has run 3 steps, a-new only 2
@@ -218,7 +221,7 @@ def test_a_waiting_team_takes_the_seat_of_the_newest_request_that_has_run_its_mi
     engine.add_request("a-4", prompt_of(5, 10), long_run, Tenancy(team="a"))
     for _ in range(4):
         engine.step()
-    engine.add_request("b-2", prompt_of(6, 10), GREEDY, Tenancy(team="b"))
+    engine.add_request("b-2", prompt_of(6, 2), GREEDY, Tenancy(team="b"))
     engine.step()
     engine.step()
     assert running() == {"a-3", "b-2"}  # of two that may give way, the newest does
