@@ -28,6 +28,7 @@ shutdown (zero lost is the target). Target: 500 req/s sustained, p99 overhead < 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import json
 import os
@@ -85,7 +86,6 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
 
     gc.callbacks.append(time_collections)
 
-    from app.lifespan import around_lifespan
     from app.main import create_app
     from app.settings import Settings
     from tests.support.gateway import FakeEngine
@@ -136,13 +136,17 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
         gateway.stop = stop_and_report
     app = create_app(Settings(), FakeEngine(), gateway=gateway)
 
-    async def nothing() -> None:
-        pass
+    app_lifespan = app.router.lifespan_context
 
-    async def report_collections() -> None:
-        Path(timings_path + ".gc").write_text(json.dumps(collections))
+    @contextlib.asynccontextmanager
+    async def lifespan_then_report(app_):
+        try:
+            async with app_lifespan(app_) as state:
+                yield state
+        finally:  # once the app has stopped
+            Path(timings_path + ".gc").write_text(json.dumps(collections))
 
-    around_lifespan(app, nothing, report_collections)
+    app.router.lifespan_context = lifespan_then_report
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=30)
     config.load()
