@@ -10,7 +10,21 @@ from fastapi import FastAPI
 from sqlalchemy.exc import DataError
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from app.api import admin, admin_models, chat, completions, embeddings, models, operations, responses, tokenize, usage
+from app.api import (
+    admin,
+    admin_models,
+    batches,
+    chat,
+    completions,
+    embeddings,
+    files,
+    models,
+    operations,
+    responses,
+    tokenize,
+    usage,
+)
+from app.batches.service import BatchService
 from app.dashboard.wiring import install_dashboard
 from app.errors import install_error_handlers, out_of_range
 from app.gateway.contract import Gateway, SingleKeyGateway
@@ -57,18 +71,23 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
         (gateway.astart, gateway.astop),  # migrations, the admin key; the stop flushes usage
         (pool.start, pool.stop),  # after the gateway: the registry's tables exist by then
     ]
+    path_caps: dict[str, int] = {}  # paths with a body cap of their own
     if isinstance(gateway, TeamGateway):
         app.state.gateway = gateway
         app.add_exception_handler(OverflowError, out_of_range)
         app.add_exception_handler(DataError, out_of_range)
-        for module in (admin, usage, admin_models):
+        for module in (admin, usage, admin_models, files, batches):
             app.include_router(module.router)
         app.add_middleware(RateLimitHeadersMiddleware)
         dashboard = install_dashboard(app, gateway)  # /admin pages
         parts.append((dashboard.sampler.astart, dashboard.sampler.stop))
+        # Started once the models are, stopped before them: lines in flight end before the engine does.
+        app.state.batches = batch_service = BatchService.create(app, gateway.sessions, settings)
+        path_caps["/v1/files"] = batch_service.upload_cap
+        parts.append((batch_service.runner.start, batch_service.runner.stop))
     parts.append((freeze_startup_heap, thaw))  # last: once all the rest has started
     app.router.lifespan_context = lifespan_of(parts, app.router.lifespan_context)
-    install_body_limit(app, settings.max_request_bytes)  # last added runs first: before any other middleware
+    install_body_limit(app, settings.max_request_bytes, path_caps)  # last added runs first: before any other middleware
     if settings.forwarded_allow_ips:  # the client address the trusted proxies vouch for, before any route sees it
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     return app

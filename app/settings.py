@@ -62,6 +62,10 @@ class Settings:
     auth_failures_per_minute: int = 10  # per client address and key prefix, then 429; 0: no limit
     max_in_flight_per_key: int = 0  # requests one key may have running at once (a key's own field wins); 0: no limit
     instance_id: str | None = None  # this replica's name on its usage rows (a Ray Serve replica id, a pod name)
+    files_dir: str = ""  # bytes of the Files API; empty: "files" in data_dir
+    max_file_bytes: int = 100 * 1024 * 1024  # largest upload to /v1/files
+    max_batch_lines: int = 50_000  # most requests in one batch's input file
+    batch_max_in_flight: int = 8  # batch lines in the engine at once (all batches together)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -96,6 +100,14 @@ class Settings:
                     ipaddress.ip_network(entry, strict=False)
                 except ValueError:
                     raise SettingsError(f"forwarded_allow_ips: {entry!r} is not an IP address or network") from None
+        if self.max_file_bytes < 1:
+            raise SettingsError("max_file_bytes must be at least 1")
+        if self.max_batch_lines < 1:
+            raise SettingsError("max_batch_lines must be at least 1")
+        if self.batch_max_in_flight < 1:
+            raise SettingsError("batch_max_in_flight must be at least 1")
+        if not self.files_dir:
+            object.__setattr__(self, "files_dir", str(Path(self.data_dir) / "files"))
         if not self.database_url:
             object.__setattr__(self, "database_url", default_database_url(self.data_dir))
 
@@ -183,6 +195,12 @@ OPTIONS: tuple[Option, ...] = (
            "replica; in Kubernetes, the pod name)"),
     Option("--response-retention-days", "response_retention_days", float,
            "how long stored responses (Responses API) are kept before they are pruned"),
+    Option("--files-dir", "files_dir", str, "folder for the bytes of uploaded and batch output files "
+           "(default: files in the data folder)"),
+    Option("--max-file-bytes", "max_file_bytes", int, "largest file /v1/files accepts"),
+    Option("--max-batch-lines", "max_batch_lines", int, "most requests in one batch"),
+    Option("--batch-max-in-flight", "batch_max_in_flight", int,
+           "batch lines in the engine at once; each runs at the lowest priority"),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),

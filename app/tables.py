@@ -103,6 +103,7 @@ class UsageRow(Base):
     status: Mapped[str] = mapped_column(String(16))  # ok aborted error rejected rate_limited over_budget forbidden
     cost_nano_usd: Mapped[int] = mapped_column(BigInteger, default=0)
     replica: Mapped[str | None] = mapped_column(String(64))  # which replica served it; None: a single process
+    batch: Mapped[bool] = mapped_column(Boolean, default=False)  # a line of a batch (Batch API), at the batch price
 
     __table_args__ = (
         Index("ix_usage_created_at", "created_at"),
@@ -151,6 +152,9 @@ class RegisteredModel(Base):
     price_input_per_1m: Mapped[float | None] = mapped_column(Float)  # USD; all None: no price sheet
     price_cached_input_per_1m: Mapped[float | None] = mapped_column(Float)
     price_output_per_1m: Mapped[float | None] = mapped_column(Float)
+    # Batch API prices; None: half the interactive price (OpenAI's batch discount).
+    price_batch_input_per_1m: Mapped[float | None] = mapped_column(Float)
+    price_batch_output_per_1m: Mapped[float | None] = mapped_column(Float)
     hardware_cost_per_hour: Mapped[float | None] = mapped_column(Float)  # USD; None: a share of the server's
     sampling_defaults: Mapped[dict] = mapped_column(JSON, default=dict)  # what requests that set none get
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
@@ -200,3 +204,66 @@ class AdminSession(Base):
     id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+
+
+class StoredFile(Base):
+    """A file of the Files API: its bytes live in the files folder under its id, this row says whose it is."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # file-...
+    team_id: Mapped[int | None] = mapped_column(Integer)
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | user_data | batch_output
+    filename: Mapped[str] = mapped_column(String(256))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (Index("ix_files_team_created", "team_id", "created_at"),)
+
+
+class BatchJob(Base):
+    """A batch of the Batch API: one input file run line by line at the lowest priority. Times are naive UTC."""
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # batch_...
+    team_id: Mapped[int | None] = mapped_column(Integer)
+    key_id: Mapped[int | None] = mapped_column(Integer)  # whose limits and budget the lines run under
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    batch_metadata: Mapped[dict | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list | None] = mapped_column(JSON)  # why the whole batch failed, OpenAI's `errors.data`
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime)
+
+    __table_args__ = (
+        Index("ix_batches_team_created", "team_id", "created_at"),
+        Index("ix_batches_status", "status"),
+    )
+
+
+class BatchLine(Base):
+    """One finished line of a batch, written as it finishes: a restart skips the lines found here, and
+    the key makes a line impossible to record twice."""
+
+    __tablename__ = "batch_lines"
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    line_number: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+    status_code: Mapped[int] = mapped_column(Integer)  # 200: the output file; anything else: the error file
+    result: Mapped[dict] = mapped_column(JSON)  # the output or error file's line, as written there

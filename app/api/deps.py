@@ -8,6 +8,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.batches.dispatch import BATCH_PRINCIPAL
+from app.batches.service import BatchService
 from app.errors import OpenAIError
 from app.gateway.auth import KeyPrincipal
 from app.gateway.contract import Principal
@@ -21,10 +23,18 @@ def server_context(request: Request) -> ServerContext:
 
 
 async def current_principal(request: Request) -> Principal:
+    batch_caller = request.scope.get(BATCH_PRINCIPAL)  # a batch line the runner sends in process
+    if batch_caller is not None:
+        return batch_caller
     return await server_context(request).gateway.authenticate(request)
 
 
+def batch_service(request: Request) -> BatchService:
+    return request.app.state.batches
+
+
 ContextDep = Annotated[ServerContext, Depends(server_context)]
+BatchesDep = Annotated[BatchService, Depends(batch_service)]  # the Files and Batch APIs (a TeamGateway only)
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 

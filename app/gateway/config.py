@@ -19,6 +19,16 @@ class ModelPrice:
     input_per_1m: float = 0.0
     cached_input_per_1m: float = 0.0
     output_per_1m: float = 0.0
+    batch_input_per_1m: float | None = None  # Batch API lines; None: half of input_per_1m
+    batch_output_per_1m: float | None = None  # None: half of output_per_1m
+
+    def for_batch(self) -> ModelPrice:
+        """The sheet a batch line is charged by: the batch prices, by default half the interactive ones
+        (cached input at half its price too, as OpenAI's batch discount applies to every token)."""
+        input_price = self.input_per_1m / 2 if self.batch_input_per_1m is None else self.batch_input_per_1m
+        output_price = self.output_per_1m / 2 if self.batch_output_per_1m is None else self.batch_output_per_1m
+        cached = min(self.cached_input_per_1m / 2, input_price)
+        return ModelPrice(input_price, cached, output_price, input_price, output_price)
 
     def cost_nano_usd(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
         uncached = max(prompt_tokens - cached_tokens, 0)

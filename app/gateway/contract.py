@@ -32,6 +32,7 @@ class Principal:
     team_weight: float = 1.0  # the team's share of the engine (fair scheduling)
     cache_group: str | None = None  # teams in one group reuse each other's cached prefixes
     priority_floor: int = 0  # the most urgent `priority` (lower runs first) its requests may ask for
+    batch: bool = False  # a line of a batch (Batch API): metered at the batch price, outside the rpm / tpm limits
 
     def allows(self, model: str) -> bool:
         """Whether this caller may use `model` (the gateway's keys and teams may have a list)."""
@@ -53,6 +54,7 @@ class UsageRecord:
     status: str  # "ok" | "aborted" (client went away) | "error" | "rejected" (context length, queue full)
     finished_at: float  # unix time
     price: ModelPrice | None = None  # the model's price sheet in the registry, if it has one
+    batch: bool = False  # a line of a batch: charged by price.for_batch()
 
 
 class Gateway(Protocol):

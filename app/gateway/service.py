@@ -158,7 +158,8 @@ class TeamGateway:
             self._refused(principal, model, FORBIDDEN)
             raise model_not_found(model)
         honest = request_id is not None
-        cap = principal.max_in_flight or self.config.max_in_flight_per_key
+        # Batch lines are bounded by the batch runner; the key's in-flight cap is for its interactive calls.
+        cap = 0 if principal.batch else principal.max_in_flight or self.config.max_in_flight_per_key
         if honest and cap and self._in_flight_by_key.get(principal.key_id, 0) >= cap:
             self._refused(principal, model, RATE_LIMITED)
             raise OpenAIError(429, f"Too many requests in flight for this key: at most {cap} at once. Retry when "
@@ -166,6 +167,8 @@ class TeamGateway:
                               headers={"retry-after": "1"})
         worst_tokens = prompt_tokens + (max_tokens or 0) * sequences if honest else 0
         price = price or self.config.price(model)
+        if principal.batch:
+            price = price.for_batch()
         estimate = price.cost_nano_usd(prompt_tokens, 0, (max_tokens or 0) * sequences) if honest else 0
         if principal.budget_scopes:
             exhausted = None
@@ -203,8 +206,9 @@ class TeamGateway:
         if honest:
             self._reservations[request_id] = Reservation(
                 principal.rate_scopes, decision.window, worst_tokens, principal.budget_scopes, estimate,
-                principal.key_id)
-            self._in_flight_by_key[principal.key_id] = self._in_flight_by_key.get(principal.key_id, 0) + 1
+                None if principal.batch else principal.key_id)
+            if not principal.batch:
+                self._in_flight_by_key[principal.key_id] = self._in_flight_by_key.get(principal.key_id, 0) + 1
         self.admitted += 1
         return headers
 
@@ -226,6 +230,8 @@ class TeamGateway:
             return
         self.finished += 1
         price = record.price or self.config.price(record.model)  # the registry's sheet, else the env's
+        if record.batch:
+            price = price.for_batch()
         self._queue(UsageEvent(
             created_at=naive_utc(record.finished_at - record.latency_seconds), team_id=record.team_id,
             key_id=record.key_id, model=record.model, prompt_tokens=record.prompt_tokens,
@@ -233,10 +239,12 @@ class TeamGateway:
             latency_ms=round(record.latency_seconds * 1000),
             ttft_ms=None if record.time_to_first_token_seconds is None
             else round(record.time_to_first_token_seconds * 1000),
-            status=record.status[:16],
+            status=record.status[:16], batch=record.batch,
             cost_nano_usd=price.cost_nano_usd(record.prompt_tokens, record.cached_tokens,
                                               record.completion_tokens)))
         tokens = record.prompt_tokens + record.completion_tokens
+        if record.batch:  # batch lines count against the budget (their rows), never the interactive tpm
+            return
         if reservation is not None:  # settle: the unused part of the reservation returns to the window
             scopes = [s for s in reservation.rate_scopes if s.tpm is not None]
             tokens, window = tokens - reservation.tokens, reservation.window

@@ -49,6 +49,7 @@ class UsageEvent:
     status: str
     cost_nano_usd: int
     replica: str | None = None  # GatewayConfig.instance_id of the process that served it
+    batch: bool = False  # a line of a batch (Batch API)
 
     @property
     def is_error(self) -> bool:

@@ -20,7 +20,8 @@ from app.registry.spec import (
 )
 from engine.config import EngineConfig
 
-PRICE_FIELDS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")
+PRICE_FIELDS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m", "price_batch_input_per_1m",
+                "price_batch_output_per_1m")
 # These take effect at once (sampling defaults: from the next request); the rest at the next load.
 LIVE_FIELDS = ("aliases", "enabled", "hardware_cost_per_hour", "sampling_defaults", *PRICE_FIELDS)
 
@@ -122,4 +123,5 @@ def _price_columns(spec: ModelSpec) -> dict[str, float | None]:
     price = spec.price
     if price is None:
         return dict.fromkeys(PRICE_FIELDS)
-    return dict(zip(PRICE_FIELDS, (price.input_per_1m, price.cached_input_per_1m, price.output_per_1m)))
+    return dict(zip(PRICE_FIELDS, (price.input_per_1m, price.cached_input_per_1m, price.output_per_1m,
+                                   price.batch_input_per_1m, price.batch_output_per_1m)))

@@ -25,6 +25,10 @@ class ModelChanges(BaseModel):
     price_input_per_1m: float | None = Price
     price_cached_input_per_1m: float | None = Price
     price_output_per_1m: float | None = Price
+    price_batch_input_per_1m: float | None = Field(None, ge=0, description="USD per 1M tokens of batch lines "
+                                                   "(null: half of price_input_per_1m)")
+    price_batch_output_per_1m: float | None = Field(None, ge=0, description="USD per 1M tokens of batch lines "
+                                                    "(null: half of price_output_per_1m)")
     enabled: bool | None = None
     sampling_defaults: dict[str, Any] | None = Field(
         None, description="what requests that leave them out get: temperature, top_p, top_k, min_p, "
@@ -45,6 +49,8 @@ class PriceView(BaseModel):
     input_per_1m: float
     cached_input_per_1m: float
     output_per_1m: float
+    batch_input_per_1m: float | None = None
+    batch_output_per_1m: float | None = None
 
 
 class ModelView(BaseModel):

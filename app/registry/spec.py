@@ -82,11 +82,13 @@ def check_engine_settings(settings: dict[str, Any], base: EngineConfig) -> dict[
     return dict(settings)
 
 
-def price_of(input_per_1m: float | None, cached_input_per_1m: float | None,
-             output_per_1m: float | None) -> ModelPrice | None:
-    """A price sheet from its three columns; cached input costs full input price unless set."""
-    if input_per_1m is None and cached_input_per_1m is None and output_per_1m is None:
+def price_of(input_per_1m: float | None, cached_input_per_1m: float | None, output_per_1m: float | None,
+             batch_input_per_1m: float | None = None, batch_output_per_1m: float | None = None) -> ModelPrice | None:
+    """A price sheet from its columns; cached input costs full input price unless set, batch lines half
+    the interactive prices unless set."""
+    if all(price is None for price in (input_per_1m, cached_input_per_1m, output_per_1m, batch_input_per_1m,
+                                       batch_output_per_1m)):
         return None
     input_price = input_per_1m or 0.0
     cached = input_price if cached_input_per_1m is None else cached_input_per_1m
-    return ModelPrice(input_price, cached, output_per_1m or 0.0)
+    return ModelPrice(input_price, cached, output_per_1m or 0.0, batch_input_per_1m, batch_output_per_1m)

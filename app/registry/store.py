@@ -11,7 +11,8 @@ from app.gateway.crud import utcnow
 from app.registry.spec import ModelSpec, price_of
 from app.tables import RegisteredModel
 
-PRICE_COLUMNS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m")
+PRICE_COLUMNS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m",
+                 "price_batch_input_per_1m", "price_batch_output_per_1m")
 
 
 def spec_of(row: RegisteredModel) -> ModelSpec:
@@ -33,6 +34,8 @@ def columns_of(spec: ModelSpec) -> dict[str, Any]:
         "price_input_per_1m": None if price is None else price.input_per_1m,
         "price_cached_input_per_1m": None if price is None else price.cached_input_per_1m,
         "price_output_per_1m": None if price is None else price.output_per_1m,
+        "price_batch_input_per_1m": None if price is None else price.batch_input_per_1m,
+        "price_batch_output_per_1m": None if price is None else price.batch_output_per_1m,
     }
 
 

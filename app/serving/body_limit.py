@@ -5,7 +5,10 @@ it streams in, before anything parses it or authenticates with it.
 A declared Content-Length over the cap is answered before the app runs at all. A body without one
 (chunked) is counted as the app reads it; the read that crosses the cap raises BodyTooLarge, which the
 error handlers (or this middleware, if nothing else did) turn into the same 413. Memory per request
-stays at most one cap, whatever a client sends."""
+stays at most one cap, whatever a client sends.
+
+A path may have a cap of its own (`path_caps`): POST /v1/files takes uploads far larger than any JSON
+body, and only there."""
 from __future__ import annotations
 
 from fastapi import HTTPException
@@ -35,15 +38,16 @@ def _declared_length(scope: Scope) -> int | None:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, path_caps: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.path_caps = dict(path_caps or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_body_bytes
+        limit = self.path_caps.get(scope.get("path", ""), self.max_body_bytes)
         declared = _declared_length(scope)
         if declared is not None and (declared < 0 or declared > limit):
             await body_too_large(limit).response()(scope, receive, send)
@@ -77,7 +81,7 @@ async def _body_too_large(request, error: BodyTooLarge):  # a FastAPI exception 
     return body_too_large(error.limit).response()
 
 
-def install_body_limit(app, max_body_bytes: int) -> None:  # a FastAPI app
+def install_body_limit(app, max_body_bytes: int, path_caps: dict[str, int] | None = None) -> None:  # a FastAPI app
     """Outermost of the app's own middleware, so it also covers what other middleware would read."""
     app.add_exception_handler(BodyTooLarge, _body_too_large)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, path_caps=path_caps)

@@ -134,7 +134,8 @@ class RequestTracker:
             request_id=self.request_id, team_id=self.principal.team_id, key_id=self.principal.key_id,
             model=self.context.model_name, endpoint=self.endpoint, prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens, latency_seconds=latency,
-            time_to_first_token_seconds=ttft, status=status, finished_at=time.time(), price=self.context.price)
+            time_to_first_token_seconds=ttft, status=status, finished_at=time.time(), price=self.context.price,
+            batch=self.principal.batch)
         self.context.release()
         if self.context.cost_meter is not None:  # real cost: what the hardware hour produced
             self.context.cost_meter.record(self.completion_tokens, self.context.model_name)

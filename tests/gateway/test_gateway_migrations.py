@@ -17,7 +17,7 @@ from app.tables import Base
 
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"teams", "api_keys", "admin_credentials", "admin_sessions", "usage", "usage_daily", "models", "responses",
-          "response_input_items", "alembic_version"}
+          "response_input_items", "files", "batches", "batch_lines", "alembic_version"}
 
 
 def drop_everything(engine) -> None:
@@ -101,4 +101,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
                             cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0009_key_in_flight"
+    assert result.stdout.strip() == "0010_batches"

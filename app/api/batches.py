@@ -1,0 +1,70 @@
+"""/v1/batches: create a batch from an uploaded file, list, read and cancel a team's batches."""
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.deps import BatchesDep, PrincipalDep
+from app.batches.jobs import ENDPOINTS, batch_view, completion_window_length
+from app.batches.lines import count_lines
+from app.errors import invalid_request
+from app.serving.body import read_body
+
+router = APIRouter()
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=64)
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    output_expires_after: dict | None = None  # accepted for the client's sake; outputs are kept until deleted
+
+
+@router.post("/v1/batches")
+async def create_batch(request: Request, principal: PrincipalDep, batches: BatchesDep):
+    body = await read_body(request, BatchCreate, 64 * 1024)
+    if body.endpoint not in ENDPOINTS:
+        raise invalid_request(f"endpoint must be one of {list(ENDPOINTS)}; got {body.endpoint!r}.", param="endpoint")
+    completion_window_length(body.completion_window)
+    row, path = await run_in_threadpool(batches.files.open, team_id=principal.team_id, file_id=body.input_file_id)
+    if row.purpose != "batch":
+        raise invalid_request(f"The input file's purpose is {row.purpose!r}; upload it with purpose 'batch'.",
+                              param="input_file_id")
+    total = await run_in_threadpool(count_lines, path)
+    if total == 0:
+        raise invalid_request("The input file has no requests.", param="input_file_id", code="empty_file")
+    if total > batches.max_batch_lines:
+        raise invalid_request(f"The input file has {total} requests; a batch may have at most "
+                              f"{batches.max_batch_lines}.", param="input_file_id", code="too_many_requests")
+    job = await run_in_threadpool(batches.jobs.create, team_id=principal.team_id, key_id=principal.key_id,
+                                  endpoint=body.endpoint, input_file_id=body.input_file_id,
+                                  completion_window=body.completion_window, metadata=body.metadata, total=total)
+    batches.runner.wake()
+    return batch_view(job)
+
+
+@router.get("/v1/batches")
+async def list_batches(principal: PrincipalDep, batches: BatchesDep, after: str | None = None,
+                       limit: Annotated[int, Query(ge=1, le=100)] = 20):
+    rows, has_more = await run_in_threadpool(batches.jobs.page, team_id=principal.team_id, after=after, limit=limit)
+    data = [batch_view(row) for row in rows]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(batch_id: str, principal: PrincipalDep, batches: BatchesDep):
+    return batch_view(await run_in_threadpool(batches.jobs.get, team_id=principal.team_id, batch_id=batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str, principal: PrincipalDep, batches: BatchesDep):
+    job = await run_in_threadpool(batches.jobs.cancel, team_id=principal.team_id, batch_id=batch_id)
+    batches.runner.wake(cancelled=batch_id)
+    return batch_view(job)

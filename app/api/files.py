@@ -1,0 +1,62 @@
+"""/v1/files: upload (multipart), list, read, download and delete a team's files."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.datastructures import UploadFile
+
+from app.api.deps import BatchesDep, PrincipalDep
+from app.batches.files import UPLOAD_PURPOSES, file_view
+from app.errors import invalid_request
+
+router = APIRouter()
+
+
+@router.post("/v1/files")
+async def upload_file(request: Request, principal: PrincipalDep, batches: BatchesDep):
+    form = await request.form(max_files=1, max_fields=8)
+    try:
+        upload = form.get("file")
+        purpose = form.get("purpose")
+        if purpose not in UPLOAD_PURPOSES:
+            raise invalid_request(f"purpose must be one of {list(UPLOAD_PURPOSES)}; got {purpose!r}.",
+                                  param="purpose")
+        if not isinstance(upload, UploadFile):
+            raise invalid_request("Send the file as the multipart field 'file'.", param="file")
+        row = await run_in_threadpool(batches.files.save, team_id=principal.team_id, purpose=str(purpose),
+                                      filename=upload.filename or "upload", source=upload.file)
+    finally:
+        await form.close()
+    return JSONResponse(file_view(row))
+
+
+@router.get("/v1/files")
+async def list_files(principal: PrincipalDep, batches: BatchesDep, after: str | None = None,
+                     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
+    rows, has_more = await run_in_threadpool(batches.files.page, team_id=principal.team_id, purpose=purpose,
+                                             after=after, limit=limit, ascending=order == "asc")
+    data = [file_view(row) for row in rows]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+@router.get("/v1/files/{file_id}")
+async def get_file(file_id: str, principal: PrincipalDep, batches: BatchesDep):
+    row = await run_in_threadpool(batches.files.get, team_id=principal.team_id, file_id=file_id)
+    return file_view(row)
+
+
+@router.get("/v1/files/{file_id}/content")
+async def get_file_content(file_id: str, principal: PrincipalDep, batches: BatchesDep):
+    row, path = await run_in_threadpool(batches.files.open, team_id=principal.team_id, file_id=file_id)
+    return FileResponse(path, media_type="application/octet-stream", filename=row.filename)
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str, principal: PrincipalDep, batches: BatchesDep):
+    await run_in_threadpool(batches.files.delete, team_id=principal.team_id, file_id=file_id)
+    return {"id": file_id, "object": "file", "deleted": True}

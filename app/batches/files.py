@@ -1,0 +1,122 @@
+"""Files of the Files API: bytes in the files folder under the file's id, a row in the database saying
+whose it is. Everything here is keyword-only and blocking (routes run it in a thread); a file another
+team owns is as absent as one that never existed."""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import BinaryIO
+
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.errors import OpenAIError, invalid_request
+from app.gateway.crud import utcnow
+from app.tables import StoredFile
+
+UPLOAD_PURPOSES = ("batch", "user_data")  # what a client may upload; batch_output is ours
+COPY_CHUNK = 1024 * 1024
+
+
+def unix(value: datetime | None) -> int | None:
+    return None if value is None else int(value.replace(tzinfo=UTC).timestamp())
+
+
+def file_not_found(file_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
+
+
+def file_view(row: StoredFile) -> dict:
+    """A FileObject, as the openai client reads it."""
+    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": unix(row.created_at),
+            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
+            "status_details": None}
+
+
+@dataclass(frozen=True)
+class FileStore:
+    sessions: sessionmaker[Session]
+    folder: Path
+    max_bytes: int
+
+    def path_of(self, file_id: str) -> Path:
+        return self.folder / file_id
+
+    def save(self, *, team_id: int | None, purpose: str, filename: str, source: BinaryIO) -> StoredFile:
+        """Copy `source` in under a new id; refused (400) past max_bytes, with nothing left behind."""
+        file_id = f"file-{uuid.uuid4().hex[:24]}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / f".{file_id}.part"
+        size = 0
+        try:
+            with open(partial, "wb") as out:
+                while chunk := source.read(COPY_CHUNK):
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise invalid_request(f"The file is larger than the {self.max_bytes} bytes a file may have.",
+                                              param="file", code="file_too_large")
+                    out.write(chunk)
+            os.replace(partial, self.path_of(file_id))
+        finally:
+            partial.unlink(missing_ok=True)
+        return self.record(file_id=file_id, team_id=team_id, purpose=purpose, filename=filename, size=size)
+
+    def write(self, *, team_id: int | None, purpose: str, filename: str, lines: list[bytes]) -> StoredFile:
+        """A file we make ourselves (a batch's output or errors); no cap."""
+        file_id = f"file-{uuid.uuid4().hex[:24]}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / f".{file_id}.part"
+        with open(partial, "wb") as out:
+            out.writelines(lines)
+        os.replace(partial, self.path_of(file_id))
+        return self.record(file_id=file_id, team_id=team_id, purpose=purpose, filename=filename,
+                           size=self.path_of(file_id).stat().st_size)
+
+    def record(self, *, file_id: str, team_id: int | None, purpose: str, filename: str, size: int) -> StoredFile:
+        row = StoredFile(id=file_id, team_id=team_id, purpose=purpose, filename=filename[:256], bytes=size,
+                         created_at=utcnow())
+        with self.sessions() as session, session.begin():
+            session.add(row)
+        return row
+
+    def get(self, *, team_id: int | None, file_id: str) -> StoredFile:
+        with self.sessions() as session:
+            row = session.get(StoredFile, file_id)
+        if row is None or row.team_id != team_id:
+            raise file_not_found(file_id)
+        return row
+
+    def page(self, *, team_id: int | None, purpose: str | None, after: str | None, limit: int,
+             ascending: bool) -> tuple[list[StoredFile], bool]:
+        """A page of the team's files and whether more follow, newest first unless `ascending`."""
+        query = select(StoredFile).where(StoredFile.team_id == team_id)
+        if purpose is not None:
+            query = query.where(StoredFile.purpose == purpose)
+        order = (StoredFile.created_at, StoredFile.id)
+        if after is not None:
+            cursor = self.get(team_id=team_id, file_id=after)
+            position = tuple_(*order)
+            bound = tuple_(cursor.created_at, cursor.id)
+            query = query.where(position > bound if ascending else position < bound)
+        query = query.order_by(*(column.asc() if ascending else column.desc() for column in order)).limit(limit + 1)
+        with self.sessions() as session:
+            rows = list(session.scalars(query))
+        return rows[:limit], len(rows) > limit
+
+    def delete(self, *, team_id: int | None, file_id: str) -> None:
+        with self.sessions() as session, session.begin():
+            row = session.get(StoredFile, file_id)
+            if row is None or row.team_id != team_id:
+                raise file_not_found(file_id)
+            session.delete(row)
+        self.path_of(file_id).unlink(missing_ok=True)
+
+    def open(self, *, team_id: int | None, file_id: str) -> tuple[StoredFile, Path]:
+        row = self.get(team_id=team_id, file_id=file_id)
+        path = self.path_of(file_id)
+        if not path.exists():  # the row outlived its bytes (a folder restored without them)
+            raise file_not_found(file_id)
+        return row, path

@@ -1,0 +1,160 @@
+"""Batches in the database: create, read, list, cancel, and the runner's progress (one row per finished
+line, counted on the batch in the same transaction). Keyword-only and blocking; a batch of another team
+is as absent as one that never existed."""
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import cast
+
+from sqlalchemy import CursorResult, select, tuple_, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.batches.files import unix
+from app.errors import OpenAIError, invalid_request
+from app.gateway.crud import utcnow
+from app.tables import BatchJob, BatchLine
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# Statuses the runner still has work in; the rest are final.
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+WINDOW_PATTERN = re.compile(r"([1-9][0-9]{0,5})([smh])")
+MAX_WINDOW = timedelta(days=7)
+
+
+def completion_window_length(window: str) -> timedelta:
+    """OpenAI's "24h", or any whole number of s / m / h up to a week."""
+    match = WINDOW_PATTERN.fullmatch(window) if isinstance(window, str) else None
+    if match is None:
+        raise invalid_request(f"completion_window must look like '24h' (s, m or h); got {window!r}.",
+                              param="completion_window")
+    length = timedelta(seconds=int(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]])
+    if length > MAX_WINDOW:
+        raise invalid_request("completion_window may be at most 168h.", param="completion_window")
+    return length
+
+
+def batch_not_found(batch_id: str) -> OpenAIError:
+    return OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
+
+
+def batch_view(row: BatchJob) -> dict:
+    """A Batch, as the openai client reads it."""
+    return {
+        "id": row.id, "object": "batch", "endpoint": row.endpoint, "input_file_id": row.input_file_id,
+        "completion_window": row.completion_window, "status": row.status, "output_file_id": row.output_file_id,
+        "error_file_id": row.error_file_id,
+        "errors": None if not row.errors else {"object": "list", "data": row.errors},
+        "created_at": unix(row.created_at), "in_progress_at": unix(row.in_progress_at),
+        "expires_at": unix(row.expires_at), "finalizing_at": unix(row.finalizing_at),
+        "completed_at": unix(row.completed_at), "failed_at": unix(row.failed_at),
+        "expired_at": unix(row.expired_at), "cancelling_at": unix(row.cancelling_at),
+        "cancelled_at": unix(row.cancelled_at),
+        "request_counts": {"total": row.total, "completed": row.completed, "failed": row.failed},
+        "metadata": row.batch_metadata,
+    }
+
+
+@dataclass(frozen=True)
+class BatchStore:
+    sessions: sessionmaker[Session]
+
+    def create(self, *, team_id: int | None, key_id: int | None, endpoint: str, input_file_id: str,
+               completion_window: str, metadata: dict | None, total: int) -> BatchJob:
+        now = utcnow()
+        row = BatchJob(id=f"batch_{uuid.uuid4().hex[:24]}", team_id=team_id, key_id=key_id, endpoint=endpoint,
+                       input_file_id=input_file_id, completion_window=completion_window, status="validating",
+                       total=total, completed=0, failed=0, batch_metadata=metadata, created_at=now,
+                       expires_at=now + completion_window_length(completion_window))
+        with self.sessions() as session, session.begin():
+            session.add(row)
+        return row
+
+    def get(self, *, team_id: int | None, batch_id: str) -> BatchJob:
+        with self.sessions() as session:
+            row = session.get(BatchJob, batch_id)
+        if row is None or row.team_id != team_id:
+            raise batch_not_found(batch_id)
+        return row
+
+    def page(self, *, team_id: int | None, after: str | None, limit: int) -> tuple[list[BatchJob], bool]:
+        """A page of the team's batches, newest first, and whether more follow."""
+        query = select(BatchJob).where(BatchJob.team_id == team_id)
+        if after is not None:
+            cursor = self.get(team_id=team_id, batch_id=after)
+            query = query.where(tuple_(BatchJob.created_at, BatchJob.id) < tuple_(cursor.created_at, cursor.id))
+        query = query.order_by(BatchJob.created_at.desc(), BatchJob.id.desc()).limit(limit + 1)
+        with self.sessions() as session:
+            rows = list(session.scalars(query))
+        return rows[:limit], len(rows) > limit
+
+    def cancel(self, *, team_id: int | None, batch_id: str) -> BatchJob:
+        """validating / in_progress -> cancelling (the runner finishes the job); cancelling and cancelled
+        stay as they are; any other final status is a conflict."""
+        with self.sessions() as session, session.begin():
+            row = session.get(BatchJob, batch_id, with_for_update=True)
+            if row is None or row.team_id != team_id:
+                raise batch_not_found(batch_id)
+            if row.status in ("validating", "in_progress"):
+                row.status = "cancelling"
+                row.cancelling_at = utcnow()
+            elif row.status not in ("cancelling", "cancelled"):
+                raise OpenAIError(409, f"Cannot cancel a batch that is {row.status}.", code="batch_not_cancellable")
+            session.flush()
+            session.expunge(row)
+        return row
+
+    # the runner's side
+
+    def next_active(self) -> BatchJob | None:
+        """The oldest batch with work left: batches run one after another, in the order they came."""
+        with self.sessions() as session:
+            return session.scalar(select(BatchJob).where(BatchJob.status.in_(ACTIVE))
+                                  .order_by(BatchJob.created_at, BatchJob.id).limit(1))
+
+    def status_of(self, batch_id: str) -> str | None:
+        with self.sessions() as session:
+            return session.scalar(select(BatchJob.status).where(BatchJob.id == batch_id))
+
+    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...], **values: object) -> bool:
+        """Move to `status` (stamping its *_at time) unless the batch has moved on meanwhile, e.g. a
+        cancel that came in between."""
+        stamp = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
+                 "failed": "failed_at", "expired": "expired_at", "cancelled": "cancelled_at"}.get(status)
+        if stamp is not None:
+            values[stamp] = utcnow()
+        with self.sessions() as session, session.begin():
+            result = session.execute(update(BatchJob).where(BatchJob.id == batch_id, BatchJob.status.in_(only_from))
+                                     .values(status=status, **values))
+            return cast(CursorResult, result).rowcount == 1
+
+    def finished_lines(self, batch_id: str) -> set[int]:
+        with self.sessions() as session:
+            return set(session.scalars(select(BatchLine.line_number).where(BatchLine.batch_id == batch_id)))
+
+    def record_line(self, batch_id: str, *, line_number: int, custom_id: str | None, status_code: int,
+                    result: dict) -> bool:
+        """Keep one finished line and count it; False if that line was recorded already (it never is twice)."""
+        ok = 200 <= status_code < 300
+        try:
+            with self.sessions() as session, session.begin():
+                session.add(BatchLine(batch_id=batch_id, line_number=line_number, custom_id=custom_id,
+                                      status_code=status_code, result=result))
+                session.flush()
+                session.execute(update(BatchJob).where(BatchJob.id == batch_id).values(
+                    completed=BatchJob.completed + int(ok), failed=BatchJob.failed + int(not ok)))
+        except IntegrityError:
+            return False
+        return True
+
+    def results(self, batch_id: str) -> list[BatchLine]:
+        with self.sessions() as session:
+            return list(session.scalars(select(BatchLine).where(BatchLine.batch_id == batch_id)
+                                        .order_by(BatchLine.line_number)))
+
+
+def expired(row: BatchJob, now: datetime) -> bool:
+    return now >= row.expires_at

@@ -1,0 +1,35 @@
+"""What the /v1/files and /v1/batches routes share with the runner: the stores, the limits, the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp
+
+from app.batches.files import FileStore
+from app.batches.jobs import BatchStore
+from app.batches.runner import BatchRunner
+from app.settings import Settings
+
+MULTIPART_OVERHEAD = 64 * 1024  # the form around the file: boundaries, headers, the purpose field
+
+
+@dataclass(frozen=True)
+class BatchService:
+    files: FileStore
+    jobs: BatchStore
+    runner: BatchRunner
+    max_batch_lines: int
+
+    @classmethod
+    def create(cls, app: ASGIApp, sessions: sessionmaker[Session], settings: Settings) -> BatchService:
+        files = FileStore(sessions, Path(settings.files_dir), settings.max_file_bytes)
+        jobs = BatchStore(sessions)
+        runner = BatchRunner(app, jobs=jobs, files=files, max_in_flight=settings.batch_max_in_flight)
+        return cls(files, jobs, runner, settings.max_batch_lines)
+
+    @property
+    def upload_cap(self) -> int:
+        """The body cap of POST /v1/files: a file of max_bytes and its form fit, a body past that is a 413."""
+        return self.files.max_bytes + MULTIPART_OVERHEAD
