@@ -13,27 +13,27 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see engine_bench.py: spinning OpenMP threads on a shared VM
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.async_engine import AsyncEngine  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tenancy import Tenancy  # noqa: E402
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.loader import LoadedModel, load_model
+from engine.sampling_params import SamplingParams
+from engine.tenancy import Tenancy
 
 RESULTS = ROOT / "bench" / "results"
 

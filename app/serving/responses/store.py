@@ -12,8 +12,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -87,7 +88,7 @@ class SqlResponseStore:
         with self.sessions.begin() as session:
             session.execute(delete(StoredResponseItem).where(StoredResponseItem.response_id.in_(expired)))
             removed = session.execute(delete(StoredResponse).where(StoredResponse.expires_at <= _naive_utc(now)))
-            return removed.rowcount
+            return cast(CursorResult[Any], removed).rowcount  # a DELETE's result is a CursorResult
 
     def _owned(self, query, response_id: str, team_id: int | None):
         team = StoredResponse.team_id.is_(None) if team_id is None else StoredResponse.team_id == team_id
