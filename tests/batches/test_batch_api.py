@@ -4,72 +4,15 @@ cancel, expiry, restart, limits and metering."""
 from __future__ import annotations
 
 import io
-import json
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
-from openai.types import Batch, FileObject
+from openai.types import FileObject
 
+from app.batches.runner import BATCH_PRIORITY
 from app.gateway.config import parse_prices
-from tests.support.gateway import (
-    FAKE_MODEL,
-    FakeEngine,
-    build_app,
-    chat_body,
-    create_key,
-    create_team,
-    usage_rows,
-)
-
-FINAL = ("completed", "failed", "expired", "cancelled")
-
-
-@contextmanager
-def serving(gateway, tmp_path, engine=None, **settings) -> Iterator[TestClient]:
-    app = build_app(gateway, engine or FakeEngine(), files_dir=str(tmp_path / "files"), **settings)
-    with TestClient(app) as client:
-        yield client
-
-
-def team_client(http: TestClient, name: str = "alpha", **limits) -> openai.OpenAI:
-    team = create_team(http, name)
-    key = create_key(http, team["id"], **limits)
-    return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key=key["key"], http_client=http, max_retries=0)
-
-
-def line(custom_id: str, content: str = "say hello", max_tokens: int = 3, url: str = "/v1/chat/completions") -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": chat_body(content, max_tokens=max_tokens, temperature=0)}
-
-
-def jsonl(lines: list) -> bytes:
-    return b"".join((item if isinstance(item, bytes) else json.dumps(item).encode()) + b"\n" for item in lines)
-
-
-def submit(client: openai.OpenAI, lines: list, window: str = "24h") -> Batch:
-    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                 completion_window=window)  # type: ignore[arg-type]
-
-
-def wait_for(client: openai.OpenAI, batch_id: str, until=lambda b: b.status in FINAL, timeout: float = 20) -> Batch:
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if until(batch):
-            return batch
-        assert time.monotonic() < deadline, f"batch stuck: {batch}"
-        time.sleep(0.02)
-
-
-def download(client: openai.OpenAI, file_id: str | None) -> list[dict]:
-    if file_id is None:
-        return []
-    return [json.loads(text) for text in client.files.content(file_id).text.splitlines()]
+from tests.support.batches import download, jsonl, line, serving, submit, team_client, wait_for
+from tests.support.gateway import FAKE_MODEL, FakeEngine, chat_body, usage_rows
 
 
 def test_upload_create_poll_download(make_gateway, tmp_path):
@@ -221,3 +164,26 @@ def test_batch_lines_are_metered_at_the_batch_price_outside_the_interactive_limi
     [interactive] = [row for row in rows if not row.batch]
     assert len(batch_rows) == 3 and all(row.status == "ok" for row in batch_rows)
     assert all(row.cost_nano_usd * 2 == interactive.cost_nano_usd for row in batch_rows)
+
+
+def test_batch_lines_run_below_every_interactive_request(make_gateway, tmp_path):
+    engine = FakeEngine()
+    with serving(make_gateway(), tmp_path, engine) as http:
+        client = team_client(http)
+        # A line may not ask to go earlier: its priority is capped at the batch priority like any key's floor.
+        batch = wait_for(client, submit(client, [line("a"), {**line("b"), "body": chat_body(priority=-5)}]).id)
+        assert batch.request_counts.completed == 2
+        client.chat.completions.create(**chat_body(max_tokens=2))
+    assert [tenancy.priority for tenancy in engine.tenancies] == [BATCH_PRIORITY, BATCH_PRIORITY, 0]
+
+
+def test_a_responses_batch_runs_through_the_responses_route(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path) as http:
+        client = team_client(http)
+        body = {"model": FAKE_MODEL, "input": "say hello", "max_output_tokens": 3, "store": False}
+        lines = [{"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body}]
+        batch = wait_for(client, submit(client, lines, endpoint="/v1/responses").id)
+        assert batch.status == "completed", batch
+        [output] = download(client, batch.output_file_id)
+    response = output["response"]["body"]
+    assert response["object"] == "response" and response["output"][0]["content"][0]["text"] == " tok tok tok"
