@@ -12,7 +12,7 @@ import app.offline  # noqa: F401 - before anything imports huggingface_hub or tr
 # and the engine thread on small machines (set OMP_WAIT_POLICY=ACTIVE to override on a dedicated box).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from app.cli import admin, models
+from app.cli import admin, batches, models
 from app.cli.serve import serve, serve_arguments
 
 
@@ -29,6 +29,7 @@ COMMANDS: list[Command] = [
 ]
 COMMANDS += [Command(*spec) for spec in admin.commands()]  # teams, keys, usage
 COMMANDS += [Command(*spec) for spec in models.commands()]
+COMMANDS += [Command(*spec) for spec in batches.commands()]
 
 
 def build_parser() -> argparse.ArgumentParser:
