@@ -29,6 +29,16 @@ def limits_from(form: dict[str, str]) -> dict:
     return values
 
 
+def share_from(form: dict[str, str]) -> dict:
+    """A team's share of the engine: an empty weight keeps the current one, an empty group leaves any group."""
+    values: dict = {}
+    if form.get("scheduling_weight", "").strip():
+        values["scheduling_weight"] = form["scheduling_weight"].strip()
+    if "cache_group" in form:
+        values["cache_group"] = form["cache_group"].strip() or None
+    return values
+
+
 def body_from(form: dict[str, str], model: type[Body], **fields) -> Body:
     """The form's limits (and `fields`) as `model`, or FormError with a message for the page."""
     values = {**limits_from(form), **fields}

@@ -7,7 +7,7 @@ from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import func, select
 
 from app.dashboard.deps import CheckedForm, DashboardDep, PageSession
-from app.dashboard.limit_forms import FormError, body_from
+from app.dashboard.limit_forms import FormError, body_from, share_from
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
 from app.gateway import admin, crud
@@ -46,13 +46,26 @@ def list_teams(request: Request, session: PageSession, dashboard: DashboardDep, 
 @router.post("/admin/teams", include_in_schema=False)
 def create_team(request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
     try:
-        body = body_from(form, TeamCreate, name=form.get("name", "").strip())
+        body = body_from(form, TeamCreate, name=form.get("name", "").strip(), **share_from(form))
         with dashboard.gateway.sessions() as db:
             team = admin.create_team(body, db)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return teams_page(request, session, dashboard, after=None, error=message, form=form, status_code=400)
     return RedirectResponse(f"/admin/teams/{team.id}?done=created", status_code=303)
+
+
+def engine_share(request: Request, team_id: int) -> dict[str, int]:
+    """The team's sequences running and waiting now, and tokens served in the last minute, over the
+    models loaded in this process (the engine knows the team as 'team:<id>')."""
+    share = {"running": 0, "waiting": 0, "tokens_last_minute": 0}
+    for served in list(request.app.state.context.models.served.values()):
+        stats = served.engine.stats().teams.get(f"team:{team_id}")
+        if stats is not None:
+            share["running"] += stats.running
+            share["waiting"] += stats.waiting
+            share["tokens_last_minute"] += stats.tokens_last_minute()
+    return share
 
 
 def team_page(request: Request, session_, dashboard, team_id: int, *, after: int | None = None,
@@ -65,6 +78,7 @@ def team_page(request: Request, session_, dashboard, team_id: int, *, after: int
         keys = list(crud.list_keys(session, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1,
                                    after=after))
     return render(request, "team.html", session_, section="teams", team=team, keys=keys[:PAGE_SIZE],
+                  engine_share=engine_share(request, team_id),
                   next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None, after=after,
                   revoked=revoked, notice=NOTICES.get(done or ""), error=error, status_code=status_code,
                   back=str(request.url.path))
@@ -81,7 +95,8 @@ def update_team(request: Request, team_id: int, session: PageSession, dashboard:
                 form: CheckedForm) -> Response:
     try:
         name = form.get("name", "").strip()
-        body = body_from(form, TeamUpdate, blocked=form.get("blocked") == "on", **({"name": name} if name else {}))
+        body = body_from(form, TeamUpdate, blocked=form.get("blocked") == "on", **({"name": name} if name else {}),
+                         **share_from(form))
         with dashboard.gateway.sessions() as db:
             admin.update_team(team_id, body, db, dashboard.gateway)
     except (FormError, OpenAIError) as error:

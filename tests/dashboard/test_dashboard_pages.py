@@ -229,3 +229,18 @@ def test_pages_stay_fast_with_100k_usage_rows_and_10k_keys(admin):
     assert 'data-total="requests">100,000<' in page
     csv_seconds, text = timed_get(admin, f"/admin/usage.csv?since={since}&until={today}&group=key")
     assert csv_seconds < 3.0 and len(text.splitlines()) > 9_000
+
+
+def test_a_team_s_share_weight_and_cache_group_are_edited_on_its_page(admin):
+    team_id = admin.create_team("alpha")
+    page = admin.client.get(f"/admin/teams/{team_id}").text
+    assert 'name="scheduling_weight" inputmode="decimal" value="1"' in page
+    assert "In the engine now: 0 running, 0 waiting; 0 tokens served in the last minute." in page
+    assert admin.post(f"/admin/teams/{team_id}", name="alpha", scheduling_weight="3", cache_group="docs").status_code == 303
+    with admin.gateway.sessions() as session:
+        assert (session.get(Team, team_id).scheduling_weight, session.get(Team, team_id).cache_group) == (3.0, "docs")
+    refused = admin.post(f"/admin/teams/{team_id}", name="alpha", scheduling_weight="0")
+    assert refused.status_code == 400 and "scheduling_weight" in refused.text
+    assert admin.post(f"/admin/teams/{team_id}", name="alpha", cache_group="").status_code == 303
+    with admin.gateway.sessions() as session:
+        assert (session.get(Team, team_id).scheduling_weight, session.get(Team, team_id).cache_group) == (3.0, None)
