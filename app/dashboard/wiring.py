@@ -8,6 +8,7 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from app.dashboard import (
+    batch_routes,
     key_routes,
     login_routes,
     model_routes,
@@ -25,7 +26,8 @@ from app.dashboard.sessions import SessionSigner, SessionStore
 from app.dashboard.sources import model_sources
 from app.gateway.service import TeamGateway
 
-ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, playground_routes, model_routes)
+ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, batch_routes, playground_routes,
+           model_routes)
 
 
 async def _to_login(request: Request, error: LoginRequired) -> Response:
