@@ -249,6 +249,10 @@ class BatchJob(Base):
     expired_at: Mapped[datetime | None] = mapped_column(DateTime)
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime)
     cancelled_at: Mapped[datetime | None] = mapped_column(DateTime)
+    # The runner (one per process) that holds the batch, until when: replicas sharing the database never
+    # run one batch at once, and a runner that died (SIGKILL) lets go when its lease runs out.
+    runner_id: Mapped[str | None] = mapped_column(String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime)
 
     __table_args__ = (
         Index("ix_batches_team_created", "team_id", "created_at"),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import cast
 
-from sqlalchemy import CursorResult, select, tuple_, update
+from sqlalchemy import CursorResult, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -109,11 +109,34 @@ class BatchStore:
 
     # the runner's side
 
-    def next_active(self) -> BatchJob | None:
-        """The oldest batch with work left: batches run one after another, in the order they came."""
+    def claim_next(self, runner_id: str, lease: timedelta) -> BatchJob | None:
+        """The oldest batch with work left that no other runner holds, now held by `runner_id` for
+        `lease`: batches run one after another, in the order they came, each by one runner at a time."""
+        now = utcnow()
+        free = or_(BatchJob.runner_id.is_(None), BatchJob.runner_id == runner_id, BatchJob.lease_expires_at < now)
         with self.sessions() as session:
-            return session.scalar(select(BatchJob).where(BatchJob.status.in_(ACTIVE))
-                                  .order_by(BatchJob.created_at, BatchJob.id).limit(1))
+            candidates = list(session.scalars(select(BatchJob.id).where(BatchJob.status.in_(ACTIVE), free)
+                                              .order_by(BatchJob.created_at, BatchJob.id).limit(8)))
+        for batch_id in candidates:
+            if self.renew(batch_id, runner_id, lease):
+                with self.sessions() as session:
+                    return session.get(BatchJob, batch_id)
+        return None
+
+    def renew(self, batch_id: str, runner_id: str, lease: timedelta) -> bool:
+        """Take or extend the lease; False when another runner holds it (a compare-and-set, so two
+        runners racing for a free batch can't both win)."""
+        now = utcnow()
+        free = or_(BatchJob.runner_id.is_(None), BatchJob.runner_id == runner_id, BatchJob.lease_expires_at < now)
+        with self.sessions() as session, session.begin():
+            result = session.execute(update(BatchJob).where(BatchJob.id == batch_id, free)
+                                     .values(runner_id=runner_id, lease_expires_at=now + lease))
+            return cast(CursorResult, result).rowcount == 1
+
+    def release(self, batch_id: str, runner_id: str) -> None:
+        with self.sessions() as session, session.begin():
+            session.execute(update(BatchJob).where(BatchJob.id == batch_id, BatchJob.runner_id == runner_id)
+                            .values(runner_id=None, lease_expires_at=None))
 
     def status_of(self, batch_id: str) -> str | None:
         with self.sessions() as session:

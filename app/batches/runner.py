@@ -4,13 +4,19 @@ priority, a bounded number at a time, so interactive requests are scheduled ahea
 Each finished line is written to the database as it finishes (jobs.BatchStore.record_line); a restart
 skips the lines found there and runs the rest, so no line is lost or recorded twice. A cancel stops the
 feeding, lets the lines in flight finish and writes the output so far; past its completion window a
-batch does the same and ends `expired`. Lines that never ran go to the error file, saying why."""
+batch does the same and ends `expired`. Lines that never ran go to the error file, saying why.
+
+A runner holds a lease on the batch it runs (renewed while it runs, released when it stops), so replicas
+sharing the database never run one batch at once; one that was killed lets go when its lease runs out."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import socket
 import time
+import uuid
+from datetime import timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -50,8 +56,10 @@ def batch_principal(sessions: sessionmaker[Session], key_id: int | None) -> KeyP
 
 class BatchRunner:
     def __init__(self, app: ASGIApp, *, jobs: BatchStore, files: FileStore, max_in_flight: int,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, lease_s: float = 30.0) -> None:
         self.app = app
+        self.runner_id = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:12]}"  # this process, for the lease
+        self.lease = timedelta(seconds=lease_s)
         self.jobs = jobs
         self.files = files
         self.max_in_flight = max_in_flight
@@ -78,9 +86,12 @@ class BatchRunner:
     async def run_forever(self) -> None:
         while True:
             try:
-                job = await run_in_threadpool(self.jobs.next_active)
+                job = await run_in_threadpool(self.jobs.claim_next, self.runner_id, self.lease)
                 if job is not None:
-                    await self.run(job)
+                    try:
+                        await self.run(job)
+                    finally:  # also on shutdown: the next process takes the batch over at once
+                        await run_in_threadpool(self.jobs.release, job.id, self.runner_id)
                     continue
             except asyncio.CancelledError:
                 raise
@@ -93,6 +104,24 @@ class BatchRunner:
                 pass
 
     async def run(self, job: BatchJob) -> None:
+        lost = asyncio.Event()
+        keeper = asyncio.create_task(self.hold(job.id, lost))
+        try:
+            await self.run_held(job, lost)
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+
+    async def hold(self, batch_id: str, lost: asyncio.Event) -> None:
+        """Renews the batch's lease while it runs; if another runner has it (this process stalled past the
+        lease), stops this one from feeding or finishing it."""
+        while True:
+            await asyncio.sleep(self.lease.total_seconds() / 3)
+            if not await run_in_threadpool(self.jobs.renew, batch_id, self.runner_id, self.lease):
+                lost.set()
+                return
+
+    async def run_held(self, job: BatchJob, lost: asyncio.Event) -> None:
         if job.status == "validating":
             if not await run_in_threadpool(self.jobs.set_status, job.id, "in_progress", only_from=("validating",)):
                 return  # cancelled meanwhile: the next pass sees it
@@ -108,10 +137,12 @@ class BatchRunner:
             await self.fail(job, "invalid_api_key", "The API key that created this batch is no longer valid.")
             return
         if job.status == "in_progress":
-            await self.feed(job, lines, principal)
-        await self.finish(job, lines)
+            await self.feed(job, lines, principal, lost)
+        if not lost.is_set():
+            await self.finish(job, lines)
 
-    async def feed(self, job: BatchJob, lines: list[InputLine], principal: KeyPrincipal) -> None:
+    async def feed(self, job: BatchJob, lines: list[InputLine], principal: KeyPrincipal,
+                   lost: asyncio.Event) -> None:
         """Runs the lines not yet finished, at most max_in_flight at once, until they are all done or the
         batch is cancelled or expires."""
         done = await run_in_threadpool(self.jobs.finished_lines, job.id)
@@ -127,7 +158,7 @@ class BatchRunner:
                     checked_at = time.monotonic()
                     if await run_in_threadpool(self.jobs.status_of, job.id) != "in_progress":
                         self.cancelled.add(job.id)
-                if job.id in self.cancelled or expired(job, utcnow()):
+                if job.id in self.cancelled or expired(job, utcnow()) or lost.is_set():
                     seats.release()
                     break
                 task = asyncio.create_task(self.run_line(job, line, principal))

@@ -4,11 +4,13 @@ cancel, expiry, restart, limits and metering."""
 from __future__ import annotations
 
 import io
+from datetime import timedelta
 
 import openai
 import pytest
 from openai.types import FileObject
 
+from app.batches.jobs import BatchStore
 from app.batches.runner import BATCH_PRIORITY
 from app.gateway.config import parse_prices
 from tests.support.batches import download, jsonl, line, serving, submit, team_client, wait_for
@@ -107,7 +109,9 @@ def test_a_restart_resumes_without_redoing_or_losing_a_line(make_gateway, tmp_pa
         client = team_client(http)
         created = submit(client, [line(f"r{i}", content=f"line {i}", max_tokens=5) for i in range(10)])
         wait_for(client, created.id, until=lambda b: b.request_counts.completed >= 3)
-    # The server stopped mid-batch; the lines in flight were dropped unrecorded.
+    # The server stopped mid-batch; the lines in flight were dropped unrecorded. As if it had been killed
+    # instead, its lease is still held for a moment: the next server waits it out, then resumes.
+    BatchStore(gateway.sessions).renew(created.id, "killed-process", timedelta(seconds=1))
     second = FakeEngine()
     with serving(make_gateway(), tmp_path, second) as http:
         client.__init__(base_url=f"{http.base_url}/v1", api_key=client.api_key, http_client=http, max_retries=0)
@@ -187,3 +191,16 @@ def test_a_responses_batch_runs_through_the_responses_route(make_gateway, tmp_pa
         [output] = download(client, batch.output_file_id)
     response = output["response"]["body"]
     assert response["object"] == "response" and response["output"][0]["content"][0]["text"] == " tok tok tok"
+
+
+def test_two_replicas_on_one_database_never_run_a_line_twice(make_gateway, tmp_path):
+    engines = [FakeEngine(token_delay_s=0.05), FakeEngine(token_delay_s=0.05)]
+    with serving(make_gateway(), tmp_path, engines[0], batch_max_in_flight=2) as first, \
+            serving(make_gateway(), tmp_path, engines[1], batch_max_in_flight=2) as second:
+        client = team_client(first)
+        created = [submit(client, [line(f"b{b}-r{i}", max_tokens=5) for i in range(6)]) for b in range(2)]
+        second.get("/v1/models")  # both runners are up and polling the same table
+        batches = [wait_for(client, batch.id) for batch in created]
+        outputs = [o["custom_id"] for batch in batches for o in download(client, batch.output_file_id)]
+    assert sorted(outputs) == sorted(f"b{b}-r{i}" for b in range(2) for i in range(6))
+    assert len(engines[0].tenancies) + len(engines[1].tenancies) == 12  # each line ran once, on one replica

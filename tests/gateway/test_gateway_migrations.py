@@ -101,4 +101,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
                             cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0010_batches"
+    assert result.stdout.strip() == "0011_batch_lease"
