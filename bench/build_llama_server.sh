@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server once, for bench/latency_bench.py, from the llama.cpp sources vendored in
+# the pinned llama-cpp-python sdist (PyPI), into a cache folder outside the repository (never committed).
+# GGML_NATIVE=OFF with explicit AVX-512/VNNI/BF16 + AVX2/FMA/F16C: on some of these VMs the CPU flags list
+# AMX but AMX instructions die with SIGILL, so -march=native is not safe.
+# Prints the binary's path on the last line; exits 2 with a reason when the build is impossible.
+# Usage: bench/build_llama_server.sh [JOBS]   (env: LLAMA_CPP_PYTHON_VERSION, TOKENMILL_BENCH_CACHE)
+set -euo pipefail
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+JOBS="${1:-2}"
+CACHE="${TOKENMILL_BENCH_CACHE:-$HOME/.cache/tokenmill-bench}"
+ROOT="$CACHE/llama.cpp-$VERSION"
+BINARY="$ROOT/build/bin/llama-server"
+PYTHON="${PYTHON:-python3}"
+
+if [[ -x "$BINARY" ]]; then echo "$BINARY"; exit 0; fi
+for tool in cmake c++ "$PYTHON"; do
+  command -v "$tool" >/dev/null || { echo "cannot build llama-server: $tool not found" >&2; exit 2; }
+done
+mkdir -p "$ROOT"
+if [[ ! -f "$ROOT/src/CMakeLists.txt" ]]; then
+  download="$ROOT/download"
+  rm -rf "$download"; mkdir -p "$download"
+  # The sdist's link from the simple index (what pip reads): `pip download` of an sdist builds its
+  # metadata first, which needs the build backend.
+  "$PYTHON" - "$VERSION" "$download" >&2 <<'PY' \
+    || { echo "cannot build llama-server: the llama-cpp-python==$VERSION sdist did not download" >&2; exit 2; }
+import hashlib, re, sys, urllib.request
+version, folder = sys.argv[1], sys.argv[2]
+with urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/", timeout=60) as reply:
+    page = reply.read().decode()
+url = next(u for u in re.findall(r'href="([^"]+)"', page) if u.split("#")[0].endswith(f"-{version}.tar.gz"))
+target = f"{folder}/llama_cpp_python-{version}.tar.gz"
+urllib.request.urlretrieve(url.split("#")[0], target)
+expected = url.partition("#sha256=")[2]  # the index's own digest of the file
+with open(target, "rb") as archive:
+    if expected and hashlib.sha256(archive.read()).hexdigest() != expected:
+        sys.exit("the sdist's sha256 does not match the index")
+PY
+  archive=$(ls "$download"/llama_cpp_python-*.tar.gz | head -1)
+  tar -xzf "$archive" -C "$download"
+  rm -rf "$ROOT/src"
+  mv "$download"/llama_cpp_python-"$VERSION"/vendor/llama.cpp "$ROOT/src"
+  rm -rf "$download"
+fi
+cmake -S "$ROOT/src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON >&2 \
+  || { echo "cannot build llama-server: cmake configure failed" >&2; exit 2; }
+cmake --build "$ROOT/build" --target llama-server -j "$JOBS" >&2 \
+  || { echo "cannot build llama-server: compile failed" >&2; exit 2; }
+echo "$BINARY"
