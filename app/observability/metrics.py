@@ -13,6 +13,7 @@ from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTO
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.registry import Collector
 
 from engine.stats import EngineStats, TeamStats
@@ -103,20 +104,16 @@ class ServedModelsCollector(Collector):
     """Every served model's engine numbers and latencies, each family once with one series per model
     (Prometheus refuses a family declared twice). `read_models` is called at every scrape."""
 
-    def __init__(self, read_models: Callable[[], Iterable[ModelReading]],
-                 constant_labels: Mapping[str, str] | None = None) -> None:
+    def __init__(self, read_models: Callable[[], Iterable[ModelReading]]) -> None:
         self.read_models = read_models
-        self.constant_labels = dict(constant_labels or {})
 
     def collect(self) -> Iterator[Metric]:
         readings = list(self.read_models())
-        own = list(self.constant_labels)
-        own_values = list(self.constant_labels.values())
-        model_labels = [*own, "model_name"]
+        model_labels = ["model_name"]
 
         def by_model(family: GaugeMetricFamily | CounterMetricFamily, read: _Read) -> Metric:
             for reading in readings:
-                family.add_metric([*own_values, reading.metrics.model_name], read(reading.stats))
+                family.add_metric([reading.metrics.model_name], read(reading.stats))
             return family
 
         for name, help_text, read in ENGINE_GAUGES:
@@ -126,7 +123,7 @@ class ServedModelsCollector(Collector):
         preemptions = CounterMetricFamily("tokenmill:preemptions", "Preemptions by mode.",
                                           labels=[*model_labels, "mode"])
         for reading in readings:
-            labels = [*own_values, reading.metrics.model_name]
+            labels = [reading.metrics.model_name]
             preemptions.add_metric([*labels, "recompute"], reading.stats.num_preemptions_recompute)
             preemptions.add_metric([*labels, "swap"], reading.stats.num_preemptions_swap)
         yield preemptions
@@ -138,18 +135,33 @@ class ServedModelsCollector(Collector):
         for reading in readings:
             for team, team_stats in sorted(reading.stats.teams.items()):
                 for family, read_team in team_families:
-                    family.add_metric([*own_values, reading.metrics.model_name, team], read_team(team_stats))
+                    family.add_metric([reading.metrics.model_name, team], read_team(team_stats))
         yield from (family for family, _ in team_families)
         yield from self._latency_families(readings)
 
     def _latency_families(self, readings: list[ModelReading]) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
         for reading in readings:
-            labels = {**self.constant_labels, "model_name": reading.metrics.model_name}
+            labels = {"model_name": reading.metrics.model_name}
             for family in reading.metrics.families():
                 into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 into.samples.extend(sample._replace(labels={**labels, **sample.labels}) for sample in family.samples)
         yield from merged.values()
+
+
+class WithLabels(Collector):
+    """Another collector's families with `labels` added to every sample: a Ray Serve replica's id, so
+    that the ingress can put every replica's series side by side."""
+
+    def __init__(self, inner: Collector, labels: Mapping[str, str]) -> None:
+        self.inner = inner
+        self.labels = dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [sample._replace(labels={**self.labels, **sample.labels}) for sample in family.samples]
+            yield labelled
 
 
 def app_registry(read_models: Callable[[], Iterable[ModelReading]],
@@ -157,13 +169,29 @@ def app_registry(read_models: Callable[[], Iterable[ModelReading]],
     """The registry /metrics encodes: the served models, and the process, platform and GC collectors
     (resident memory, CPU seconds, open fds, Python version) that every dashboard's first row uses."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServedModelsCollector(read_models, constant_labels))
-    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-        registry.register(collector)  # they describe this process and hold no state: shared between apps
+    # The process collectors describe this process and hold no state: the library's own are shared.
+    for collector in (ServedModelsCollector(read_models), PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(WithLabels(collector, constant_labels) if constant_labels else collector)
     return registry
 
 
-def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+class Expositions(Collector):
+    """Several processes' OpenMetrics expositions (Ray Serve replicas, each with its own `replica` label)
+    as one: each family once, with every process's samples of it."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self.families: dict[str, Metric] = {}
+        for text in texts:
+            for family in parse_openmetrics(text):
+                merged = self.families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type, family.unit))
+                merged.samples.extend(family.samples)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families.values()
+
+
+def exposition(registry: Collector, accept: str | None) -> tuple[bytes, str]:
     """(body, content type): OpenMetrics 1.0 when the scraper asks for it, else the text format 0.0.4.
 
     Not prometheus_client's choose_encoder: its OpenMetrics default (escaping=underscores) rewrites the
@@ -174,3 +202,6 @@ def exposition(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, 
     if wants_openmetrics:
         return openmetrics.generate_latest(registry, escaping=openmetrics.ALLOWUTF8), openmetrics.CONTENT_TYPE_LATEST
     return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+
+
+OPENMETRICS_ACCEPT = "application/openmetrics-text; version=1.0.0"

@@ -23,6 +23,7 @@ class ForwardedRequest:
     client: tuple[str, int] | None
     prefix_key: str | None = None  # what app.scaleout.prefix_routing routes on
     scheme: str = "http"
+    replica: str | None = None  # a replica's unique id: only it may take the request (the ingress's /metrics)
 
 
 @dataclass(frozen=True)

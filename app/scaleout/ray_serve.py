@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from app.errors import OpenAIError
+from app.observability.metrics import OPENMETRICS_ACCEPT, Expositions, exposition
 from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from app.scaleout.prefix_routing import (
     IMBALANCE,
@@ -38,20 +39,59 @@ from app.settings import Settings
 REPLICA_HEADER = "x-tokenmill-replica"  # which replica answered: for operators, tests and the bench
 DRAIN_TIMEOUT_S = 60.0  # a stopping replica finishes its requests for this long, then it is killed
 ATTEMPTS = 3  # tries for a request whose replica dies before answering
+SCRAPE_TIMEOUT_S = 10.0  # the ingress's /metrics waits this long for each replica's
 ROUTERS = {"prefix": "app.scaleout.ray_serve.PrefixAwareRouter", "round-robin": "app.scaleout.ray_serve.RoundRobinRouter"}
 FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "HF_", "TRANSFORMERS_")
 
 
 # ---- request routers (they run in the ingress, beside its handle to the replicas) ----
 
-def _prefix_key_of(pending_request: PendingRequest | None) -> str | None:
+def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:
     if pending_request is None or not pending_request.args:
         return None
     request = pending_request.args[0]
-    return request.prefix_key if isinstance(request, ForwardedRequest) else None
+    return request if isinstance(request, ForwardedRequest) else None
 
 
-class PrefixAwareRouter(RequestRouter):
+def _prefix_key_of(pending_request: PendingRequest | None) -> str | None:
+    request = _forwarded(pending_request)
+    return request.prefix_key if request is not None else None
+
+
+class RoutedReplicas:
+    """The replicas the routers in this process (the ingress's) know of, by unique id: the ingress's
+    /metrics asks each of them. Kept by the routers, since only they hear from Serve when replicas come
+    and go; replaced whole, never mutated, as routers and the ingress may run on different threads."""
+    ids: frozenset[str] = frozenset()
+
+
+def routed_replica_ids() -> frozenset[str]:
+    # Imported when called, by routers and ingress alike: Serve ships their code pickled by value, so a
+    # global they name is each one's own copy of this module's globals, never shared between them.
+    from app.scaleout import ray_serve
+
+    return ray_serve.RoutedReplicas.ids
+
+
+def _targeted_rank(candidate_replicas: list[RunningReplica],
+                   pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    """For a request meant for one replica: that replica alone (none while it is not a candidate, and
+    the ingress gives up on it after SCRAPE_TIMEOUT_S). None for every other request."""
+    request = _forwarded(pending_request)
+    if request is None or request.replica is None:
+        return None
+    return [[replica for replica in candidate_replicas if replica.replica_id.unique_id == request.replica]]
+
+
+class _RemembersReplicas(RequestRouter):
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        from app.scaleout import ray_serve  # the imported module, see routed_replica_ids
+
+        ray_serve.RoutedReplicas.ids = frozenset(replica.replica_id.unique_id for replica in replicas)
+
+
+class PrefixAwareRouter(_RemembersReplicas):
     """The replica the prompt's prefix hashes to, unless it runs `imbalance` more requests than the
     least-loaded one; then least-loaded first. Serve probes the ranks in order and skips replicas at
     max_ongoing_requests, so a full replica is passed over too."""
@@ -61,6 +101,8 @@ class PrefixAwareRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if (targeted := _targeted_rank(candidate_replicas, pending_request)) is not None:
+            return targeted
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         loads = {unique_id: self.replica_queue_len_cache.get(replica.replica_id)
                  for unique_id, replica in by_id.items()}
@@ -68,7 +110,7 @@ class PrefixAwareRouter(RequestRouter):
         return [[by_id[unique_id] for unique_id in rank] for rank in ranks]
 
 
-class RoundRobinRouter(RequestRouter):
+class RoundRobinRouter(_RemembersReplicas):
     """Replicas in turn, whatever the prompt: the baseline bench/scale_bench.py compares against."""
 
     def initialize_state(self, **_: object) -> None:
@@ -76,6 +118,8 @@ class RoundRobinRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if (targeted := _targeted_rank(candidate_replicas, pending_request)) is not None:
+            return targeted
         if not candidate_replicas:
             return []
         ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
@@ -160,6 +204,8 @@ class Ingress:
         return response
 
     async def _forward(self, request: Request) -> Response:
+        if request.method == "GET" and request.url.path == "/metrics":
+            return await self._metrics_of_every_replica(request.headers.get("accept"))
         body = await request.body()
         forwarded = ForwardedRequest(
             method=request.method, path=request.url.path, query_string=request.scope.get("query_string", b""),
@@ -176,6 +222,30 @@ class Ingress:
             response.raw_headers = list(start.headers)  # as the replica sent them, repeated headers too
             return response
         return _replica_lost()
+
+    async def _metrics_of_every_replica(self, accept: str | None) -> Response:
+        """Every replica's /metrics as one exposition; each replica labels its own series (replica=<id>).
+        The first scrape goes to any replica, which also wakes the router that knows the others."""
+        first_replica, first_text = await self._scrape(None)
+        texts = {first_replica: first_text}
+        for replica in sorted(routed_replica_ids() - texts.keys()):
+            try:
+                _, texts[replica] = await asyncio.wait_for(self._scrape(replica), SCRAPE_TIMEOUT_S)
+            except (TimeoutError, RayActorError, ActorUnavailableError):
+                continue  # gone since the router last heard of it: its series go with it
+        body, content_type = exposition(Expositions(texts.values()), accept)
+        return Response(body, media_type=content_type)
+
+    async def _scrape(self, replica: str | None) -> tuple[str, str]:
+        """(the replica that answered, its /metrics in OpenMetrics: the format that loses nothing)."""
+        forwarded = ForwardedRequest(method="GET", path="/metrics", query_string=b"",
+                                     headers=[(b"accept", OPENMETRICS_ACCEPT.encode())], body=b"", client=None,
+                                     replica=replica)
+        stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
+        start = await stream.__anext__()
+        body = b"".join([chunk async for chunk in stream])
+        answered = dict(start.headers)[REPLICA_HEADER.encode()].decode()
+        return answered, body.decode()
 
     async def _rest_of(self, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         finished = False

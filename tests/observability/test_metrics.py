@@ -13,7 +13,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import Collector
 
-from app.observability.metrics import ModelMetrics, ModelReading, app_registry, exposition
+from app.observability.metrics import (OPENMETRICS_ACCEPT, Expositions, ModelMetrics, ModelReading, app_registry,
+                                       exposition)
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loader import load_model
@@ -75,15 +76,33 @@ def test_team_series_are_labelled_by_team_only():
     assert ({"model_name": "m", "team": "team:1"}, 7.0) in samples_of(text, "tokenmill:team_generation_tokens_total")
 
 
-def test_a_replica_labels_every_series_of_its_models():
+def test_a_replica_labels_every_series_of_its_app_process_ones_too():
     metrics = ModelMetrics("m")
     metrics.e2e_request_latency.observe(1.2)
     registry = app_registry(lambda: [ModelReading(metrics, stats(teams={"default": TeamStats()}))],
                             constant_labels={"replica": "r7"})
-    text = exposition(registry, None)[0].decode()
-    ours = [sample for family in parse_text(text) for sample in family.samples
-            if sample.name.startswith(("vllm:", "tokenmill:"))]
-    assert ours and all(sample.labels.get("replica") == "r7" for sample in ours)
+    samples = [sample for family in parse_text(exposition(registry, None)[0].decode()) for sample in family.samples]
+    assert {"vllm:e2e_request_latency_seconds_count", "process_resident_memory_bytes"} <= {s.name for s in samples}
+    assert all(sample.labels.get("replica") == "r7" for sample in samples)
+
+
+def test_replicas_expositions_merge_into_one_with_each_family_once():
+    def replica_text(replica: str, running: int) -> str:
+        metrics = ModelMetrics("m")
+        metrics.time_to_first_token.observe(0.05)
+        registry = app_registry(lambda: [ModelReading(metrics, stats(num_running=running))],
+                                constant_labels={"replica": replica})
+        return exposition(registry, OPENMETRICS_ACCEPT)[0].decode()
+
+    merged = Expositions([replica_text("a", 1), replica_text("b", 2)])
+    text = exposition(merged, None)[0].decode()
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+    assert text.count("# TYPE process_resident_memory_bytes gauge") == 1
+    assert sorted(samples_of(text, "vllm:num_requests_running"), key=str) == [
+        ({"model_name": "m", "replica": "a"}, 1.0), ({"model_name": "m", "replica": "b"}, 2.0)]
+    assert len(samples_of(text, "vllm:time_to_first_token_seconds_count")) == 2
+    families = {family.name for family in parse_openmetrics(exposition(merged, OPENMETRICS_ACCEPT)[0].decode())}
+    assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds", "vllm:request_success"} <= families
 
 
 def test_openmetrics_keeps_the_colons_of_vllm_names():

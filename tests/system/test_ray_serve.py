@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families as parse_text
 from sqlalchemy import create_engine, text
 
 from tests.support.gateway import ADMIN_KEY, admin_headers, free_port
@@ -112,6 +114,36 @@ def test_prompts_sharing_a_system_prompt_go_to_one_replica(cluster):
     replicas = {cluster.chat(key, f"user question {i}", system=SYSTEM_PROMPT).headers[REPLICA_HEADER]
                 for i in range(6)}
     assert len(replicas) == 1
+
+
+def replica_values(text: str, name: str) -> dict[str, float]:
+    """replica id -> value of the (one model's) sample `name` in a text exposition."""
+    return {sample.labels["replica"]: sample.value for family in parse_text(text) for sample in family.samples
+            if sample.name == name}
+
+
+def test_the_ingress_metrics_cover_every_replica_each_with_its_label(cluster):
+    before = replica_values(cluster.client.get("/metrics").text, "vllm:generation_tokens_total")
+    assert len(before) == 2  # both replicas, whichever one the scrape reached first
+    _, key = cluster.new_key("metrics")
+    answered: dict[str, int] = {}
+    for i in range(40):
+        response = cluster.chat(key, f"count me {i}", max_tokens=3)
+        assert response.status_code == 200, response.text
+        replica = response.headers[REPLICA_HEADER]
+        answered[replica] = answered.get(replica, 0) + 1
+        if len(answered) == 2 and min(answered.values()) >= 2:
+            break
+    text = cluster.client.get("/metrics").text
+    after = replica_values(text, "vllm:generation_tokens_total")
+    assert after.keys() == before.keys() == answered.keys()
+    for replica, chats in answered.items():  # each replica's counter moved by what it served, no more
+        assert after[replica] - before[replica] == 3 * chats
+    assert replica_values(text, "process_resident_memory_bytes").keys() == answered.keys()
+    response = cluster.client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    families = {family.name: family for family in parse_openmetrics(response.text)}
+    assert {sample.labels["replica"] for sample in families["vllm:num_requests_running"].samples} == answered.keys()
 
 
 def start_of_a_fresh_limit_window(needed_s: float = 40.0, window_s: float = 60.0) -> None:
