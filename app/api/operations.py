@@ -1,4 +1,5 @@
 """GET /health and GET /metrics: for load balancers and Prometheus, no API key."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request

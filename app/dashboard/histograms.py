@@ -1,5 +1,6 @@
 """Percentiles over a time window from two snapshots of a bucketed latency histogram, interpolated
 inside the bucket the way Prometheus' histogram_quantile does."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,12 @@ class HistogramCounts:
     def of(cls, histogram: Histogram) -> HistogramCounts:
         """From an unlabelled prometheus_client Histogram, through its public collect(): its buckets are
         cumulative there, so each count is the difference from the bucket below."""
-        cumulative = [(float(sample.labels["le"]), sample.value) for family in histogram.collect()
-                      for sample in family.samples if sample.name.endswith("_bucket")]
+        cumulative = [
+            (float(sample.labels["le"]), sample.value)
+            for family in histogram.collect()
+            for sample in family.samples
+            if sample.name.endswith("_bucket")
+        ]
         counts, below = [], 0.0
         for _, count in cumulative:
             counts.append(int(count - below))

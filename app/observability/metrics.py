@@ -4,6 +4,7 @@ as is), plus the latencies only the app can see (time to first token, between to
 One CollectorRegistry per app. The engine's numbers are not copied into metric objects: `ServedModelsCollector`
 reads each engine's latest stats snapshot when Prometheus scrapes, so there is one source of truth and no
 engine lock is taken (the engine thread publishes a fresh snapshot after every step)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -19,12 +20,74 @@ from prometheus_client.registry import Collector
 from engine.stats import EngineStats, TeamStats
 
 # vLLM's bucket boundaries, so that its dashboards' histogram_quantile panels read ours alike.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class ModelMetrics:
@@ -34,29 +97,48 @@ class ModelMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds", "Time from request arrival to its first token.",
-            buckets=TTFT_BUCKETS, registry=None)
+            "vllm:time_to_first_token_seconds",
+            "Time from request arrival to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=None,
+        )
         self.inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between successive output tokens of a request.",
-            buckets=ITL_BUCKETS, registry=None)
+            "vllm:inter_token_latency_seconds",
+            "Time between successive output tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=None,
+        )
         self.e2e_request_latency = Histogram(
-            "vllm:e2e_request_latency_seconds", "Time from request arrival to its end.", buckets=E2E_BUCKETS,
-            registry=None)
+            "vllm:e2e_request_latency_seconds",
+            "Time from request arrival to its end.",
+            buckets=E2E_BUCKETS,
+            registry=None,
+        )
         # finish reasons are the engine's few ("stop", "length", "abort"...), so the label stays bounded
-        self.request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=None)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=None
+        )
 
     def request_finished(self, finish_reason: str) -> None:
         self.request_success.labels(finish_reason).inc()
 
     def families(self) -> list[Metric]:
-        return [family for metric in (self.request_success, self.time_to_first_token, self.inter_token_latency,
-                                      self.e2e_request_latency) for family in metric.collect()]
+        return [
+            family
+            for metric in (
+                self.request_success,
+                self.time_to_first_token,
+                self.inter_token_latency,
+                self.e2e_request_latency,
+            )
+            for family in metric.collect()
+        ]
 
 
 @dataclass(frozen=True)
 class ModelReading:
     """One served model at scrape time: its engine's stats snapshot and its own latency metrics."""
+
     metrics: ModelMetrics
     stats: EngineStats
 
@@ -69,10 +151,16 @@ ENGINE_GAUGES: tuple[tuple[str, str, _Read], ...] = (
     ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", lambda s: s.kv_usage),
     ("tokenmill:kv_blocks_total", "KV cache blocks in the pool.", lambda s: s.kv_blocks_total),
     ("tokenmill:kv_blocks_used", "KV cache blocks in use.", lambda s: s.kv_blocks_used),
-    ("tokenmill:batch_seq_occupancy", "Sequences in the last step over max_num_seqs.",
-     lambda s: s.scheduled_seqs_last_step / max(s.max_num_seqs, 1)),
-    ("tokenmill:batch_token_occupancy", "Tokens in the last step over max_num_batched_tokens.",
-     lambda s: s.scheduled_tokens_last_step / max(s.max_num_batched_tokens, 1)),
+    (
+        "tokenmill:batch_seq_occupancy",
+        "Sequences in the last step over max_num_seqs.",
+        lambda s: s.scheduled_seqs_last_step / max(s.max_num_seqs, 1),
+    ),
+    (
+        "tokenmill:batch_token_occupancy",
+        "Tokens in the last step over max_num_batched_tokens.",
+        lambda s: s.scheduled_tokens_last_step / max(s.max_num_batched_tokens, 1),
+    ),
 )
 # Names without `_total`: prometheus_client adds it to a counter's samples (and `_created` in OpenMetrics).
 ENGINE_COUNTERS: tuple[tuple[str, str, _Read], ...] = (
@@ -91,8 +179,11 @@ _ReadTeam = Callable[[TeamStats], float]
 TEAM_GAUGES: tuple[tuple[str, str, _ReadTeam], ...] = (
     ("tokenmill:team_requests_running", "A team's sequences running or swapped out.", lambda t: t.running),
     ("tokenmill:team_requests_waiting", "A team's sequences waiting for a seat.", lambda t: t.waiting),
-    ("tokenmill:team_tokens_last_minute", "Prompt and generated tokens a team was served in the last 60 s.",
-     lambda t: t.tokens_last_minute()),
+    (
+        "tokenmill:team_tokens_last_minute",
+        "Prompt and generated tokens a team was served in the last 60 s.",
+        lambda t: t.tokens_last_minute(),
+    ),
 )
 TEAM_COUNTERS: tuple[tuple[str, str, _ReadTeam], ...] = (
     ("tokenmill:team_prompt_tokens", "Prompt tokens a team was served.", lambda t: t.prompt_tokens_total),
@@ -120,8 +211,9 @@ class ServedModelsCollector(Collector):
             yield by_model(GaugeMetricFamily(name, help_text, labels=model_labels), read)
         for name, help_text, read in ENGINE_COUNTERS:
             yield by_model(CounterMetricFamily(name, help_text, labels=model_labels), read)
-        preemptions = CounterMetricFamily("tokenmill:preemptions", "Preemptions by mode.",
-                                          labels=[*model_labels, "mode"])
+        preemptions = CounterMetricFamily(
+            "tokenmill:preemptions", "Preemptions by mode.", labels=[*model_labels, "mode"]
+        )
         for reading in readings:
             labels = [reading.metrics.model_name]
             preemptions.add_metric([*labels, "recompute"], reading.stats.num_preemptions_recompute)
@@ -130,8 +222,11 @@ class ServedModelsCollector(Collector):
         team_labels = [*model_labels, "team"]
         team_families: list[tuple[GaugeMetricFamily | CounterMetricFamily, _ReadTeam]] = [
             *((GaugeMetricFamily(name, help_text, labels=team_labels), read) for name, help_text, read in TEAM_GAUGES),
-            *((CounterMetricFamily(name, help_text, labels=team_labels), read)
-              for name, help_text, read in TEAM_COUNTERS)]
+            *(
+                (CounterMetricFamily(name, help_text, labels=team_labels), read)
+                for name, help_text, read in TEAM_COUNTERS
+            ),
+        ]
         for reading in readings:
             for team, team_stats in sorted(reading.stats.teams.items()):
                 for family, read_team in team_families:
@@ -164,8 +259,9 @@ class WithLabels(Collector):
             yield labelled
 
 
-def app_registry(read_models: Callable[[], Iterable[ModelReading]],
-                 constant_labels: Mapping[str, str] | None = None) -> CollectorRegistry:
+def app_registry(
+    read_models: Callable[[], Iterable[ModelReading]], constant_labels: Mapping[str, str] | None = None
+) -> CollectorRegistry:
     """The registry /metrics encodes: the served models, and the process, platform and GC collectors
     (resident memory, CPU seconds, open fds, Python version) that every dashboard's first row uses."""
     registry = CollectorRegistry(auto_describe=False)
@@ -184,7 +280,8 @@ class Expositions(Collector):
         for text in texts:
             for family in parse_openmetrics(text):
                 merged = self.families.setdefault(
-                    family.name, Metric(family.name, family.documentation, family.type, family.unit))
+                    family.name, Metric(family.name, family.documentation, family.type, family.unit)
+                )
                 merged.samples.extend(family.samples)
 
     def collect(self) -> Iterator[Metric]:
@@ -197,8 +294,9 @@ def exposition(registry: Collector, accept: str | None) -> tuple[bytes, str]:
     Not prometheus_client's choose_encoder: its OpenMetrics default (escaping=underscores) rewrites the
     colons of sample names but not of their # TYPE lines (prometheus/client_python#1177), which splits every
     `vllm:` family in two. Our names are all valid legacy names, so allow-utf-8 writes them as they are."""
-    wants_openmetrics = any(part.split(";")[0].strip() == "application/openmetrics-text"
-                            for part in (accept or "").split(","))
+    wants_openmetrics = any(
+        part.split(";")[0].strip() == "application/openmetrics-text" for part in (accept or "").split(",")
+    )
     if wants_openmetrics:
         return openmetrics.generate_latest(registry, escaping=openmetrics.ALLOWUTF8), openmetrics.CONTENT_TYPE_LATEST
     return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4

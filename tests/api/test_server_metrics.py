@@ -1,5 +1,6 @@
 """/metrics speaks Prometheus (text 0.0.4, or OpenMetrics when asked) with vLLM's names, and its numbers
 are what the engine did; /health answers without a key."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,10 +19,18 @@ from tests.support.server import MODEL, running_server
 pytestmark = pytest.mark.real_model
 
 VLLM_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
-VLLM_COUNTERS = ["vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                 "vllm:prompt_tokens", "vllm:generation_tokens"]  # exposed as <name>_total
-HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-              "vllm:e2e_request_latency_seconds"]
+VLLM_COUNTERS = [
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+]  # exposed as <name>_total
+HISTOGRAMS = [
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+]
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
@@ -36,8 +45,11 @@ def families_by_name(families: Iterable[Metric]) -> dict[str, Metric]:
 
 
 def model_value(family: Metric, sample_name: str, model: str, **labels: str) -> float:
-    [value] = [sample.value for sample in family.samples
-               if sample.name == sample_name and sample.labels == {"model_name": model, **labels}]
+    [value] = [
+        sample.value
+        for sample in family.samples
+        if sample.name == sample_name and sample.labels == {"model_name": model, **labels}
+    ]
     return value
 
 
@@ -88,8 +100,13 @@ def test_process_and_platform_metrics_come_with_the_engines(server):
 def test_a_request_moves_the_counters_and_histograms(server):
     before = server.metrics()
     client = server.client(api_key="sk-metrics")
-    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     after = server.metrics()
     usage = response.usage
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == usage.prompt_tokens
@@ -116,12 +133,19 @@ def crowded(tiny_llama_dir):
 
 async def crowd_of_requests(url: str, model: str) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
         async def one(index: int) -> dict:
-            body = {"model": model, "prompt": f"Request number {index} says", "max_tokens": MAX_TOKENS,
-                    "temperature": 0, "ignore_eos": True}
+            body = {
+                "model": model,
+                "prompt": f"Request number {index} says",
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             response = await client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
             return response.json()
+
         return await asyncio.gather(*(one(index) for index in range(CROWD)))
 
 
@@ -146,4 +170,7 @@ def test_metrics_after_a_crowd_are_what_the_engine_did(crowded):
     assert after["vllm:kv_cache_usage_perc"] == 0.0  # every block came back
     assert after["tokenmill:kv_blocks_used"] == 0 and after["tokenmill:kv_blocks_total"] == 6
     assert after["vllm:num_requests_waiting"] == 0
-    assert after['tokenmill:team_generation_tokens_total{team="default"}'] == engine.teams["default"].generation_tokens_total
+    assert (
+        after['tokenmill:team_generation_tokens_total{team="default"}']
+        == engine.teams["default"].generation_tokens_total
+    )

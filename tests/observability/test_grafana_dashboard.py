@@ -1,5 +1,6 @@
 """deploy/grafana/tokenmill-vllm.json: a dashboard Grafana imports, whose every query names a series
 that tokenmill's /metrics really exposes (a renamed metric would leave a panel silently empty)."""
+
 from __future__ import annotations
 
 import json
@@ -12,16 +13,28 @@ from app.observability.metrics import ModelMetrics, ModelReading, app_registry, 
 from engine.stats import EngineStats, TeamStats
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "tokenmill-vllm.json"
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset",
-                "bool", "inf", "nan"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "bool",
+    "inf",
+    "nan",
+}
 
 
 def exposed_sample_names() -> set[str]:
     """Every sample name one model's app writes, with a team and a finished request in it."""
     metrics = ModelMetrics("m")
     metrics.request_finished("stop")
-    stats = EngineStats(max_num_seqs=8, max_num_batched_tokens=256, kv_blocks_total=10,
-                        teams={"default": TeamStats()})
+    stats = EngineStats(max_num_seqs=8, max_num_batched_tokens=256, kv_blocks_total=10, teams={"default": TeamStats()})
     text = exposition(app_registry(lambda: [ModelReading(metrics, stats)]), None)[0].decode()
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
@@ -33,7 +46,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\b(?:by|without|on|ignoring)\s*\([^)]*\)", "", expr)  # grouping label lists
     names = set()
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
-        following = expr[match.end():].lstrip()[:1]
+        following = expr[match.end() :].lstrip()[:1]
         if following != "(" and match[0].lower() not in PROMQL_WORDS:
             names.add(match[0])
     return names
@@ -41,8 +54,11 @@ def metric_names(expr: str) -> set[str]:
 
 def queries(dashboard: dict) -> list[str]:
     panel_queries = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
-    variable_queries = [re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", variable["definition"])
-                        for variable in dashboard["templating"]["list"] if variable["type"] == "query"]
+    variable_queries = [
+        re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", variable["definition"])
+        for variable in dashboard["templating"]["list"]
+        if variable["type"] == "query"
+    ]
     return panel_queries + variable_queries
 
 
@@ -68,10 +84,18 @@ def test_every_query_names_a_series_tokenmill_exposes():
         assert names <= exposed, f"{expr}: {sorted(names - exposed)} is not in /metrics"
         named |= names
     # the vLLM series a vLLM dashboard is for are all on it
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_success_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:num_preemptions_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_success_total",
+    ):
         assert name in named, name
 
 

@@ -1,5 +1,6 @@
 """The app's registry: engine numbers read at scrape time from the stats snapshot, one family per name
 whatever the number of models, a replica label on Ray Serve, and a scrape that never holds the engine."""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,14 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 from prometheus_client.registry import Collector
 
-from app.observability.metrics import (OPENMETRICS_ACCEPT, Expositions, ModelMetrics, ModelReading, app_registry,
-                                       exposition)
+from app.observability.metrics import (
+    OPENMETRICS_ACCEPT,
+    Expositions,
+    ModelMetrics,
+    ModelReading,
+    app_registry,
+    exposition,
+)
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loader import load_model
@@ -27,19 +34,22 @@ def stats(**fields: object) -> EngineStats:
 
 
 def samples_of(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    return [(sample.labels, sample.value) for family in parse_text(text) for sample in family.samples
-            if sample.name == name]
+    return [
+        (sample.labels, sample.value) for family in parse_text(text) for sample in family.samples if sample.name == name
+    ]
 
 
 def test_the_engine_is_read_at_scrape_time_not_copied():
     metrics = ModelMetrics("m")
     live = {"stats": stats(kv_blocks_used=25)}
     registry = app_registry(lambda: [ModelReading(metrics, live["stats"])])
-    assert samples_of(exposition(registry, None)[0].decode(), "vllm:kv_cache_usage_perc") == [({"model_name": "m"},
-                                                                                               0.25)]
+    assert samples_of(exposition(registry, None)[0].decode(), "vllm:kv_cache_usage_perc") == [
+        ({"model_name": "m"}, 0.25)
+    ]
     live["stats"] = stats(kv_blocks_used=0)  # the engine published a new snapshot
-    assert samples_of(exposition(registry, None)[0].decode(), "vllm:kv_cache_usage_perc") == [({"model_name": "m"},
-                                                                                               0.0)]
+    assert samples_of(exposition(registry, None)[0].decode(), "vllm:kv_cache_usage_perc") == [
+        ({"model_name": "m"}, 0.0)
+    ]
 
 
 def test_two_models_share_each_family_and_keep_their_own_series():
@@ -50,12 +60,15 @@ def test_two_models_share_each_family_and_keep_their_own_series():
     text = exposition(registry, None)[0].decode()
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1
     assert text.count("# TYPE vllm:time_to_first_token_seconds histogram") == 1
-    assert sorted(samples_of(text, "vllm:num_requests_running"), key=str) == [({"model_name": "first"}, 1.0),
-                                                                            ({"model_name": "second"}, 0.0)]
+    assert sorted(samples_of(text, "vllm:num_requests_running"), key=str) == [
+        ({"model_name": "first"}, 1.0),
+        ({"model_name": "second"}, 0.0),
+    ]
     assert ({"model_name": "first", "le": "0.04"}, 1.0) in samples_of(text, "vllm:time_to_first_token_seconds_bucket")
     assert ({"model_name": "first", "le": "0.02"}, 0.0) in samples_of(text, "vllm:time_to_first_token_seconds_bucket")
-    assert samples_of(text, "vllm:request_success_total") == [({"finished_reason": "stop", "model_name": "second"},
-                                                               1.0)]
+    assert samples_of(text, "vllm:request_success_total") == [
+        ({"finished_reason": "stop", "model_name": "second"}, 1.0)
+    ]
 
 
 def test_an_unloaded_model_leaves_no_series_behind():
@@ -67,20 +80,25 @@ def test_an_unloaded_model_leaves_no_series_behind():
 
 
 def test_team_series_are_labelled_by_team_only():
-    teams = {"team:1": TeamStats(running=2, waiting=1, prompt_tokens_total=30, generation_tokens_total=7),
-             "default": TeamStats()}
+    teams = {
+        "team:1": TeamStats(running=2, waiting=1, prompt_tokens_total=30, generation_tokens_total=7),
+        "default": TeamStats(),
+    }
     registry = app_registry(lambda: [ModelReading(ModelMetrics("m"), stats(teams=teams))])
     text = exposition(registry, None)[0].decode()
-    assert samples_of(text, "tokenmill:team_requests_running") == [({"model_name": "m", "team": "default"}, 0.0),
-                                                                   ({"model_name": "m", "team": "team:1"}, 2.0)]
+    assert samples_of(text, "tokenmill:team_requests_running") == [
+        ({"model_name": "m", "team": "default"}, 0.0),
+        ({"model_name": "m", "team": "team:1"}, 2.0),
+    ]
     assert ({"model_name": "m", "team": "team:1"}, 7.0) in samples_of(text, "tokenmill:team_generation_tokens_total")
 
 
 def test_a_replica_labels_every_series_of_its_app_process_ones_too():
     metrics = ModelMetrics("m")
     metrics.e2e_request_latency.observe(1.2)
-    registry = app_registry(lambda: [ModelReading(metrics, stats(teams={"default": TeamStats()}))],
-                            constant_labels={"replica": "r7"})
+    registry = app_registry(
+        lambda: [ModelReading(metrics, stats(teams={"default": TeamStats()}))], constant_labels={"replica": "r7"}
+    )
     samples = [sample for family in parse_text(exposition(registry, None)[0].decode()) for sample in family.samples]
     assert {"vllm:e2e_request_latency_seconds_count", "process_resident_memory_bytes"} <= {s.name for s in samples}
     assert all(sample.labels.get("replica") == "r7" for sample in samples)
@@ -90,8 +108,9 @@ def test_replicas_expositions_merge_into_one_with_each_family_once():
     def replica_text(replica: str, running: int) -> str:
         metrics = ModelMetrics("m")
         metrics.time_to_first_token.observe(0.05)
-        registry = app_registry(lambda: [ModelReading(metrics, stats(num_running=running))],
-                                constant_labels={"replica": replica})
+        registry = app_registry(
+            lambda: [ModelReading(metrics, stats(num_running=running))], constant_labels={"replica": replica}
+        )
         return exposition(registry, OPENMETRICS_ACCEPT)[0].decode()
 
     merged = Expositions([replica_text("a", 1), replica_text("b", 2)])
@@ -99,7 +118,9 @@ def test_replicas_expositions_merge_into_one_with_each_family_once():
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1
     assert text.count("# TYPE process_resident_memory_bytes gauge") == 1
     assert sorted(samples_of(text, "vllm:num_requests_running"), key=str) == [
-        ({"model_name": "m", "replica": "a"}, 1.0), ({"model_name": "m", "replica": "b"}, 2.0)]
+        ({"model_name": "m", "replica": "a"}, 1.0),
+        ({"model_name": "m", "replica": "b"}, 2.0),
+    ]
     assert len(samples_of(text, "vllm:time_to_first_token_seconds_count")) == 2
     families = {family.name for family in parse_openmetrics(exposition(merged, OPENMETRICS_ACCEPT)[0].decode())}
     assert {"vllm:num_requests_running", "vllm:time_to_first_token_seconds", "vllm:request_success"} <= families
@@ -114,11 +135,14 @@ def test_openmetrics_keeps_the_colons_of_vllm_names():
     families = {family.name: family for family in parse_openmetrics(body.decode())}
     assert [sample.value for sample in families["vllm:generation_tokens"].samples] == [12.0]
     assert {sample.name for sample in families["vllm:request_success"].samples} == {
-        "vllm:request_success_total", "vllm:request_success_created"}
+        "vllm:request_success_total",
+        "vllm:request_success_created",
+    }
     assert exposition(registry, "text/plain")[1] == "text/plain; version=0.0.4; charset=utf-8"
 
 
 # ---- a scrape during load ---------------------------------------------------------------------------
+
 
 class WaitsForEngineSteps(Collector):
     """A family that takes as long to encode as the engine takes to run `steps` more steps: were the

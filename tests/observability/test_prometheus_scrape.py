@@ -1,5 +1,6 @@
 """A real Prometheus (Debian's `prometheus` package; skipped without it) scrapes a tokenmill server, and
 every query of the Grafana dashboard returns series from what it stored."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ from engine.loader import load_model
 from tests.observability.test_grafana_dashboard import DASHBOARD, queries
 from tests.support.server import running_server
 
-pytestmark = [pytest.mark.real_model,
-              pytest.mark.skipif(shutil.which("prometheus") is None, reason="apt-get install prometheus")]
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(shutil.which("prometheus") is None, reason="apt-get install prometheus"),
+]
 
 
 def free_port() -> int:
@@ -50,16 +53,32 @@ def test_prometheus_scrapes_us_and_every_dashboard_query_has_series(tiny_llama_d
         target = server.url.removeprefix("http://")
         (tmp_path / "prometheus.yml").write_text(
             f"global: {{scrape_interval: 1s}}\n"
-            f"scrape_configs: [{{job_name: tokenmill, static_configs: [{{targets: ['{target}']}}]}}]\n")
+            f"scrape_configs: [{{job_name: tokenmill, static_configs: [{{targets: ['{target}']}}]}}]\n"
+        )
         prometheus = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                "prometheus",
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             model = server.engine.model_name
             for index in range(3):  # traffic between scrapes, so that rates and quantiles have something
-                response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-                    "model": model, "prompt": f"Tell me about number {index}", "max_tokens": 16, "ignore_eos": True})
+                response = httpx.post(
+                    f"{server.url}/v1/completions",
+                    timeout=60,
+                    json={
+                        "model": model,
+                        "prompt": f"Tell me about number {index}",
+                        "max_tokens": 16,
+                        "ignore_eos": True,
+                    },
+                )
                 assert response.status_code == 200
                 time.sleep(1.2)
 
@@ -77,8 +96,7 @@ def test_prometheus_scrapes_us_and_every_dashboard_query_has_series(tiny_llama_d
             dashboard = json.loads(DASHBOARD.read_text())
             empty = []
             for expr in queries(dashboard):
-                expr = (expr.replace("$__rate_interval", "1m").replace('"$model_name"', '".*"')
-                        .replace('"$job"', '".*"'))
+                expr = expr.replace("$__rate_interval", "1m").replace('"$model_name"', '".*"').replace('"$job"', '".*"')
                 if not instant_query(url, expr):
                     empty.append(expr)
             assert not empty, f"dashboard queries without series: {empty}"
