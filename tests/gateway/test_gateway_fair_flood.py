@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from engine.config import EngineConfig
 from engine.loader import load_model
@@ -42,10 +42,8 @@ def team_key(url: str, name: str) -> tuple[str, str]:
 async def team_metrics(client: httpx.AsyncClient) -> dict[tuple[str, str], float]:
     """(metric, team) -> value, for the per-team series of /metrics."""
     text = (await client.get("/metrics", headers=admin_headers())).text
-    values = {}
-    for match in re.finditer(r'^(tokenmill:team_\w+)\{[^}]*team="([^"]+)"\} (\S+)$', text, re.M):
-        values[(match[1], match[2])] = float(match[3])
-    return values
+    return {(sample.name, sample.labels["team"]): sample.value for family in parse_text(text)
+            if family.name.startswith("tokenmill:team_") for sample in family.samples}
 
 
 async def time_to_first_token(client: httpx.AsyncClient, model: str, key: str) -> float:
