@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve_bench import _stop, free_port, start_tokenmill, synthetic_chats, wait_healthy  # noqa: E402
+from bench.serve_bench import _stop, free_port, start_tokenmill, synthetic_chats, wait_healthy
 
 RESULTS = ROOT / "bench" / "results"
 BUILD_SCRIPT = ROOT / "bench" / "build_llama_server.sh"
