@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 
 from app.api.deps import AdminDep
 from app.errors import OpenAIError, invalid_request
+from app.gateway.config import ModelPrice
 from app.registry.pool import ModelPool
 from app.registry.schemas import ModelChanges, ModelCreate, ModelList, ModelView
 from app.registry.spec import RegistryError
@@ -95,10 +96,18 @@ async def unload_registered_model(name: str, request: Request, wait: bool = Fals
 async def costs(request: Request) -> dict:
     """Cost per token, both views. real: the hardware cost per hour (the server's, or a model's own)
     over the tokens produced in the last minute / hour / day. chargeback: each model's price sheet
-    (USD per 1M tokens) that /admin/api/usage sums into cost_usd."""
+    (USD per 1M tokens) that /admin/api/usage sums into cost_usd, batch prices as batch lines are charged
+    (half the interactive ones unless the model sets its own)."""
     context = request.app.state.context
     pool = _pool(request)
     meter = context.cost_meter
     return {"object": "costs", "real": meter.snapshot() if meter is not None else None,
-            "chargeback": {name: None if spec.price is None else vars(spec.price)
+            "chargeback": {name: None if spec.price is None else _price_sheet(spec.price)
                            for name, spec in pool.specs.items()}}
+
+
+def _price_sheet(price: ModelPrice) -> dict[str, float]:
+    batch = price.for_batch()
+    return {"input_per_1m": price.input_per_1m, "cached_input_per_1m": price.cached_input_per_1m,
+            "output_per_1m": price.output_per_1m, "batch_input_per_1m": batch.input_per_1m,
+            "batch_output_per_1m": batch.output_per_1m}

@@ -245,8 +245,10 @@ def test_the_costs_view_has_the_price_sheet_and_the_real_cost_of_a_model_with_it
         server.client(server.key()).chat.completions.create(model="own-gpu", messages=QUESTION, max_tokens=5,
                                                             extra_body={"ignore_eos": True})
         costs = server.admin("GET", "/costs").json()
+        # batch lines are charged half unless the model sets its own batch prices
         assert costs["chargeback"]["own-gpu"] == {"input_per_1m": 0.2, "cached_input_per_1m": 0.2,
-                                                  "output_per_1m": 0.8}
+                                                  "output_per_1m": 0.8, "batch_input_per_1m": 0.1,
+                                                  "batch_output_per_1m": 0.4}
         minute = costs["real"]["windows"]["minute"]["models"]["own-gpu"]
         assert minute["tokens"] == 5 and 0 < minute["cost_usd"] <= 3.6 / 60
     finally:
