@@ -3,6 +3,7 @@
 Migrations ship inside the installed package (`migrations/`) and run at start-up through Alembic's
 Python API, so `tokenmill serve` brings an empty database to head without an alembic.ini.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -20,9 +21,9 @@ PG_MIGRATION_LOCK = 0x746F6B6D  # "tokm": one replica migrates at a time
 def normalize_url(url: str) -> str:
     """`postgresql://` and `postgres://` mean psycopg 3, the driver we install."""
     if url.startswith("postgres://"):
-        url = "postgresql://" + url[len("postgres://"):]
+        url = "postgresql://" + url[len("postgres://") :]
     if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
     return url
 
 

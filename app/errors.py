@@ -1,4 +1,5 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, whatever went wrong."""
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,16 @@ INVALID_REQUEST = "invalid_request_error"
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = INVALID_REQUEST, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -37,8 +46,12 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 
 def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.",
-                       param="model", code="model_not_found")
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def invalid_api_key() -> OpenAIError:
@@ -58,8 +71,7 @@ def param_from_loc(loc: tuple) -> str | None:
 def from_validation_error(errors: list[dict]) -> OpenAIError:
     first = errors[0]
     if first["type"] == "json_invalid":
-        return invalid_request(f"We could not parse the JSON body of your request: {first['msg']}",
-                               code="invalid_json")
+        return invalid_request(f"We could not parse the JSON body of your request: {first['msg']}", code="invalid_json")
     loc = tuple(first["loc"])
     if loc and loc[0] == "body":  # FastAPI prefixes where the value came from
         loc = loc[1:]
@@ -84,11 +96,13 @@ async def _validation_error(request: Request, error: RequestValidationError | Va
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
     codes = {404: "unknown_url", 405: "method_not_allowed"}
-    message = f"Unknown request URL: {request.method} {request.url.path}." if error.status_code == 404 \
-        else str(error.detail)
+    message = (
+        f"Unknown request URL: {request.method} {request.url.path}." if error.status_code == 404 else str(error.detail)
+    )
     kind = INVALID_REQUEST if error.status_code < 500 else "server_error"
-    return OpenAIError(error.status_code, message, type=kind, code=codes.get(error.status_code),
-                       headers=dict(error.headers or {})).response()
+    return OpenAIError(
+        error.status_code, message, type=kind, code=codes.get(error.status_code), headers=dict(error.headers or {})
+    ).response()
 
 
 async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:

@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI routes over a pool of loaded models (app.registry.pool), the gateway in front,
 and the one lifespan that starts and stops its parts in a stated order."""
+
 from __future__ import annotations
 
 import gc
@@ -40,8 +41,14 @@ from app.serving.responses.store import response_store
 from app.settings import Settings
 
 
-def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = None,
-               pool: ModelPool | None = None, replica: str | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    engine=None,
+    *,
+    gateway: Gateway | None = None,
+    pool: ModelPool | None = None,
+    replica: str | None = None,
+) -> FastAPI:
     """Serves the models in `pool`, or a pool of one: `engine`, an engine.async_engine.AsyncEngine the
     caller started (and will shut down). `gateway` authenticates, admits and meters requests (see
     app.gateway.contract); by default a single key from settings.api_key, or none. With a TeamGateway
@@ -49,8 +56,9 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     with it. `replica` (a Ray Serve replica id) labels every series of this app's /metrics."""
     gateway = gateway if gateway is not None else SingleKeyGateway(settings.api_key)
     if pool is None:
-        pool = ModelPool(settings.engine,
-                         store=RegistryStore(gateway.sessions) if gateway.sessions is not None else None)
+        pool = ModelPool(
+            settings.engine, store=RegistryStore(gateway.sessions) if gateway.sessions is not None else None
+        )
     if engine is not None:
         pool.add_loaded(engine)
     # /docs loads Swagger UI from a CDN and, like /openapi.json, maps every route for anyone: both are off
@@ -59,10 +67,12 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine", **docs)
     pool.cost_meter = HardwareCostMeter(settings.hardware_cost_per_hour)
     stored_responses = response_store(gateway.sessions, settings.response_retention_s)
-    app.state.context = ServerContext(settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter,
-                                      responses=stored_responses)
-    app.state.metrics_registry = app_registry(lambda: model_readings(pool),
-                                              constant_labels={"replica": replica} if replica else None)
+    app.state.context = ServerContext(
+        settings=settings, models=pool, gateway=gateway, cost_meter=pool.cost_meter, responses=stored_responses
+    )
+    app.state.metrics_registry = app_registry(
+        lambda: model_readings(pool), constant_labels={"replica": replica} if replica else None
+    )
     install_error_handlers(app)
     for module in (models, chat, completions, embeddings, operations, responses, tokenize):
         app.include_router(module.router)
@@ -96,8 +106,11 @@ def create_app(settings: Settings, engine=None, *, gateway: Gateway | None = Non
 def model_readings(pool: ModelPool) -> list[ModelReading]:
     """What /metrics reports at this instant: each served engine's latest stats snapshot (draining ones
     too, until they are gone)."""
-    return [ModelReading(served.metrics, served.engine.stats()) for served in list(pool.served.values())
-            if served.engine is not None]
+    return [
+        ModelReading(served.metrics, served.engine.stats())
+        for served in list(pool.served.values())
+        if served.engine is not None
+    ]
 
 
 Step = Callable[[], Awaitable[None]]

@@ -4,6 +4,7 @@ Imported first by app.cli.main. huggingface_hub, transformers and datasets read 
 import, so setting them later has no effect. They are forced, not defaulted: an air-gapped install must
 not be talked back online by a variable left in the environment.
 """
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 Precedence: a flag given on the command line, then its environment variable, then the default.
 Every flag `--some-name` has the variable `TOKENMILL_SOME_NAME`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,7 +87,9 @@ class Settings:
         if not 0 < self.response_retention_days < math.inf:
             raise SettingsError("response_retention_days must be a positive, finite number")
         if self.rate_window_s <= 0 or self.usage_flush_interval_s <= 0 or self.key_cache_ttl_s < 0:
-            raise SettingsError("rate_window_s and usage_flush_interval_s must be positive, key_cache_ttl_s not negative")
+            raise SettingsError(
+                "rate_window_s and usage_flush_interval_s must be positive, key_cache_ttl_s not negative"
+            )
         if self.model_prices:
             try:
                 json.loads(self.model_prices)
@@ -158,76 +161,181 @@ OPTIONS: tuple[Option, ...] = (
     Option("--host", "host", str, "address to bind"),
     Option("--port", "port", int, "port to bind"),
     Option("--data-dir", "data_dir", str, "folder for the SQLite file and converted weights"),
-    Option("--database-url", "database_url", str, "SQLAlchemy URL (default: SQLite in the data folder)",
-           fallback_env="DATABASE_URL"),
+    Option(
+        "--database-url",
+        "database_url",
+        str,
+        "SQLAlchemy URL (default: SQLite in the data folder)",
+        fallback_env="DATABASE_URL",
+    ),
     Option("--redis-url", "redis_url", str, "Redis for shared rate-limit counters", fallback_env="REDIS_URL"),
-    Option("--api-key", "api_key", str, "a key clients may use, stored hashed under team 'default' "
-           "(more keys: tokenmill keys create)"),
+    Option(
+        "--api-key",
+        "api_key",
+        str,
+        "a key clients may use, stored hashed under team 'default' (more keys: tokenmill keys create)",
+    ),
     Option("--admin-key", "admin_key", str, "admin key (default: created on first start)"),
     Option("--max-request-bytes", "max_request_bytes", int, "largest request body accepted"),
     Option("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens a request may ask for"),
-    Option("--hardware-cost-per-hour", "hardware_cost_per_hour", float,
-           "USD per hour this machine costs (the dashboard's real cost per token)"),
+    Option(
+        "--hardware-cost-per-hour",
+        "hardware_cost_per_hour",
+        float,
+        "USD per hour this machine costs (the dashboard's real cost per token)",
+    ),
     Option("--session-secret", "session_secret", str, "signs admin dashboard sessions (default: random per process)"),
-    Option("--forwarded-allow-ips", "forwarded_allow_ips", str,
-           "proxies trusted to set X-Forwarded-For / -Proto: comma-separated IPs or CIDRs (default: none)"),
-    Option("--secure-cookies", "secure_cookies", parse_bool,
-           "always mark dashboard cookies Secure (set it behind a proxy that terminates TLS)", switch=True),
-    Option("--load-on-demand", "load_on_demand", parse_bool,
-           "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)", switch=True),
-    Option("--api-docs", "api_docs", parse_bool,
-           "serve /docs and /openapi.json to anyone (Swagger UI loads from a CDN; default: off)", switch=True),
+    Option(
+        "--forwarded-allow-ips",
+        "forwarded_allow_ips",
+        str,
+        "proxies trusted to set X-Forwarded-For / -Proto: comma-separated IPs or CIDRs (default: none)",
+    ),
+    Option(
+        "--secure-cookies",
+        "secure_cookies",
+        parse_bool,
+        "always mark dashboard cookies Secure (set it behind a proxy that terminates TLS)",
+        switch=True,
+    ),
+    Option(
+        "--load-on-demand",
+        "load_on_demand",
+        parse_bool,
+        "load an enabled registered model when a request asks for it (default: 503 model_not_loaded)",
+        switch=True,
+    ),
+    Option(
+        "--api-docs",
+        "api_docs",
+        parse_bool,
+        "serve /docs and /openapi.json to anyone (Swagger UI loads from a CDN; default: off)",
+        switch=True,
+    ),
     Option("--min-replicas", "min_replicas", int, "fewest replicas Ray Serve keeps (deploy/ray_serve.py)"),
     Option("--max-replicas", "max_replicas", int, "most replicas Ray Serve scales to (deploy/ray_serve.py)"),
-    Option("--default-temperature", "default_temperature", float,
-           "temperature for requests that set none (default: 1.0, as OpenAI's)"),
-    Option("--model-prices", "model_prices", str, 'USD per 1M tokens for models the registry prices not: JSON, '
-           '{"model": {"input": 0.15, "cached_input": 0.075, "output": 0.6}}, "*" for any other model'),
+    Option(
+        "--default-temperature",
+        "default_temperature",
+        float,
+        "temperature for requests that set none (default: 1.0, as OpenAI's)",
+    ),
+    Option(
+        "--model-prices",
+        "model_prices",
+        str,
+        'USD per 1M tokens for models the registry prices not: JSON, '
+        '{"model": {"input": 0.15, "cached_input": 0.075, "output": 0.6}}, "*" for any other model',
+    ),
     Option("--rate-window-s", "rate_window_s", float, "the window of rpm / tpm limits, in seconds"),
-    Option("--key-cache-ttl-s", "key_cache_ttl_s", float, "how long a key's limits are cached (a change made on "
-           "another replica shows up after this)"),
+    Option(
+        "--key-cache-ttl-s",
+        "key_cache_ttl_s",
+        float,
+        "how long a key's limits are cached (a change made on another replica shows up after this)",
+    ),
     Option("--usage-flush-interval-s", "usage_flush_interval_s", float, "how often queued usage rows are written"),
-    Option("--auth-failures-per-minute", "auth_failures_per_minute", int,
-           "failed authentications per client address and key prefix before 429 (0: no limit)"),
-    Option("--max-in-flight-per-key", "max_in_flight_per_key", int,
-           "requests one key may have in flight on a replica (a key's max_in_flight wins; 0: no limit)"),
-    Option("--instance-id", "instance_id", str, "this replica's name on its usage rows (Ray Serve sets it per "
-           "replica; in Kubernetes, the pod name)"),
-    Option("--response-retention-days", "response_retention_days", float,
-           "how long stored responses (Responses API) are kept before they are pruned"),
-    Option("--files-dir", "files_dir", str, "folder for the bytes of uploaded and batch output files "
-           "(default: files in the data folder)"),
+    Option(
+        "--auth-failures-per-minute",
+        "auth_failures_per_minute",
+        int,
+        "failed authentications per client address and key prefix before 429 (0: no limit)",
+    ),
+    Option(
+        "--max-in-flight-per-key",
+        "max_in_flight_per_key",
+        int,
+        "requests one key may have in flight on a replica (a key's max_in_flight wins; 0: no limit)",
+    ),
+    Option(
+        "--instance-id",
+        "instance_id",
+        str,
+        "this replica's name on its usage rows (Ray Serve sets it per replica; in Kubernetes, the pod name)",
+    ),
+    Option(
+        "--response-retention-days",
+        "response_retention_days",
+        float,
+        "how long stored responses (Responses API) are kept before they are pruned",
+    ),
+    Option(
+        "--files-dir",
+        "files_dir",
+        str,
+        "folder for the bytes of uploaded and batch output files (default: files in the data folder)",
+    ),
     Option("--max-file-bytes", "max_file_bytes", int, "largest file /v1/files accepts"),
     Option("--max-batch-lines", "max_batch_lines", int, "most requests in one batch"),
-    Option("--batch-max-in-flight", "batch_max_in_flight", int,
-           "batch lines in the engine at once; each runs at the lowest priority"),
+    Option(
+        "--batch-max-in-flight",
+        "batch_max_in_flight",
+        int,
+        "batch lines in the engine at once; each runs at the lowest priority",
+    ),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
     Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),
-    Option("--quantization", "quantization", str, "weight-only quantization of the linears (CPU): int8 per channel, "
-           "int4 in groups of 32; auto (default): int4 for Q4_0/Q4_1 GGUF files such as the embedded model, "
-           "on CPUs with AVX512-VNNI", engine=True, choices=("auto", "none", "int8", "int4")),
+    Option(
+        "--quantization",
+        "quantization",
+        str,
+        "weight-only quantization of the linears (CPU): int8 per channel, "
+        "int4 in groups of 32; auto (default): int4 for Q4_0/Q4_1 GGUF files such as the embedded model, "
+        "on CPUs with AVX512-VNNI",
+        engine=True,
+        choices=("auto", "none", "int8", "int4"),
+    ),
     Option("--block-size", "block_size", int, "tokens per KV block", engine=True),
-    Option("--num-kv-blocks", "num_kv_blocks", _optional_int, "KV pool size in blocks (wins over --kv-cache-memory-gb)",
-           engine=True),
+    Option(
+        "--num-kv-blocks",
+        "num_kv_blocks",
+        _optional_int,
+        "KV pool size in blocks (wins over --kv-cache-memory-gb)",
+        engine=True,
+    ),
     Option("--kv-cache-memory-gb", "kv_cache_memory_gb", float, "KV pool size in GiB", engine=True),
     Option("--max-num-seqs", "max_num_seqs", int, "most sequences in one step", engine=True),
     Option("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step", engine=True),
     Option("--max-model-len", "max_model_len", _optional_int, "context length (default: the model's)", engine=True),
     Option("--max-waiting", "max_waiting", int, "waiting requests before new ones get 503", engine=True),
-    Option("--preemption-mode", "preemption_mode", str, "how to make room when KV blocks run out", engine=True,
-           choices=("recompute", "swap")),
-    Option("--no-prefix-caching", "enable_prefix_caching", parse_bool, "turn off prefix caching", engine=True,
-           switch=True, invert=True),
-    Option("--prefix-cache-scope", "prefix_cache_scope", str,
-           "who reuses whose cached prompt prefixes: team (own team or cache group) or global",
-           choices=("team", "global")),
-    Option("--scheduling", "scheduling", str, "fair (least-served team first) or fcfs (arrival order)",
-           engine=True, choices=("fair", "fcfs")),
+    Option(
+        "--preemption-mode",
+        "preemption_mode",
+        str,
+        "how to make room when KV blocks run out",
+        engine=True,
+        choices=("recompute", "swap"),
+    ),
+    Option(
+        "--no-prefix-caching",
+        "enable_prefix_caching",
+        parse_bool,
+        "turn off prefix caching",
+        engine=True,
+        switch=True,
+        invert=True,
+    ),
+    Option(
+        "--prefix-cache-scope",
+        "prefix_cache_scope",
+        str,
+        "who reuses whose cached prompt prefixes: team (own team or cache group) or global",
+        choices=("team", "global"),
+    ),
+    Option(
+        "--scheduling",
+        "scheduling",
+        str,
+        "fair (least-served team first) or fcfs (arrival order)",
+        engine=True,
+        choices=("fair", "fcfs"),
+    ),
     Option("--num-threads", "num_threads", _optional_int, "torch threads (default: torch's choice)", engine=True),
     Option("--device", "device", str, "auto (cuda when available), cpu, cuda or cuda:N", engine=True),
-    Option("--enforce-eager", "enforce_eager", parse_bool, "no CUDA-graph replay of decode steps", engine=True,
-           switch=True),
+    Option(
+        "--enforce-eager", "enforce_eager", parse_bool, "no CUDA-graph replay of decode steps", engine=True, switch=True
+    ),
 )
 
 
@@ -252,11 +360,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for option in OPTIONS:
         help_text = f"{option.help} [env {option.env}]"
         if option.switch:
-            parser.add_argument(option.flag, dest=option.dest, action="store_const", const=True, default=None,
-                                help=help_text)
+            parser.add_argument(
+                option.flag, dest=option.dest, action="store_const", const=True, default=None, help=help_text
+            )
         else:
-            parser.add_argument(option.flag, dest=option.dest, default=None, choices=option.choices,
-                                type=option.parse, help=help_text)
+            parser.add_argument(
+                option.flag, dest=option.dest, default=None, choices=option.choices, type=option.parse, help=help_text
+            )
 
 
 def settings_from(args: Mapping[str, Any], env: Mapping[str, str]) -> Settings:

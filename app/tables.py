@@ -1,5 +1,6 @@
 """Tables. Usage rows are thin (numbers and ids, no text blobs); money is integer nano-dollars.
 The model registry's table is here too: one metadata, one migration chain."""
+
 from __future__ import annotations
 
 from datetime import date, datetime
@@ -47,8 +48,11 @@ class Team(Base):
 
     __table_args__ = (
         Index(
-            "uq_teams_live_name", "name", unique=True,
-            sqlite_where=text("deleted_at IS NULL"), postgresql_where=text("deleted_at IS NULL"),
+            "uq_teams_live_name",
+            "name",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
         ),
     )
 

@@ -12,6 +12,7 @@ as useful tokens (and FLOPs) on both sides.
     python bench/engine_bench.py --quick                 # a smoke run: 16 short requests
     python bench/engine_bench.py --dtypes bfloat16 --profile-steps 8
 """
+
 from __future__ import annotations
 
 import os
@@ -70,8 +71,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
-                  seed: int) -> Workload:
+def make_workload(
+    count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int
+) -> Workload:
     """Random token prompts (no prefix sharing) and forced output lengths, uniform in the ranges."""
     rng = random.Random(seed)
     prompts, output_lens = [], []
@@ -94,11 +96,16 @@ class ModelFlops:
     @classmethod
     def from_shape(cls, shape: LlamaShape) -> ModelFlops:
         q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        per_layer = (shape.hidden_size * (q_size + 2 * kv_size) + q_size * shape.hidden_size
-                     + 3 * shape.hidden_size * shape.intermediate_size)
-        return cls(linear_per_token=2 * per_layer * shape.num_layers,
-                   attention_per_context_token=4 * q_size * shape.num_layers,
-                   logits_per_sample=2 * shape.hidden_size * shape.vocab_size)
+        per_layer = (
+            shape.hidden_size * (q_size + 2 * kv_size)
+            + q_size * shape.hidden_size
+            + 3 * shape.hidden_size * shape.intermediate_size
+        )
+        return cls(
+            linear_per_token=2 * per_layer * shape.num_layers,
+            attention_per_context_token=4 * q_size * shape.num_layers,
+            logits_per_sample=2 * shape.hidden_size * shape.vocab_size,
+        )
 
     def decode_token(self, context_len: int) -> int:
         return self.linear_per_token + self.attention_per_context_token * context_len + self.logits_per_sample
@@ -106,8 +113,11 @@ class ModelFlops:
     def request(self, prompt_len: int, output_len: int) -> int:
         """Every known token but the last goes through the model once; each output token is one sample."""
         forwarded = prompt_len + output_len - 1
-        return (self.linear_per_token * forwarded + self.attention_per_context_token * forwarded * (forwarded + 1) // 2
-                + self.logits_per_sample * output_len)
+        return (
+            self.linear_per_token * forwarded
+            + self.attention_per_context_token * forwarded * (forwarded + 1) // 2
+            + self.logits_per_sample * output_len
+        )
 
     def workload(self, workload: Workload) -> int:
         return sum(self.request(len(p), o) for p, o in zip(workload.prompts, workload.output_lens))
@@ -118,13 +128,19 @@ def matmul_shapes(shape: LlamaShape, rows: list[int]) -> list[tuple[str, int, in
     """(name, M, K, N) of the model's matmuls, at the row counts given."""
     hidden, ffn = shape.hidden_size, shape.intermediate_size
     qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    layers = [("qkv", hidden, qkv), ("o", shape.num_heads * shape.head_dim, hidden), ("gate_up", hidden, 2 * ffn),
-              ("down", ffn, hidden), ("logits", hidden, shape.vocab_size)]
+    layers = [
+        ("qkv", hidden, qkv),
+        ("o", shape.num_heads * shape.head_dim, hidden),
+        ("gate_up", hidden, 2 * ffn),
+        ("down", ffn, hidden),
+        ("logits", hidden, shape.vocab_size),
+    ]
     return [(f"{name} {m}x{k}@{k}x{n}", m, k, n) for m in rows for name, k, n in layers]
 
 
-def measure_matmul_peak(shape: LlamaShape, dtype: torch.dtype, decode_rows: int, large_rows: int,
-                        seconds: float) -> dict:
+def measure_matmul_peak(
+    shape: LlamaShape, dtype: torch.dtype, decode_rows: int, large_rows: int, seconds: float
+) -> dict:
     """GFLOP/s at the model's shapes, the best of torch.matmul (weights transposed, as F.linear reads them:
     MKL's sgemm in float32) and of kernels.linear.Linear (oneDNN on packed weights, what the engine runs).
 
@@ -161,21 +177,32 @@ def measure_matmul_peak(shape: LlamaShape, dtype: torch.dtype, decode_rows: int,
         best_at[m] = max(best_at.get(m, 0.0), per_shape[name])
         if m == decode_rows:
             torch_matmul_best = max(torch_matmul_best, round(2 * m * k * n / torch_matmul / 1e9, 1))
-    return {"peak_gflops": best_at[decode_rows], "large_m_peak_gflops": best_at[large_rows],
-            "torch_matmul_peak_gflops": torch_matmul_best, "per_shape_gflops": per_shape}
+    return {
+        "peak_gflops": best_at[decode_rows],
+        "large_m_peak_gflops": best_at[large_rows],
+        "torch_matmul_peak_gflops": torch_matmul_best,
+        "per_shape_gflops": per_shape,
+    }
 
 
 # ---- our engine -----------------------------------------------------------------------------------
 def engine_config(args, dtype: str, kv_blocks: int) -> EngineConfig:
-    return EngineConfig(dtype=dtype, max_num_seqs=args.max_num_seqs, num_kv_blocks=kv_blocks,
-                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                        data_dir=args.data_dir, num_threads=args.threads)
+    return EngineConfig(
+        dtype=dtype,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        data_dir=args.data_dir,
+        num_threads=args.threads,
+    )
 
 
 def kv_blocks_for(workload: Workload, block_size: int, max_num_seqs: int) -> int:
     """Enough blocks for the max_num_seqs longest requests at full length: no preemption."""
-    needs = sorted((-(-(len(p) + o) // block_size) for p, o in zip(workload.prompts, workload.output_lens)),
-                   reverse=True)
+    needs = sorted(
+        (-(-(len(p) + o) // block_size) for p, o in zip(workload.prompts, workload.output_lens)), reverse=True
+    )
     return max(2, sum(needs[:max_num_seqs]))
 
 
@@ -201,7 +228,9 @@ def run_engine(engine: LLMEngine, workload: Workload, flops: ModelFlops, label: 
     finished = 0
     started = time.perf_counter()
     for number, (prompt, output_len) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"r{number}", prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+        engine.add_request(
+            f"r{number}", prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        )
     last_report = started
     while engine.has_unfinished:
         step_started = time.perf_counter()
@@ -230,8 +259,10 @@ def run_engine(engine: LLMEngine, workload: Workload, flops: ModelFlops, label: 
                 bucket["step_gflops"].append(step_flops / seconds / 1e9)
         now = time.perf_counter()
         if now - last_report >= 5 or not engine.has_unfinished:
-            say(f"  {label}: {finished}/{len(workload.prompts)} requests done, {sum(produced.values())} tokens, "
-                f"step {steps}, {now - started:.1f}s")
+            say(
+                f"  {label}: {finished}/{len(workload.prompts)} requests done, {sum(produced.values())} tokens, "
+                f"step {steps}, {now - started:.1f}s"
+            )
             last_report = now
     wall = time.perf_counter() - started
     if produced != {f"r{i}": o for i, o in enumerate(workload.output_lens)}:
@@ -240,10 +271,14 @@ def run_engine(engine: LLMEngine, workload: Workload, flops: ModelFlops, label: 
     def decode_summary(bucket: dict) -> dict | None:
         if not bucket["steps"]:
             return None
-        return {"steps": bucket["steps"], "tokens_per_s": bucket["tokens"] / bucket["seconds"],
-                "ms_per_step": 1e3 * bucket["seconds"] / bucket["steps"],
-                "mean_batch": bucket["tokens"] / bucket["steps"], "gflops": bucket["flops"] / bucket["seconds"] / 1e9,
-                "median_step_gflops": statistics.median(bucket["step_gflops"])}
+        return {
+            "steps": bucket["steps"],
+            "tokens_per_s": bucket["tokens"] / bucket["seconds"],
+            "ms_per_step": 1e3 * bucket["seconds"] / bucket["steps"],
+            "mean_batch": bucket["tokens"] / bucket["steps"],
+            "gflops": bucket["flops"] / bucket["seconds"] / 1e9,
+            "median_step_gflops": statistics.median(bucket["step_gflops"]),
+        }
 
     return {
         "seconds": wall,
@@ -280,8 +315,9 @@ def profile_decode(args, dtype: str, loaded, steps: int, context: int = 256, top
     engine.add_request(ids[0], shared + [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(block)], params)
     engine.step()  # its prompt's blocks are now in the prefix cache
     for request_id in ids[1:]:
-        engine.add_request(request_id, shared + [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(block)],
-                           params)
+        engine.add_request(
+            request_id, shared + [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(block)], params
+        )
     for _ in range(100):
         if engine.stats.scheduled_seqs_last_step == engine.stats.scheduled_tokens_last_step == full:
             break
@@ -297,15 +333,27 @@ def profile_decode(args, dtype: str, loaded, steps: int, context: int = 256, top
 
     def table(events) -> list[dict]:
         events = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
-        return [{"op": e.key, "input_shapes": str(e.input_shapes) if e.input_shapes else None,
-                 "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                 "share": e.self_cpu_time_total / total_self} for e in events[:top]]
+        return [
+            {
+                "op": e.key,
+                "input_shapes": str(e.input_shapes) if e.input_shapes else None,
+                "calls_per_step": e.count / steps,
+                "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                "share": e.self_cpu_time_total / total_self,
+            }
+            for e in events[:top]
+        ]
 
     total_self = sum(e.self_cpu_time_total for e in prof.key_averages())
-    return {"steps": steps, "concurrency": full, "context_len": f"{context}..{context + steps + 2}",
-            "ms_per_step": 1e3 * wall / steps, "profiled_self_ms_per_step": total_self / 1e3 / steps,
-            "top_ops": table(prof.key_averages()),
-            "top_ops_by_shape": table(prof.key_averages(group_by_input_shape=True))}
+    return {
+        "steps": steps,
+        "concurrency": full,
+        "context_len": f"{context}..{context + steps + 2}",
+        "ms_per_step": 1e3 * wall / steps,
+        "profiled_self_ms_per_step": total_self / 1e3 / steps,
+        "top_ops": table(prof.key_averages()),
+        "top_ops_by_shape": table(prof.key_averages(group_by_input_shape=True)),
+    }
 
 
 # ---- HF transformers ------------------------------------------------------------------------------
@@ -328,27 +376,33 @@ def run_hf(model, workload: Workload, batch_size: int, pad_id: int, label: str) 
     batches = range(0, len(workload.prompts), batch_size)
     started = time.perf_counter()
     for batch_number, first in enumerate(batches, 1):
-        prompts = workload.prompts[first:first + batch_size]
-        lens = workload.output_lens[first:first + batch_size]
+        prompts = workload.prompts[first : first + batch_size]
+        lens = workload.output_lens[first : first + batch_size]
         width = max(map(len, prompts))
         input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         new_tokens = max(lens)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=input_ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=pad_id,
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
                 stopping_criteria=StoppingCriteriaList([Progress(f"{label}: batch {batch_number}/{len(batches)}")]),
             )
         if out.shape[1] - width != new_tokens:
             raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, not the forced {new_tokens}")
         generated += new_tokens * len(prompts)
         padded_prompt_tokens += width * len(prompts)
-        say(f"  {label}: batch {batch_number}/{len(batches)} done ({len(prompts)} x {new_tokens} tokens), "
-            f"{time.perf_counter() - started:.1f}s")
+        say(
+            f"  {label}: batch {batch_number}/{len(batches)} done ({len(prompts)} x {new_tokens} tokens), "
+            f"{time.perf_counter() - started:.1f}s"
+        )
     wall = time.perf_counter() - started
     return {
         "seconds": wall,
@@ -365,8 +419,14 @@ def run_hf(model, workload: Workload, batch_size: int, pad_id: int, label: str) 
 def warm_up_hf(model, pad_id: int) -> None:
     with torch.inference_mode():
         ids = torch.randint(FIRST_ORDINARY_TOKEN, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
-                       do_sample=False, pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
 
 
 # ---- one dtype ------------------------------------------------------------------------------------
@@ -377,7 +437,9 @@ def bench_dtype(args, dtype: str, workload: Workload, flops: ModelFlops) -> dict
     loaded = load_model(EngineConfig(dtype=dtype, data_dir=args.data_dir))
     vocab = loaded.shape.vocab_size
     torch_dtype = loaded.dtype
-    pad_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else loaded.tokenizer.eos_token_id
+    pad_id = (
+        loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else loaded.tokenizer.eos_token_id
+    )
 
     say(f"[{dtype}] measuring the matmul peak")
     peak_before = measure_matmul_peak(loaded.shape, torch_dtype, args.max_num_seqs, 256, args.peak_seconds)
@@ -385,8 +447,10 @@ def bench_dtype(args, dtype: str, workload: Workload, flops: ModelFlops) -> dict
     kv_blocks = args.kv_blocks or kv_blocks_for(workload, args.block_size, args.max_num_seqs)
     engine = LLMEngine(engine_config(args, dtype, kv_blocks), loaded)
     warm_up_engine(engine, vocab)
-    say(f"[{dtype}] our engine: {len(workload.prompts)} requests, max_num_seqs {args.max_num_seqs}, "
-        f"{kv_blocks} KV blocks")
+    say(
+        f"[{dtype}] our engine: {len(workload.prompts)} requests, max_num_seqs {args.max_num_seqs}, "
+        f"{kv_blocks} KV blocks"
+    )
     ours = run_engine(engine, workload, flops, f"engine {dtype}")
 
     del engine
@@ -426,7 +490,8 @@ def bench_dtype(args, dtype: str, workload: Workload, flops: ModelFlops) -> dict
     torch_matmul_peak = max(peak_before["torch_matmul_peak_gflops"], peak_after["torch_matmul_peak_gflops"])
     if ours["decode_full_concurrency"] is not None:
         ours["decode_full_concurrency"]["median_step_mfu_vs_torch_matmul_peak"] = (
-            ours["decode_full_concurrency"]["median_step_gflops"] / torch_matmul_peak)
+            ours["decode_full_concurrency"]["median_step_gflops"] / torch_matmul_peak
+        )
     result = {
         "matmul_peak_gflops": peak,
         "matmul_large_m_peak_gflops": large_peak,
@@ -442,7 +507,8 @@ def bench_dtype(args, dtype: str, workload: Workload, flops: ModelFlops) -> dict
     }
     if dtype == "bfloat16":
         result["targets"]["decode_mfu_full_concurrency"] = {
-            "target": TARGET_DECODE_MFU, "value": decode_mfu,
+            "target": TARGET_DECODE_MFU,
+            "value": decode_mfu,
             "met": decode_mfu is not None and decode_mfu >= TARGET_DECODE_MFU,
         }
     if profile is not None:
@@ -458,23 +524,31 @@ def fmt(value, spec: str = ".1f", suffix: str = "") -> str:
 def print_table(report: dict) -> None:
     workload = report["workload"]
     say("")
-    say(f"Offline throughput: {workload['requests']} requests, prompts {workload['prompt_range']}, outputs "
+    say(
+        f"Offline throughput: {workload['requests']} requests, prompts {workload['prompt_range']}, outputs "
         f"{workload['output_range']} (seed {workload['seed']}), {report['machine']['threads']} torch threads, "
-        f"max_num_seqs / HF batch {workload['max_num_seqs']}")
+        f"max_num_seqs / HF batch {workload['max_num_seqs']}"
+    )
     say("HF static batches run to their longest request; only each request's own output tokens count.")
-    header = (f"{'dtype':<9} {'side':<7} {'out tok/s':>9} {'vs HF':>6} {'occup.':>6} {'KV use':>6} "
-              f"{'GFLOP/s':>8} {'MFU':>6} {'dec@full tok/s':>14} {'dec@full MFU (median)':>21} {'peak GFLOP/s':>12}")
+    header = (
+        f"{'dtype':<9} {'side':<7} {'out tok/s':>9} {'vs HF':>6} {'occup.':>6} {'KV use':>6} "
+        f"{'GFLOP/s':>8} {'MFU':>6} {'dec@full tok/s':>14} {'dec@full MFU (median)':>21} {'peak GFLOP/s':>12}"
+    )
     say(header)
     say("-" * len(header))
     for dtype, result in report["results"].items():
         ours, hf = result["engine"], result["hf"]
         decode = ours["decode_full_concurrency"] or {}
-        say(f"{dtype:<9} {'engine':<7} {ours['output_tokens_per_s']:>9.1f} {result['ratio_to_hf']:>5.2f}x "
+        say(
+            f"{dtype:<9} {'engine':<7} {ours['output_tokens_per_s']:>9.1f} {result['ratio_to_hf']:>5.2f}x "
             f"{ours['mean_batch_occupancy']:>6.1%} {ours['mean_kv_utilisation']:>6.1%} {ours['gflops']:>8.1f} "
             f"{ours['mfu']:>6.1%} {fmt(decode.get('tokens_per_s')):>14} {fmt(decode.get('median_step_mfu'), '.1%'):>21} "
-            f"{result['matmul_peak_gflops']:>12.1f}")
-        say(f"{'':<9} {'HF':<7} {hf['output_tokens_per_s']:>9.1f} {'1.00x':>6} {'':>6} {'':>6} {hf['gflops']:>8.1f} "
-            f"{hf['mfu']:>6.1%}")
+            f"{result['matmul_peak_gflops']:>12.1f}"
+        )
+        say(
+            f"{'':<9} {'HF':<7} {hf['output_tokens_per_s']:>9.1f} {'1.00x':>6} {'':>6} {'':>6} {hf['gflops']:>8.1f} "
+            f"{hf['mfu']:>6.1%}"
+        )
     say("")
     for dtype, result in report["results"].items():
         for name, target in result["targets"].items():
@@ -485,20 +559,28 @@ def print_table(report: dict) -> None:
         decode = result["engine"]["decode_full_concurrency"] or {}
         if "median_step_mfu_vs_torch_matmul_peak" in decode:
             vs_torch_matmul = decode["median_step_mfu_vs_torch_matmul_peak"]
-            say(f"  ({dtype} decode at full concurrency, median step, against torch.matmul's peak alone "
+            say(
+                f"  ({dtype} decode at full concurrency, median step, against torch.matmul's peak alone "
                 f"({result['torch_matmul_peak_gflops']:.1f} GFLOP/s): {vs_torch_matmul:.1%}; "
-                f"over the steps' total time against the peak: {decode['mfu']:.1%})")
+                f"over the steps' total time against the peak: {decode['mfu']:.1%})"
+            )
         profile = result.get("decode_profile")
         if profile:
-            say(f"\n{dtype} decode profile: {profile['ms_per_step']:.1f} ms/step at {profile['concurrency']} concurrent, "
-                f"context {profile['context_len']}")
+            say(
+                f"\n{dtype} decode profile: {profile['ms_per_step']:.1f} ms/step at {profile['concurrency']} concurrent, "
+                f"context {profile['context_len']}"
+            )
             for row in profile["top_ops"]:
-                say(f"  {row['op']:<40} {row['self_ms_per_step']:>7.2f} ms/step {row['share']:>6.1%} "
-                    f"{row['calls_per_step']:>6.0f} calls/step")
+                say(
+                    f"  {row['op']:<40} {row['self_ms_per_step']:>7.2f} ms/step {row['share']:>6.1%} "
+                    f"{row['calls_per_step']:>6.0f} calls/step"
+                )
             say("  by input shape:")
             for row in profile["top_ops_by_shape"][:10]:
-                say(f"  {row['op']:<16} {row['input_shapes'] or '':<56.56} {row['self_ms_per_step']:>7.2f} ms/step "
-                    f"{row['calls_per_step']:>4.0f} calls")
+                say(
+                    f"  {row['op']:<16} {row['input_shapes'] or '':<56.56} {row['self_ms_per_step']:>7.2f} ms/step "
+                    f"{row['calls_per_step']:>4.0f} calls"
+                )
 
 
 def plot(report: dict, path: Path) -> None:
@@ -523,10 +605,15 @@ def plot(report: dict, path: Path) -> None:
     left.set_title(f"Offline throughput, {report['workload']['requests']} requests")
     left.legend(fontsize=8)
 
-    series = [("engine overall", [r["engine"]["mfu"] for r in results], "#2b7bba"),
-              ("engine decode @ full (median step)", [(r["engine"]["decode_full_concurrency"] or {}).get("median_step_mfu") or 0 for r in results],
-               "#174a73"),
-              ("HF overall", [r["hf"]["mfu"] for r in results], "#b0b0b0")]
+    series = [
+        ("engine overall", [r["engine"]["mfu"] for r in results], "#2b7bba"),
+        (
+            "engine decode @ full (median step)",
+            [(r["engine"]["decode_full_concurrency"] or {}).get("median_step_mfu") or 0 for r in results],
+            "#174a73",
+        ),
+        ("HF overall", [r["hf"]["mfu"] for r in results], "#b0b0b0"),
+    ]
     bar = 0.26
     for n, (label, values, color) in enumerate(series):
         right.bar([i + (n - 1) * bar for i in x], [100 * v for v in values], bar, label=label, color=color)
@@ -575,17 +662,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=parse_range, help="prompt tokens LOW-HIGH (default 32-512, quick 16-64)")
     parser.add_argument("--output-len", type=parse_range, help="output tokens LOW-HIGH (default 32-256, quick 8-32)")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated: bfloat16,float32")
-    parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="engine concurrency and HF static batch size (default: min(64, requests))")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="engine concurrency and HF static batch size (default: min(64, requests))",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV pool size (default: enough for no preemption)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="torch threads, the same for both sides (default: the CPUs this process may use)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads, the same for both sides (default: the CPUs this process may use)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peak-seconds", type=float, default=None, help="time per matmul shape for the peak")
-    parser.add_argument("--profile-steps", type=int, default=0,
-                        help="also profile this many decode steps at full concurrency (torch.profiler)")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="also profile this many decode steps at full concurrency (torch.profiler)",
+    )
     parser.add_argument("--data-dir", default=str(ROOT / ".tokenmill"), help="where converted weights are cached")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON and PNG")
     args = parser.parse_args(argv)
@@ -612,35 +711,49 @@ def main(argv: list[str] | None = None) -> dict:
     shape = LlamaShape.from_hf_config(AutoConfig.from_pretrained(folder))
     flops = ModelFlops.from_shape(shape)
     workload = make_workload(args.requests, args.prompt_len, args.output_len, shape.vocab_size, args.seed)
-    say(f"workload: {args.requests} requests, {workload.prompt_tokens} prompt tokens, {workload.output_tokens} "
-        f"output tokens; {args.threads} torch threads")
+    say(
+        f"workload: {args.requests} requests, {workload.prompt_tokens} prompt tokens, {workload.output_tokens} "
+        f"output tokens; {args.threads} torch threads"
+    )
     report = {
         "benchmark": "engine_bench",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "quick": args.quick,
-        "machine": {"cpu": cpu_name(), "threads": args.threads, "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version(),
-                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                    "native_cpu_kernels": native_kernels_in_use(),
-                    "load_average_start": list(os.getloadavg())},
-        "workload": {"requests": args.requests, "seed": args.seed, "prompt_range": list(args.prompt_len),
-                     "output_range": list(args.output_len), "prompt_tokens": workload.prompt_tokens,
-                     "output_tokens": workload.output_tokens, "max_num_seqs": args.max_num_seqs,
-                     "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size},
+        "machine": {
+            "cpu": cpu_name(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "native_cpu_kernels": native_kernels_in_use(),
+            "load_average_start": list(os.getloadavg()),
+        },
+        "workload": {
+            "requests": args.requests,
+            "seed": args.seed,
+            "prompt_range": list(args.prompt_len),
+            "output_range": list(args.output_len),
+            "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": workload.output_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size,
+        },
         "flops": {**asdict(flops), "workload_useful_gflop": flops.workload(workload) / 1e9},
         "definitions": {
             "output_tokens_per_s": "each request's own forced output length, summed, over wall time (HF's static "
-                                   "batches generate up to the batch's longest; those extra tokens are not counted)",
+            "batches generate up to the batch's longest; those extra tokens are not counted)",
             "mean_batch_occupancy": "scheduled sequences / max_num_seqs, mean over engine steps",
             "mean_kv_utilisation": "kv_blocks_used / kv_blocks_total after each step, mean over engine steps",
             "gflops": "useful model FLOPs (2 x matmul params per forwarded token + 4 x q_size x layers per attended "
-                      "key + logits per sampled token; no padding) over wall time",
+            "key + logits per sampled token; no padding) over wall time",
             "mfu": "gflops / matmul_peak_gflops; peak = best GFLOP/s of torch.matmul or the engine's packed Linear "
-                   "(whichever is faster, per shape) at the model's matmul shapes "
-                   "with max_num_seqs rows (a decode step's shapes), the higher of a measurement before and after "
-                   "the dtype's runs; matmul_large_m_peak_gflops is the same at 256 rows (prefill-like)",
+            "(whichever is faster, per shape) at the model's matmul shapes "
+            "with max_num_seqs rows (a decode step's shapes), the higher of a measurement before and after "
+            "the dtype's runs; matmul_large_m_peak_gflops is the same at 256 rows (prefill-like)",
             "decode_full_concurrency": "engine steps where all max_num_seqs requests ran one decode token each; "
-                                       "mfu over their total time, median_step_mfu the median step's (the target)",
+            "mfu over their total time, median_step_mfu the median step's (the target)",
         },
         "results": {},
     }

@@ -7,6 +7,7 @@ p50 / p99; for the whole run, output tokens/s and fair preemptions. Writes JSON 
     python bench/fairness_bench.py                 # the embedded SmolLM2 in bf16 (about a minute)
     python bench/fairness_bench.py --quick         # a tiny random Llama: a smoke run of seconds
 """
+
 from __future__ import annotations
 
 import os
@@ -61,15 +62,25 @@ class TeamResult:
     def summary(self) -> dict:
         busy = max(self.last_done - self.first_sent, 1e-9)
         ordered = sorted(self.ttft_s)
-        return {"requests": len(ordered), "output_tokens": self.output_tokens,
-                "tokens_per_s_while_busy": self.output_tokens / busy,
-                "ttft_p50_s": statistics.median(ordered),
-                "ttft_p99_s": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
-                "ttft_max_s": ordered[-1]}
+        return {
+            "requests": len(ordered),
+            "output_tokens": self.output_tokens,
+            "tokens_per_s_while_busy": self.output_tokens / busy,
+            "ttft_p50_s": statistics.median(ordered),
+            "ttft_p99_s": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+            "ttft_max_s": ordered[-1],
+        }
 
 
-async def one_request(engine: AsyncEngine, request_id: str, prompt: list[int], max_tokens: int, team: str,
-                      result: TeamResult, started: float) -> None:
+async def one_request(
+    engine: AsyncEngine,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    team: str,
+    result: TeamResult,
+    started: float,
+) -> None:
     sent = time.monotonic()
     result.first_sent = min(result.first_sent, sent - started)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -95,13 +106,35 @@ async def run_mode(loaded: LoadedModel, config: EngineConfig, workload: Workload
     teams = {"flood": TeamResult(), "quiet": TeamResult()}
     started = time.monotonic()
     try:
-        tasks = [asyncio.create_task(one_request(engine, f"flood-{n}", prompt(n), rng.randint(*workload.flood_tokens),
-                                                 "flood", teams["flood"], started))
-                 for n in range(workload.flood_requests)]
+        tasks = [
+            asyncio.create_task(
+                one_request(
+                    engine,
+                    f"flood-{n}",
+                    prompt(n),
+                    rng.randint(*workload.flood_tokens),
+                    "flood",
+                    teams["flood"],
+                    started,
+                )
+            )
+            for n in range(workload.flood_requests)
+        ]
         await asyncio.sleep(1.0)
         for n in range(workload.quiet_requests):
-            tasks.append(asyncio.create_task(one_request(engine, f"quiet-{n}", prompt(10_000 + n),
-                                                         workload.quiet_tokens, "quiet", teams["quiet"], started)))
+            tasks.append(
+                asyncio.create_task(
+                    one_request(
+                        engine,
+                        f"quiet-{n}",
+                        prompt(10_000 + n),
+                        workload.quiet_tokens,
+                        "quiet",
+                        teams["quiet"],
+                        started,
+                    )
+                )
+            )
             await asyncio.sleep(workload.quiet_every_s)
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - started
@@ -109,10 +142,14 @@ async def run_mode(loaded: LoadedModel, config: EngineConfig, workload: Workload
     finally:
         engine.shutdown()
     total = sum(team.output_tokens for team in teams.values())
-    return {"seconds": elapsed, "output_tokens_per_s": total / elapsed,
-            "fair_preemptions": stats.num_preemptions_fair, "preemptions": stats.num_preemptions,
-            "teams": {name: team.summary() for name, team in teams.items()},
-            "curves": {name: team.cumulative[:: max(1, len(team.cumulative) // 400)] for name, team in teams.items()}}
+    return {
+        "seconds": elapsed,
+        "output_tokens_per_s": total / elapsed,
+        "fair_preemptions": stats.num_preemptions_fair,
+        "preemptions": stats.num_preemptions,
+        "teams": {name: team.summary() for name, team in teams.items()},
+        "curves": {name: team.cumulative[:: max(1, len(team.cumulative) // 400)] for name, team in teams.items()},
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -126,8 +163,9 @@ def plot(report: dict, path: Path) -> None:
     width = 0.2
     for offset, (team, stat) in enumerate([(t, s) for t in ("flood", "quiet") for s in ("ttft_p50_s", "ttft_p99_s")]):
         values = [report["modes"][mode]["teams"][team][stat] for mode in modes]
-        ttft_axis.bar([i + (offset - 1.5) * width for i in range(len(modes))], values, width,
-                      label=f"{team} {stat[5:8]}")
+        ttft_axis.bar(
+            [i + (offset - 1.5) * width for i in range(len(modes))], values, width, label=f"{team} {stat[5:8]}"
+        )
     ttft_axis.set_xticks(range(len(modes)), modes)
     ttft_axis.set_yscale("log")
     ttft_axis.set_ylabel("time to first token (s, log)")
@@ -152,17 +190,29 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny random model and a small workload")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness_bench.json")
-    parser.add_argument("--data-dir", default=os.environ.get("TOKENMILL_DATA_DIR", ".tokenmill"),
-                        help="where the converted embedded model is cached")
+    parser.add_argument(
+        "--data-dir",
+        default=os.environ.get("TOKENMILL_DATA_DIR", ".tokenmill"),
+        help="where the converted embedded model is cached",
+    )
     args = parser.parse_args()
     workload = Workload()
     if args.quick:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         folder = Path(tempfile.mkdtemp(prefix="fairness-tiny-"))
-        LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                     tie_word_embeddings=True)).save_pretrained(folder)
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+            )
+        ).save_pretrained(folder)
         base = load_model(EngineConfig(model="default", dtype="float32", data_dir=args.data_dir))
         base.tokenizer.save_pretrained(folder)
         loaded = load_model(EngineConfig(model=str(folder), dtype="float32"))
@@ -172,15 +222,24 @@ def main() -> None:
     report: dict = {"model": loaded.name, "workload": workload.__dict__, "modes": {}}
     for mode in ("fair", "fcfs"):
         dtype = "bfloat16" if loaded.dtype == torch.bfloat16 else "float32"
-        config = EngineConfig(model=str(loaded.folder), dtype=dtype, max_num_seqs=workload.max_num_seqs,
-                              num_kv_blocks=2048, scheduling=mode)
+        config = EngineConfig(
+            model=str(loaded.folder),
+            dtype=dtype,
+            max_num_seqs=workload.max_num_seqs,
+            num_kv_blocks=2048,
+            scheduling=mode,
+        )
         report["modes"][mode] = asyncio.run(run_mode(loaded, config, workload))
         result = report["modes"][mode]
-        print(f"{mode:5s} {result['seconds']:6.1f}s  {result['output_tokens_per_s']:7.1f} tok/s  "
-              f"fair preemptions {result['fair_preemptions']}")
+        print(
+            f"{mode:5s} {result['seconds']:6.1f}s  {result['output_tokens_per_s']:7.1f} tok/s  "
+            f"fair preemptions {result['fair_preemptions']}"
+        )
         for team, summary in result["teams"].items():
-            print(f"      {team:6s} {summary['tokens_per_s_while_busy']:7.1f} tok/s while busy   TTFT p50 "
-                  f"{summary['ttft_p50_s']:.3f}s  p99 {summary['ttft_p99_s']:.3f}s  max {summary['ttft_max_s']:.3f}s")
+            print(
+                f"      {team:6s} {summary['tokens_per_s_while_busy']:7.1f} tok/s while busy   TTFT p50 "
+                f"{summary['ttft_p50_s']:.3f}s  p99 {summary['ttft_p99_s']:.3f}s  max {summary['ttft_max_s']:.3f}s"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot(report, args.out.with_suffix(".png"))

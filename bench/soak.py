@@ -8,6 +8,7 @@ usage rows equal the requests sent. Prints the figures and writes JSON to bench/
     python bench/soak.py --duration 120 --num-kv-blocks 96 --max-waiting 16
     python bench/soak.py --url http://host:8000 --api-key sk-... --admin-key sk-admin-...   # a running server
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,14 +65,20 @@ async def one_request(client: openai.AsyncOpenAI, rng: random.Random, tally: Tal
     started = time.monotonic()
     try:
         if kind == "whole":
-            response = await client.chat.completions.create(model=MODEL, messages=prompt_of(rng),
-                                                            max_tokens=max_tokens, extra_body={"ignore_eos": True})
+            response = await client.chat.completions.create(
+                model=MODEL, messages=prompt_of(rng), max_tokens=max_tokens, extra_body={"ignore_eos": True}
+            )
             tally.completion_tokens += response.usage.completion_tokens
             tally.outcomes["ok"] += 1
         else:
             stream = await client.chat.completions.create(
-                model=MODEL, messages=prompt_of(rng), max_tokens=max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                model=MODEL,
+                messages=prompt_of(rng),
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             chunks = 0
             async for chunk in stream:
                 chunks += 1
@@ -105,8 +112,14 @@ async def drive(base_url: str, api_key: str, concurrency: int, duration_s: float
     tally = Tally()
     deadline = time.monotonic() + duration_s
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120,
-                                  http_client=httpx.AsyncClient(limits=limits, timeout=120)) as client:
+    async with openai.AsyncOpenAI(
+        base_url=base_url + "/v1",
+        api_key=api_key,
+        max_retries=0,
+        timeout=120,
+        http_client=httpx.AsyncClient(limits=limits, timeout=120),
+    ) as client:
+
         async def worker(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
             while time.monotonic() < deadline:
@@ -129,8 +142,11 @@ def wait_idle(url: str, timeout_s: float = 60) -> tuple[dict[str, float], float]
     started = time.monotonic()
     while True:
         m = metrics(url)
-        idle = (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == 0)
+        idle = (
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0
+        )
         if idle or time.monotonic() - started > timeout_s:
             return m, time.monotonic() - started
         time.sleep(0.2)
@@ -140,8 +156,12 @@ def usage_requests(url: str, admin_key: str, key_id: int, expected: int, timeout
     """Requests in the usage roll-up for the soak key; waits for the writer to catch up."""
     deadline = time.monotonic() + timeout_s
     while True:
-        report = httpx.get(url + "/admin/api/usage", params={"key_id": key_id, "group_by": "key"},
-                           headers={"Authorization": f"Bearer {admin_key}"}, timeout=10).json()
+        report = httpx.get(
+            url + "/admin/api/usage",
+            params={"key_id": key_id, "group_by": "key"},
+            headers={"Authorization": f"Bearer {admin_key}"},
+            timeout=10,
+        ).json()
         counted = sum(row["requests"] for row in report["data"])
         if counted >= expected or time.monotonic() > deadline:
             return counted
@@ -150,12 +170,32 @@ def usage_requests(url: str, admin_key: str, key_id: int, expected: int, timeout
 
 def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str]:
     port = args.port or _free_port()
-    env = {**os.environ, "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
-           "TOKENMILL_DATABASE_URL": args.database_url or f"sqlite:///{workdir / 'soak.db'}"}
+    env = {
+        **os.environ,
+        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
+        "TOKENMILL_DATABASE_URL": args.database_url or f"sqlite:///{workdir / 'soak.db'}",
+    }
     env.pop("TOKENMILL_API_KEY", None)
-    command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--data-dir", args.data_dir,
-               "--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", str(args.max_num_seqs),
-               "--max-waiting", str(args.max_waiting), "--max-tokens-cap", "64", "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        args.data_dir,
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-waiting",
+        str(args.max_waiting),
+        "--max-tokens-cap",
+        "64",
+        "--log-level",
+        "warning",
+    ]
     log = open(workdir / "server.log", "w")  # the child writes to it until it exits
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -220,20 +260,30 @@ def run(args: argparse.Namespace) -> dict:
                 process.wait(60)
     latencies = sorted(tally.latencies_s) or [0.0]
     result = {
-        "config": {**{k: v for k, v in vars(args).items() if k not in ("api_key", "admin_key")},
-                   "concurrency": concurrency, "pool_holds": pool_holds},
-        "requests": tally.sent, "outcomes": dict(tally.outcomes), "warmup_requests": warmup.sent,
+        "config": {
+            **{k: v for k, v in vars(args).items() if k not in ("api_key", "admin_key")},
+            "concurrency": concurrency,
+            "pool_holds": pool_holds,
+        },
+        "requests": tally.sent,
+        "outcomes": dict(tally.outcomes),
+        "warmup_requests": warmup.sent,
         "requests_per_s": round(tally.sent / elapsed, 2),
         "completion_tokens_per_s": round(tally.completion_tokens / elapsed, 1),
         "latency_p50_s": round(latencies[len(latencies) // 2], 3),
         "latency_p99_s": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 3),
-        "server_errors": tally.outcomes["5xx"], "client_errors": tally.outcomes["client_error"],
+        "server_errors": tally.outcomes["5xx"],
+        "client_errors": tally.outcomes["client_error"],
         "refusals_without_retry_after": tally.missing_retry_after + warmup.missing_retry_after,
-        "idle_after": {name: after[name] for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                                                       "vllm:kv_cache_usage_perc")},
+        "idle_after": {
+            name: after[name]
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        },
         "drain_s": round(drain_s, 2),
-        "rss_before_mb": round(rss_before / 2**20, 1), "rss_after_mb": round(rss_after / 2**20, 1),
-        "usage_rows": rows, "requests_sent_incl_warmup": sent,
+        "rss_before_mb": round(rss_before / 2**20, 1),
+        "rss_after_mb": round(rss_after / 2**20, 1),
+        "usage_rows": rows,
+        "requests_sent_incl_warmup": sent,
         "unexpected": tally.errors + warmup.errors,
     }
     growth_mb = result["rss_after_mb"] - result["rss_before_mb"]
@@ -271,9 +321,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else RESULTS / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    for name in ("requests", "outcomes", "requests_per_s", "completion_tokens_per_s", "latency_p50_s",
-                 "latency_p99_s", "idle_after", "drain_s", "rss_before_mb", "rss_after_mb", "usage_rows",
-                 "requests_sent_incl_warmup", "checks", "unexpected"):
+    for name in (
+        "requests",
+        "outcomes",
+        "requests_per_s",
+        "completion_tokens_per_s",
+        "latency_p50_s",
+        "latency_p99_s",
+        "idle_after",
+        "drain_s",
+        "rss_before_mb",
+        "rss_after_mb",
+        "usage_rows",
+        "requests_sent_incl_warmup",
+        "checks",
+        "unexpected",
+    ):
         print(f"{name:28s} {result[name]}")
     print(f"{'passed':28s} {result['passed']}   ({out})")
     return 0 if result["passed"] else 1

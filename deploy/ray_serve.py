@@ -4,6 +4,7 @@
     python deploy/ray_serve.py --replicas 2 --database-url postgresql+psycopg://... --redis-url redis://...
     python deploy/ray_serve.py --min-replicas 1 --max-replicas 4 --ray-address auto
 """
+
 from __future__ import annotations
 
 import sys

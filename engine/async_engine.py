@@ -3,6 +3,7 @@
 The step loop runs in its own thread; commands reach it through a queue and outputs come back to each
 caller's event loop through a per-request asyncio queue.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +53,10 @@ class AsyncEngine:
         self.core.check_request(prompt_token_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> AsyncIterator[RequestOutput]:
         if self._stopping.is_set():

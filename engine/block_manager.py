@@ -2,6 +2,7 @@
 
 It hands out block ids and says which blocks to copy; it never touches a tensor.
 """
+
 from __future__ import annotations
 
 import hashlib

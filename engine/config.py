@@ -1,4 +1,5 @@
 """Engine settings: read once at the edge (CLI / env), validated here, passed down frozen."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for, but torch {torch.__version__} sees no CUDA device "
-                         "(a CPU-only build of torch, or no GPU/driver); use --device cpu or auto")
+        raise ValueError(
+            f"device {name!r} was asked for, but torch {torch.__version__} sees no CUDA device "
+            "(a CPU-only build of torch, or no GPU/driver); use --device cpu or auto"
+        )
     index = device.index or 0
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {name!r} was asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")

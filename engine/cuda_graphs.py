@@ -7,6 +7,7 @@ belongs to a request. Mixed prefill/decode steps, and batches larger than every 
 The bucketing and padding are plain functions. On the CPU there is nothing to capture: a "replay" runs
 the same forward pass over the same padded buffers, which lets tests check the padding end to end.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -81,8 +82,17 @@ def _rows(inputs: DecodeInputs, rows: int) -> DecodeInputs:
 class DecodeGraphs:
     """The captured decode graphs of one model and KV cache; the runner owns it."""
 
-    def __init__(self, model, kv_caches, *, max_num_seqs: int, max_blocks_per_seq: int, dummy_block: int,
-                 block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        *,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        dummy_block: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -90,9 +100,13 @@ class DecodeGraphs:
         self.dummy_block = dummy_block
         self.block_size = block_size
         self.device = device
-        empty = DecodeInputs(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
-                             torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.int32),
-                             torch.zeros(0, dtype=torch.int32))
+        empty = DecodeInputs(
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, 0, dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32),
+        )
         all_padding = pad_decode_inputs(empty, self.sizes[-1], self.width, dummy_block, block_size)
         self.buffers = DecodeInputs(*(getattr(all_padding, f.name).to(device) for f in fields(DecodeInputs)))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -1,4 +1,5 @@
 """Generated token ids to text, one token at a time: never half a character, stop strings cut."""
+
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
@@ -48,8 +49,8 @@ class IncrementalDetokenizer:
         text = self._decode(self._window)
         if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHARACTER):
             return "", False
-        new_text = text[len(self._prefix_text):]
-        self._window = self._window[self._read_offset:]
+        new_text = text[len(self._prefix_text) :]
+        self._window = self._window[self._read_offset :]
         self._read_offset = len(self._window)
         self._prefix_text = self._decode(self._window)
         return self._emit(new_text, final=False)
@@ -61,7 +62,7 @@ class IncrementalDetokenizer:
             return ""
         self._finished = True
         text = self._decode(self._window)
-        pending = text[len(self._prefix_text):] if len(text) > len(self._prefix_text) else ""
+        pending = text[len(self._prefix_text) :] if len(text) > len(self._prefix_text) else ""
         emitted, _ = self._emit(pending, final=True)
         return emitted
 
@@ -79,7 +80,7 @@ class IncrementalDetokenizer:
             emitted = text[:stop_start]
         else:
             hold = 0 if final else longest_stop_prefix_suffix(text, self._stop_strings)
-            emitted, self._held_back = text[:len(text) - hold], text[len(text) - hold:]
+            emitted, self._held_back = text[: len(text) - hold], text[len(text) - hold :]
         if emitted:
             self._emitted.append(emitted)
         return emitted, self._stopped

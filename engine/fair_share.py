@@ -9,6 +9,7 @@ up service and then starve the others.
 
 It only counts; the scheduler decides.
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,9 @@ class TeamCounts:
 
 
 class TeamLedger:
-    def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, input_weight: float = 1.0, output_weight: float = 2.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.clock = clock
         self.input_weight = input_weight
         self.output_weight = output_weight

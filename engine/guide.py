@@ -4,6 +4,7 @@ The engine asks each guided sequence's guide for a mask before sampling, tells i
 stops the sequence when the guide says the constrained output is complete. What the constraint is (a
 JSON schema, a tool call) is up to the guide; the engine knows only this interface.
 """
+
 from __future__ import annotations
 
 from typing import Protocol

@@ -1,4 +1,5 @@
 """The synchronous engine core: requests in, one scheduled forward pass per `step()`, deltas out."""
+
 from __future__ import annotations
 
 import logging
@@ -61,17 +62,20 @@ class LLMEngine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(loaded, config)
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks,
-                                   config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            self.runner.num_blocks, config.block_size, self.runner.num_cpu_blocks, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.blocks)
         self.sampler = Sampler()
         max_positions = loaded.shape.max_position_embeddings
         self.max_model_len = min(config.max_model_len or max_positions, max_positions)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.groups: dict[str, RequestGroup] = {}
-        self.stats = EngineStats(max_num_seqs=config.max_num_seqs,
-                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                 kv_blocks_total=self.blocks.num_blocks)
+        self.stats = EngineStats(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_blocks_total=self.blocks.num_blocks,
+        )
 
     # ---- admission -------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, capacity: bool = True) -> None:
@@ -103,8 +107,9 @@ class LLMEngine:
         if capacity and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineRejected("queue_full", "the server is at capacity; retry shortly")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    tenancy: Tenancy = DEFAULT_TENANCY) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tenancy: Tenancy = DEFAULT_TENANCY
+    ) -> None:
         if request_id in self.groups:
             raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
         # Capacity was checked where the request came in: one already accepted there is not turned
@@ -112,14 +117,16 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params, capacity=False)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
-        sequences = [Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy)
-                     for index in range(params.n)]
+        sequences = [
+            Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy) for index in range(params.n)
+        ]
         parent = sequences[0]
         parent.siblings = sequences[1:]
         for sibling in parent.siblings:
             sibling.fork_parent = parent
         self.groups[request_id] = RequestGroup(
-            request_id, sequences,
+            request_id,
+            sequences,
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in sequences],
             len(prompt_token_ids),
         )
@@ -190,9 +197,14 @@ class LLMEngine:
         if len(rows) != len(samplers):
             logits = logits[torch.tensor(rows, dtype=torch.long)]
         states = [
-            SamplingState(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator,
-                          None if seq.params.ignore_eos else self.eos_token_id,
-                          seq.guide.allowed_tokens() if seq.guide is not None else None)
+            SamplingState(
+                seq.params,
+                seq.prompt_token_ids,
+                seq.output_token_ids,
+                seq.generator,
+                None if seq.params.ignore_eos else self.eos_token_id,
+                seq.guide.allowed_tokens() if seq.guide is not None else None,
+            )
             for seq in sequences
         ]
         result = self.sampler(logits, states)
@@ -244,9 +256,15 @@ class LLMEngine:
                     text, status = text + detok.flush(), RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.scheduler.finish(seq, status)
-            by_group.setdefault(seq.request_id, []).append(SequenceDelta(
-                seq.index, text, entry.token_ids, entry.logprobs if seq.params.logprobs is not None else None,
-                status.value if status else None))
+            by_group.setdefault(seq.request_id, []).append(
+                SequenceDelta(
+                    seq.index,
+                    text,
+                    entry.token_ids,
+                    entry.logprobs if seq.params.logprobs is not None else None,
+                    status.value if status else None,
+                )
+            )
         for request, message in failed:
             errors[request.request_id] = message
             group = self.groups[request.request_id]
@@ -266,5 +284,11 @@ class LLMEngine:
         return outputs
 
     def _output(self, group: RequestGroup, deltas: list[SequenceDelta], error: str | None = None) -> RequestOutput:
-        return RequestOutput(group.request_id, group.num_prompt_tokens, group.sequences[0].num_cached_tokens,
-                             sorted(deltas, key=lambda d: d.index), group.finished, error)
+        return RequestOutput(
+            group.request_id,
+            group.num_prompt_tokens,
+            group.sequences[0].num_cached_tokens,
+            sorted(deltas, key=lambda d: d.index),
+            group.finished,
+            error,
+        )

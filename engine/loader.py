@@ -3,6 +3,7 @@
 Parsing a GGUF is slow pure Python, so a GGUF is converted once to a safetensors folder in the data
 directory, and later starts read that.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -174,14 +175,22 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # Quantized linears are packed from the weights as read (float32 for a converted GGUF), not from a
     # bf16 copy: int4 then gives back the GGUF's own Q4_1 values.
     read_dtype = config.torch_dtype if quantization == "none" else None
-    weights = {key: tensor.to(device=device, dtype=read_dtype or tensor.dtype)
-               for key, tensor in _read_weights(folder).items()}
+    weights = {
+        key: tensor.to(device=device, dtype=read_dtype or tensor.dtype) for key, tensor in _read_weights(folder).items()
+    }
     cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
     model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
     del weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
     quantized = "" if quantization == "none" else f", weights {quantization}"
     _say(f"loaded {name} ({config.dtype}{quantized}, {device}) in {time.monotonic() - started:.1f}s")
-    return LoadedModel(name=config.served_model_name or name, model=model, tokenizer=tokenizer,
-                       hf_config=hf_config, shape=shape, folder=folder, dtype=config.torch_dtype, device=device)
-
+    return LoadedModel(
+        name=config.served_model_name or name,
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        shape=shape,
+        folder=folder,
+        dtype=config.torch_dtype,
+        device=device,
+    )

@@ -1,4 +1,5 @@
 """What the engine hands back: per-step deltas for each of a request's n sequences."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

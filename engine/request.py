@@ -3,6 +3,7 @@
 `num_computed_tokens` counts the tokens whose KV is in the cache. Prefill, chunked prefill, prefix-cache
 hits and recompute after preemption are all the same move: catch it up with `num_tokens`.
 """
+
 from __future__ import annotations
 
 import enum

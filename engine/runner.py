@@ -3,6 +3,7 @@
 It sees block ids, never the block manager. Step inputs are built on the CPU and copied to the model's
 device; logits come back to the CPU, where the sampler runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,17 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
 
 
-def kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-             device: torch.device, *, heads_major: bool, pin_memory: bool = False) -> torch.Tensor:
+def kv_cache(
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    heads_major: bool,
+    pin_memory: bool = False,
+) -> torch.Tensor:
     """A zeroed [blocks, block_size, kv_heads, head_dim] cache. Heads-major memory lets the CPU attention
     gather whole blocks of a head without copies; the Triton kernels want plain (token-major) memory."""
     if heads_major:
@@ -42,7 +52,9 @@ class ModelRunner:
         self.model = loaded.model
         self.device = resolve_device(str(loaded.device))  # "cuda" and "cuda:0" are one device
         if config.torch_device != self.device:
-            raise ValueError(f"the model was loaded on {self.device}, but the engine is set to run on {config.torch_device}")
+            raise ValueError(
+                f"the model was loaded on {self.device}, but the engine is set to run on {config.torch_device}"
+            )
         self.block_size = config.block_size
         per_block = kv_bytes_per_block(loaded, config.block_size)
         self.num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gb * 2**30 // per_block))
@@ -56,10 +68,14 @@ class ModelRunner:
         shape = loaded.shape
         layout = (config.block_size, shape.num_kv_heads, shape.head_dim, loaded.dtype)
 
-        def pool(blocks: int, device: torch.device, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        def pool(
+            blocks: int, device: torch.device, pin_memory: bool = False
+        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
             heads_major = config.heads_major_kv and device.type == "cpu"
-            return [tuple(kv_cache(blocks, *layout, device, heads_major=heads_major, pin_memory=pin_memory)
-                          for _ in "kv") for _ in range(shape.num_layers)]
+            return [
+                tuple(kv_cache(blocks, *layout, device, heads_major=heads_major, pin_memory=pin_memory) for _ in "kv")
+                for _ in range(shape.num_layers)
+            ]
 
         self.kv_caches = pool(self.num_blocks + (1 if use_graphs else 0), self.device)
         # The swap pool stays in CPU memory (page-locked on CUDA, for full-speed copies), in the device's layout.
@@ -68,9 +84,14 @@ class ModelRunner:
         if use_graphs:
             max_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, max_num_seqs=config.max_num_seqs,
+                self.model,
+                self.kv_caches,
+                max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=min(-(-max_len // config.block_size), self.num_blocks),
-                dummy_block=self.dummy_block, block_size=config.block_size, device=self.device)
+                dummy_block=self.dummy_block,
+                block_size=config.block_size,
+                device=self.device,
+            )
             with self._on_device():
                 self.graphs.capture()
 
@@ -140,7 +161,9 @@ class ModelRunner:
             if self.graphs is not None and num_decodes == len(requests):
                 hidden = self.graphs.run(DecodeInputs(ids, positions_cpu, slot_mapping, tables, lens))
             if hidden is None:
-                hidden = self._forward_eager(ids, positions_cpu, slot_mapping, tables, lens, num_new_tokens, num_decodes)
+                hidden = self._forward_eager(
+                    ids, positions_cpu, slot_mapping, tables, lens, num_new_tokens, num_decodes
+                )
             if not samplers:
                 return torch.empty(0), []
             rows = torch.tensor(last_token_rows, dtype=torch.long).to(self.device, non_blocking=True)

@@ -1,4 +1,5 @@
 """Turns one step's logits into one token per sequence: bias, penalties, temperature, top-k/p, min-p."""
+
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ from engine.sampling_params import SamplingParams
 @dataclass
 class SamplingState:
     """One row of the batch: what the sampler needs to know about its sequence."""
+
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
@@ -59,15 +61,25 @@ def apply_logit_processors(logits: torch.Tensor, states: list[SamplingState]) ->
     """logit_bias, min_tokens, repetition, presence and frequency penalties; returns a new tensor
     only when some row asked for one of them, so plain rows pay nothing."""
     vocab = logits.shape[1]
-    bias = [(row, token, value) for row, state in enumerate(states)
-            for token, value in state.params.logit_bias.items() if 0 <= token < vocab]
-    banned = [(row, token) for row, state in enumerate(states)
-              if len(state.output_token_ids) < state.params.min_tokens
-              for token in (state.eos_token_id, *state.params.stop_token_ids)
-              if token is not None and 0 <= token < vocab]
+    bias = [
+        (row, token, value)
+        for row, state in enumerate(states)
+        for token, value in state.params.logit_bias.items()
+        if 0 <= token < vocab
+    ]
+    banned = [
+        (row, token)
+        for row, state in enumerate(states)
+        if len(state.output_token_ids) < state.params.min_tokens
+        for token in (state.eos_token_id, *state.params.stop_token_ids)
+        if token is not None and 0 <= token < vocab
+    ]
     repetition_rows = [row for row, state in enumerate(states) if state.params.repetition_penalty != 1.0]
-    frequency_rows = [row for row, state in enumerate(states)
-                      if state.params.presence_penalty != 0.0 or state.params.frequency_penalty != 0.0]
+    frequency_rows = [
+        row
+        for row, state in enumerate(states)
+        if state.params.presence_penalty != 0.0 or state.params.frequency_penalty != 0.0
+    ]
     guided_rows = [row for row, state in enumerate(states) if state.allowed_tokens is not None]
     if not (bias or banned or repetition_rows or frequency_rows or guided_rows):
         return logits
@@ -81,14 +93,16 @@ def apply_logit_processors(logits: torch.Tensor, states: list[SamplingState]) ->
         logits[torch.tensor(rows), torch.tensor(tokens)] = float("-inf")
     # Penalties touch only the tokens a sequence has seen: gather, adjust, scatter back.
     if repetition_rows:
-        rows, tokens = _seen_tokens(repetition_rows, [states[r].prompt_token_ids + states[r].output_token_ids
-                                                      for r in repetition_rows])
+        rows, tokens = _seen_tokens(
+            repetition_rows, [states[r].prompt_token_ids + states[r].output_token_ids for r in repetition_rows]
+        )
         penalty = torch.tensor([states[r].params.repetition_penalty for r in range(len(states))])[rows]
         values = logits[rows, tokens]
         logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
     if frequency_rows:
-        rows, tokens, counts = _seen_tokens(frequency_rows, [states[r].output_token_ids for r in frequency_rows],
-                                            with_counts=True)
+        rows, tokens, counts = _seen_tokens(
+            frequency_rows, [states[r].output_token_ids for r in frequency_rows], with_counts=True
+        )
         presence = torch.tensor([states[r].params.presence_penalty for r in range(len(states))])[rows]
         frequency = torch.tensor([states[r].params.frequency_penalty for r in range(len(states))])[rows]
         logits[rows, tokens] -= frequency * counts + presence
@@ -96,7 +110,7 @@ def apply_logit_processors(logits: torch.Tensor, states: list[SamplingState]) ->
     for row in guided_rows:
         allowed = states[row].allowed_tokens[:vocab]
         logits[row, : allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
-        logits[row, allowed.shape[0]:] = float("-inf")
+        logits[row, allowed.shape[0] :] = float("-inf")
     return logits
 
 
@@ -124,14 +138,19 @@ def sample_random_rows(logits: torch.Tensor, states: list[SamplingState]) -> tor
     # each extra 12 MB allocation costs about as much as the op itself.
     maxima = logits.amax(dim=-1, keepdim=True)
     logits = torch.addcmul(-maxima * inverse_temperature, logits, inverse_temperature)
-    truncated = [i for i, state in enumerate(states)
-                 if state.params.top_k > 0 or state.params.top_p < 1.0 or state.params.min_p > 0.0]
+    truncated = [
+        i
+        for i, state in enumerate(states)
+        if state.params.top_k > 0 or state.params.top_p < 1.0 or state.params.min_p > 0.0
+    ]
     if truncated:
         selected = _rows(logits, truncated)
-        threshold = truncation_thresholds(selected,
-                                          [states[i].params.top_k for i in truncated],
-                                          [states[i].params.top_p for i in truncated],
-                                          [states[i].params.min_p for i in truncated])
+        threshold = truncation_thresholds(
+            selected,
+            [states[i].params.top_k for i in truncated],
+            [states[i].params.top_p for i in truncated],
+            [states[i].params.min_p for i in truncated],
+        )
         if len(truncated) == len(states):
             logits.masked_fill_(logits < threshold, float("-inf"))
         else:
@@ -141,8 +160,13 @@ def sample_random_rows(logits: torch.Tensor, states: list[SamplingState]) -> tor
     return inverse_cdf_sample(logits.mul_(LOG2_E).exp2_(), [state.generator for state in states])
 
 
-def truncation_thresholds(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
-                          top_p_candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+def truncation_thresholds(
+    logits: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    top_p_candidates: int = TOP_P_CANDIDATES,
+) -> torch.Tensor:
     """Per row, the smallest logit that top_k, top_p and min_p all keep ([rows, 1]); ties at the
     edge are kept."""
     vocab = logits.shape[1]
@@ -154,8 +178,9 @@ def truncation_thresholds(logits: torch.Tensor, top_k: list[int], top_p: list[fl
     if not (has_top_k.any() or has_top_p.any()):
         return threshold
 
-    needed = [row_k if 0 < row_k < vocab else top_p_candidates if row_p < 1.0 else 1
-              for row_k, row_p in zip(top_k, top_p)]
+    needed = [
+        row_k if 0 < row_k < vocab else top_p_candidates if row_p < 1.0 else 1 for row_k, row_p in zip(top_k, top_p)
+    ]
     candidates = min(vocab, max(needed))
     sorted_logits = logits.topk(candidates, dim=-1).values
     kth_logit = sorted_logits.gather(1, k.clamp(max=candidates) - 1)
@@ -165,9 +190,11 @@ def truncation_thresholds(logits: torch.Tensor, top_k: list[int], top_p: list[fl
 
     in_top_k = torch.arange(candidates).unsqueeze(0) < k
     whole_row_normaliser = _logsumexp(logits) if (has_top_p & ~has_top_k).any() else 0.0
-    normaliser = torch.where(has_top_k,
-                             sorted_logits.masked_fill(~in_top_k, float("-inf")).logsumexp(dim=-1, keepdim=True),
-                             whole_row_normaliser)
+    normaliser = torch.where(
+        has_top_k,
+        sorted_logits.masked_fill(~in_top_k, float("-inf")).logsumexp(dim=-1, keepdim=True),
+        whole_row_normaliser,
+    )
     probs = (sorted_logits - normaliser).exp().masked_fill(~in_top_k, 0.0)
     # The nucleus: every token whose preceding mass is still below top_p (always at least one).
     kept = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True).clamp(max=k)
@@ -177,9 +204,13 @@ def truncation_thresholds(logits: torch.Tensor, top_k: list[int], top_p: list[fl
     if candidates < vocab:
         beyond = (has_top_p & ~has_top_k & (kept == candidates)).squeeze(1).nonzero().squeeze(1).tolist()
         if beyond:
-            threshold[beyond] = truncation_thresholds(logits[beyond], [0] * len(beyond),
-                                                      [top_p[i] for i in beyond], [min_p[i] for i in beyond],
-                                                      top_p_candidates=min(vocab, top_p_candidates * 16))
+            threshold[beyond] = truncation_thresholds(
+                logits[beyond],
+                [0] * len(beyond),
+                [top_p[i] for i in beyond],
+                [min_p[i] for i in beyond],
+                top_p_candidates=min(vocab, top_p_candidates * 16),
+            )
     return threshold
 
 
@@ -234,8 +265,9 @@ def blocked_argmax(logits: torch.Tensor) -> torch.Tensor:
     return best_block * size + blocks[torch.arange(rows), best_block].argmax(dim=-1)
 
 
-def token_logprobs(raw_logits: torch.Tensor, states: list[SamplingState],
-                   chosen: list[int]) -> list[TokenLogprob | None]:
+def token_logprobs(
+    raw_logits: torch.Tensor, states: list[SamplingState], chosen: list[int]
+) -> list[TokenLogprob | None]:
     """Logprobs of the distribution the model gave, before penalties and temperature (as vLLM does)."""
     result: list[TokenLogprob | None] = [None] * len(states)
     rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
@@ -248,6 +280,7 @@ def token_logprobs(raw_logits: torch.Tensor, states: list[SamplingState],
     top_values, top_ids, chosen_logprobs = top_values.tolist(), top_ids.tolist(), chosen_logprobs.tolist()
     for i, row in enumerate(rows):
         k = states[row].params.logprobs
-        result[row] = TokenLogprob(token_id=chosen[row], logprob=chosen_logprobs[i],
-                                   top=list(zip(top_ids[i][:k], top_values[i][:k])))
+        result[row] = TokenLogprob(
+            token_id=chosen[row], logprob=chosen_logprobs[i], top=list(zip(top_ids[i][:k], top_values[i][:k]))
+        )
     return result

@@ -20,6 +20,7 @@ by more than the candidate's prompt, which keeps two teams from trading places o
 any interval in which both stay queued, their weighted service therefore differs by at most
 U_fg + U_gf (VTC's 2x bound, with preemption's m). tests/engine/test_fair_share.py holds the engine to it.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -116,8 +117,7 @@ class Scheduler:
         batch.num_new_tokens = list(scheduled.values())
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, scheduled: dict[Request, int],
-                          preempted: set[Request]) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted: set[Request]) -> int:
         """Give running requests their next tokens, preempting when blocks run out; returns the budget left."""
         budget = self.config.max_num_batched_tokens
         index = 0
@@ -144,8 +144,9 @@ class Scheduler:
             index += 1
         return budget
 
-    def _admit_in_arrival_order(self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted_any: bool,
-                                budget: int) -> None:
+    def _admit_in_arrival_order(
+        self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted_any: bool, budget: int
+    ) -> None:
         while self.swapped and not preempted_any and budget > 0 and self._seats_taken() < self.config.max_num_seqs:
             request = self.swapped[0]
             num_new = self._swap_in(request, batch, budget)
@@ -163,8 +164,9 @@ class Scheduler:
             scheduled[request] = num_new
             budget -= num_new
 
-    def _admit_fairly(self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted: set[Request],
-                      budget: int) -> None:
+    def _admit_fairly(
+        self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted: set[Request], budget: int
+    ) -> None:
         """Queued requests in fair order; the first that doesn't fit takes the place of an over-served one.
 
         The order is never skipped, so a small request of an over-served team can't pass a waiting
@@ -211,11 +213,17 @@ class Scheduler:
         rank = self._fair_rank(candidate)
         margin = self.config.fair_prompt_weight * candidate.num_prompt_tokens / candidate.tenancy.weight
         victims = [
-            request for request in self.running
+            request
+            for request in self.running
             if self.num_steps - request.running_since_step >= self.config.fair_min_run_steps
-            and (request.tenancy.priority > rank[0]
-                 or (request.tenancy.priority == rank[0] and request.team != candidate.team
-                     and self.ledger.service(request.team) > rank[1] + margin))
+            and (
+                request.tenancy.priority > rank[0]
+                or (
+                    request.tenancy.priority == rank[0]
+                    and request.team != candidate.team
+                    and self.ledger.service(request.team) > rank[1] + margin
+                )
+            )
         ]
         return max(victims, key=self._fair_rank, default=None)
 

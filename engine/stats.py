@@ -1,4 +1,5 @@
 """What the engine reports about itself: queue sizes, batch occupancy, KV use, prefix hits, tokens."""
+
 from __future__ import annotations
 
 import time
@@ -99,7 +100,13 @@ class EngineStats:
             for request in queue:
                 counts[request.team] = counts.get(request.team, 0) + 1
         self.teams = {
-            team: TeamStats(running.get(team, 0), waiting.get(team, 0), counts.prompt_tokens, counts.output_tokens,
-                            counts.service, tuple(counts.recent))
+            team: TeamStats(
+                running.get(team, 0),
+                waiting.get(team, 0),
+                counts.prompt_tokens,
+                counts.output_tokens,
+                counts.service,
+                tuple(counts.recent),
+            )
             for team, counts in scheduler.ledger.teams.items()
         }

@@ -3,6 +3,7 @@ and which cached prefixes it may reuse.
 
 The gateway fills it in from the API key; the engine trusts it and never sees a key.
 """
+
 from __future__ import annotations
 
 import hashlib

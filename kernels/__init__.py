@@ -6,6 +6,7 @@ otherwise the torch references. `force_reference(True)` sends everything to the 
 `use_native_cpu(False)` skips the native kernels (both for checking the fast paths). Tests run the
 `*_triton` launchers directly on CPU tensors under `TRITON_INTERPRET=1`.
 """
+
 from __future__ import annotations
 
 import torch

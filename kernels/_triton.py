@@ -5,6 +5,7 @@ tests switch the interpreter on after the engine (and with it `kernels`) was imp
 `import kernels` working, and cheap, where triton is missing: there only the references run.
 Kernel files name `tl` only inside kernels; the first launch binds it in their module.
 """
+
 from __future__ import annotations
 
 import functools

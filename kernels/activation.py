@@ -1,4 +1,5 @@
 """SiLU(gate) * up over a fused [gate | up] projection."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -6,6 +6,7 @@ gather yields [kv_heads * seqs, len, head_dim] keys that bmm reads directly; in 
 bmm has to copy strided keys again, which costs more than the matmul (measured: bench/engine_bench.py).
 The references in paged_attention.py stay the definition; tests hold these to them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,8 +61,14 @@ def paged_attention_prefill_cpu(query, key_cache, value_cache, block_tables, que
         if num_queries != length:
             query_pos = torch.arange(length - num_queries, length)
             mask = torch.arange(length)[None, :] <= query_pos[:, None]
-        attended = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask,
-                                                  is_causal=mask is None, scale=scale,
-                                                  enable_gqa=query.shape[1] != keys.shape[0])[0]
+        attended = F.scaled_dot_product_attention(
+            q,
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=query.shape[1] != keys.shape[0],
+        )[0]
         out[start:end] = attended.transpose(0, 1)
     return out

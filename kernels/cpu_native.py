@@ -6,6 +6,7 @@ libraries built ahead for portable x86-64 levels (`prebuild`, run by deploy/bund
 kernels/prebuilt/) are loaded instead, the best level this CPU supports; failing both, `library()`
 returns None and the torch paths run. The choice is logged once. TOKENMILL_NATIVE_KERNELS=0 turns them off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -87,8 +88,9 @@ def supported_targets(cpu_flags: str | None = None) -> list[str]:
     return [target for target, needs in PORTABLE_TARGETS.items() if flags.issuperset(needs)]
 
 
-def prebuild(destination: Path, compiler: str | None = None,
-             targets: tuple[str, ...] = tuple(PORTABLE_TARGETS)) -> list[Path]:
+def prebuild(
+    destination: Path, compiler: str | None = None, targets: tuple[str, ...] = tuple(PORTABLE_TARGETS)
+) -> list[Path]:
     """Builds every kernel for every portable level into `destination` (deploy/bundle.py, for images
     without a compiler). Returns the libraries written."""
     compiler = compiler or _compiler()
@@ -119,8 +121,9 @@ def _load_built_here(name: str) -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C++ compiler found")
     source, flags = CSRC / f"{name}.cpp", FLAGS[name]
-    tag = hashlib.sha256(b"\0".join([*_source_texts(name), " ".join(flags).encode(), compiler.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+    tag = hashlib.sha256(
+        b"\0".join([*_source_texts(name), " ".join(flags).encode(), compiler.encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
     target = cache_folder() / f"{name}-{tag}.so"
     if not target.exists():
         _build(compiler, source, flags, target)
@@ -145,8 +148,9 @@ def _load(name: str) -> ctypes.CDLL | None:
     except OSError as error:
         prebuilt, reason = None, f"{reason}; prebuilt: {error}"
     if prebuilt is not None:
-        log.info("native CPU kernel %s: prebuilt for %s (not built here: %s)", name, prebuilt[1],
-                 reason.splitlines()[0])
+        log.info(
+            "native CPU kernel %s: prebuilt for %s (not built here: %s)", name, prebuilt[1], reason.splitlines()[0]
+        )
         return prebuilt[0]
     log.warning("native CPU kernel %s unavailable, using the slower torch path: %s", name, reason)
     return None

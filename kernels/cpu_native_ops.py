@@ -3,6 +3,7 @@
 The `*_available(...)` functions say whether a call can take the native path (a built library, float32 or bfloat16,
 contiguous rows where the kernel needs them); kernels/__init__.py asks before dispatching here.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -63,9 +64,22 @@ def paged_attention_decode_native(query, key_cache, value_cache, block_tables, c
     lengths = context_lens.to(torch.int32).contiguous()
     out = torch.empty(seqs, heads, head_dim, dtype=query.dtype)
     _function("paged_decode_cpu", "tokenmill_paged_decode", query.dtype)(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(), lengths.data_ptr(),
-        out.data_ptr(), seqs, heads, kv_heads, head_dim, block_size, pool_blocks, tables.shape[1], query.stride(0),
-        scale, _threads(),
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        tables.data_ptr(),
+        lengths.data_ptr(),
+        out.data_ptr(),
+        seqs,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        pool_blocks,
+        tables.shape[1],
+        query.stride(0),
+        scale,
+        _threads(),
     )
     return out
 
@@ -85,8 +99,15 @@ def rms_norm_native(x, weight, eps, residual=None):
         residual = residual.contiguous()
         residual_address, new_residual = residual.data_ptr(), torch.empty_like(x)
     _function("elementwise_cpu", "tokenmill_rms_norm", x.dtype)(
-        x.data_ptr(), residual_address, weight.data_ptr(), out.data_ptr(), new_residual.data_ptr(),
-        x.shape[0], x.shape[1], eps, _threads(),
+        x.data_ptr(),
+        residual_address,
+        weight.data_ptr(),
+        out.data_ptr(),
+        new_residual.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        _threads(),
     )
     return out, new_residual
 
@@ -95,8 +116,14 @@ def rms_norm_native(x, weight, eps, residual=None):
 def rotary_available(query, key, cos_sin_cache) -> bool:
     def rows_ok(t):  # heads packed in each row, rows at any stride (views into the fused qkv output)
         return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-    return (rows_ok(query) and rows_ok(key) and cos_sin_cache.dtype == torch.float32
-            and cos_sin_cache.is_contiguous() and _ready("elementwise_cpu", "tokenmill_rotary", query, key))
+
+    return (
+        rows_ok(query)
+        and rows_ok(key)
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.is_contiguous()
+        and _ready("elementwise_cpu", "tokenmill_rotary", query, key)
+    )
 
 
 def rotary_embedding_native(positions, query, key, cos_sin_cache):
@@ -104,8 +131,16 @@ def rotary_embedding_native(positions, query, key, cos_sin_cache):
     positions = positions.to(torch.int64).contiguous()
     rotate = _function("elementwise_cpu", "tokenmill_rotary", query.dtype)
     for x in (query, key):
-        rotate(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin_cache.data_ptr(), x.shape[0], x.shape[1],
-               x.shape[2], _threads())
+        rotate(
+            x.data_ptr(),
+            x.stride(0),
+            positions.data_ptr(),
+            cos_sin_cache.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            x.shape[2],
+            _threads(),
+        )
     return query, key
 
 
@@ -118,8 +153,9 @@ def silu_and_mul_native(x):
     x = x.contiguous()
     ffn = x.shape[1] // 2
     out = torch.empty(x.shape[0], ffn, dtype=x.dtype)
-    _function("elementwise_cpu", "tokenmill_silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.shape[0], ffn,
-                                                                    _threads())
+    _function("elementwise_cpu", "tokenmill_silu_and_mul", x.dtype)(
+        x.data_ptr(), out.data_ptr(), x.shape[0], ffn, _threads()
+    )
     return out
 
 
@@ -127,6 +163,7 @@ def silu_and_mul_native(x):
 def store_kv_available(key, value, key_cache) -> bool:
     def rows_ok(t):
         return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
     return rows_ok(key) and rows_ok(value) and _ready("elementwise_cpu", "tokenmill_store_kv", key, value, key_cache)
 
 
@@ -134,6 +171,16 @@ def store_kv_native(key, value, key_cache, value_cache, slot_mapping) -> None:
     slots = slot_mapping.to(torch.int64).contiguous()
     pool_blocks, block_size, kv_heads, head_dim = key_cache.shape
     _function("elementwise_cpu", "tokenmill_store_kv", key.dtype)(
-        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), key_cache.data_ptr(),
-        value_cache.data_ptr(), slots.data_ptr(), key.shape[0], kv_heads, head_dim, pool_blocks, block_size,
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        value.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slots.data_ptr(),
+        key.shape[0],
+        kv_heads,
+        head_dim,
+        pool_blocks,
+        block_size,
     )

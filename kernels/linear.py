@@ -17,6 +17,7 @@ soak test's flat-memory check failed. So rows are padded up to one of a few buck
 run in chunks of CHUNK_ROWS: over every row count 1..2100 the process grows by about 120 MB once
 (F.linear: 60 MB), then stays flat.
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,8 +67,9 @@ class Linear:
         if num_rows <= CHUNK_ROWS:
             out = self._packed_chunk(rows)
         else:
-            out = torch.cat([self._packed_chunk(rows[start:start + CHUNK_ROWS])
-                             for start in range(0, num_rows, CHUNK_ROWS)])
+            out = torch.cat(
+                [self._packed_chunk(rows[start : start + CHUNK_ROWS]) for start in range(0, num_rows, CHUNK_ROWS)]
+            )
         return out.view(*x.shape[:-1], self.out_features)
 
     def _packed_chunk(self, rows: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ block_tables[i, j // block_size] at offset j % block_size. The torch references 
 (the Triton kernels and kernels/cpu_attention.py are tested against them); on CPU, kernels/__init__.py
 runs them only for a cache that is not stored heads-major.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,10 +25,26 @@ PREFILL_BLOCK_N = 32
 
 @lazy_jit
 def _decode_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale,
-    query_seq_stride, query_head_stride, block_table_stride,
-    cache_block_stride, cache_slot_stride, cache_head_stride, num_heads, group, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    query_seq_stride,
+    query_head_stride,
+    block_table_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    num_heads,
+    group,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_GROUP: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (sequence, kv head): the whole query group shares each key and value tile.
@@ -39,8 +56,9 @@ def _decode_kernel(
     dim_mask = dims[None, :] < head_dim
     heads = kv_head * group + rows
     q_mask = (rows[:, None] < group) & dim_mask
-    q = tl.load(query_ptr + seq * query_seq_stride + heads[:, None] * query_head_stride + dims[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(
+        query_ptr + seq * query_seq_stride + heads[:, None] * query_head_stride + dims[None, :], mask=q_mask, other=0.0
+    )
 
     running_max = tl.full([BLOCK_GROUP], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_GROUP], tl.float32)
@@ -71,10 +89,27 @@ def _decode_kernel(
 
 @lazy_jit
 def _prefill_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    scale, query_token_stride, query_head_stride, block_table_stride,
-    cache_block_stride, cache_slot_stride, cache_head_stride, num_heads, group, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    query_token_stride,
+    query_head_stride,
+    block_table_stride,
+    cache_block_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    num_heads,
+    group,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # One program per (query tile, sequence, head). A sequence's queries are its last positions, so
@@ -97,8 +132,11 @@ def _prefill_kernel(
     dim_mask = dims[None, :] < head_dim
     q_mask = row_valid[:, None] & dim_mask
     tokens = query_start + rows
-    q = tl.load(query_ptr + tokens[:, None] * query_token_stride + head * query_head_stride + dims[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(
+        query_ptr + tokens[:, None] * query_token_stride + head * query_head_stride + dims[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
 
     running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -157,11 +195,25 @@ def paged_attention_decode_triton(
     if seqs == 0:
         return out
     _decode_kernel[(seqs, kv_heads)](
-        query, key_cache, value_cache, block_tables, context_lens, out, scale,
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        *_cache_strides(key_cache, value_cache), heads, group, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_GROUP=max(16, next_power_of_2(group)),
-        BLOCK_DIM=max(16, next_power_of_2(head_dim)), BLOCK_N=DECODE_BLOCK_N, DOT_PRECISION=_dot_precision(query.dtype),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        *_cache_strides(key_cache, value_cache),
+        heads,
+        group,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_GROUP=max(16, next_power_of_2(group)),
+        BLOCK_DIM=max(16, next_power_of_2(head_dim)),
+        BLOCK_N=DECODE_BLOCK_N,
+        DOT_PRECISION=_dot_precision(query.dtype),
     )
     return out
 
@@ -187,15 +239,28 @@ def paged_attention_prefill_triton(
     max_queries = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     grid = ((max_queries + PREFILL_BLOCK_M - 1) // PREFILL_BLOCK_M, seqs, heads)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out, scale,
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        *_cache_strides(key_cache, value_cache), heads, heads // kv_heads, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_M=PREFILL_BLOCK_M, BLOCK_DIM=max(16, next_power_of_2(head_dim)),
-        BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(query.dtype),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        *_cache_strides(key_cache, value_cache),
+        heads,
+        heads // kv_heads,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_DIM=max(16, next_power_of_2(head_dim)),
+        BLOCK_N=PREFILL_BLOCK_N,
+        DOT_PRECISION=_dot_precision(query.dtype),
     )
     return out
-
-
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ about 16-bit precision (`quantize_activations`). The torch reference (`qlinear_r
 float32, with x quantized the same way) defines the result; the kernel's integer sums are exact, so
 outputs agree to float32 rounding before the cast to the activation dtype.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -101,8 +102,9 @@ def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> 
         divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
         quantized = torch.round(grouped / divisor).clamp_(-127, 127).to(torch.int16)
         offset = (quantized + 128).to(torch.uint8).view(rows // LANES, LANES, padded_in // 4, 4)
-        return PackedWeight("int8", out_features, in_features, group, offset.permute(0, 2, 1, 3).contiguous(),
-                            _blocked(scales), None)
+        return PackedWeight(
+            "int8", out_features, in_features, group, offset.permute(0, 2, 1, 3).contiguous(), _blocked(scales), None
+        )
     minimums = grouped.amin(-1).half()
     scales = ((grouped.amax(-1) - minimums.float()) / 15).half()
     divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
@@ -110,8 +112,15 @@ def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> 
     # input r of a group: nibble r // 16, chunk (r % 16) // 4, byte r % 4 of the lane's 4
     halves = quantized.view(rows, groups, 2, 4, 4)
     nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(rows // LANES, LANES, groups, 4, 4)
-    return PackedWeight("int4", out_features, in_features, group, nibbles.permute(0, 2, 3, 1, 4).contiguous(),
-                        _blocked(scales), _blocked(minimums))
+    return PackedWeight(
+        "int4",
+        out_features,
+        in_features,
+        group,
+        nibbles.permute(0, 2, 3, 1, 4).contiguous(),
+        _blocked(scales),
+        _blocked(minimums),
+    )
 
 
 def _dequantized_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
@@ -174,8 +183,13 @@ def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
         return None
     function = getattr(native, f"tokenmill_qlinear_{_SUFFIX[dtype]}")
     function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] + \
-        [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    function.argtypes = (
+        [ctypes.c_void_p, ctypes.c_void_p]
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_int]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    )
     return function
 
 
@@ -192,8 +206,9 @@ def native_available(x: torch.Tensor) -> bool:
     return not x.is_cuda and x.dtype in _SUFFIX and _kernel(x.dtype) is not None
 
 
-def qlinear_native(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None,
-                   threads: int | None = None) -> torch.Tensor:
+def qlinear_native(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, threads: int | None = None
+) -> torch.Tensor:
     """x [..., in_features] float32 or bfloat16; `bias` float32 [out_features] or None."""
     rows = x.reshape(-1, weight.in_features)
     if not rows.is_contiguous():
@@ -201,19 +216,29 @@ def qlinear_native(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | N
     out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
     kernel = _kernel(x.dtype)
     assert kernel is not None, "qlinear_native needs the native library (native_available)"
-    kernel(rows.data_ptr(), out.data_ptr(), rows.shape[0], weight.in_features, weight.out_features,
-           FORMAT_CODES[weight.format], weight.packed.data_ptr(),
-           None if weight.scales is None else weight.scales.data_ptr(),
-           None if weight.mins is None else weight.mins.data_ptr(), weight.group,
-           None if bias is None else bias.data_ptr(), threads or torch.get_num_threads())
+    kernel(
+        rows.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        weight.in_features,
+        weight.out_features,
+        FORMAT_CODES[weight.format],
+        weight.packed.data_ptr(),
+        None if weight.scales is None else weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        weight.group,
+        None if bias is None else bias.data_ptr(),
+        threads or torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], weight.out_features)
 
 
 class PackedLinear:
     """y = x @ weight.T + bias through the native kernel (the reference where there is none)."""
 
-    def __init__(self, weight: torch.Tensor, fmt: Format, bias: torch.Tensor | None = None,
-                 group: int | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, fmt: Format, bias: torch.Tensor | None = None, group: int | None = None
+    ) -> None:
         self.weight = pack_weight(weight, fmt, group)
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.float().contiguous()

@@ -1,4 +1,5 @@
 """RMSNorm with an optional fused residual add, computed in float32 like the HF Llama reference."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,9 +14,17 @@ if TYPE_CHECKING:
 
 @lazy_jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-    x_row_stride, residual_row_stride, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    x_row_stride,
+    residual_row_stride,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -54,9 +63,18 @@ def rms_norm_triton(
         new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = next_power_of_2(hidden)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, residual_rows, weight.contiguous(), out, new_residual,
-        rows.stride(0), residual_rows.stride(0), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 16),
+        rows,
+        residual_rows,
+        weight.contiguous(),
+        out,
+        new_residual,
+        rows.stride(0),
+        residual_rows.stride(0),
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 512, 1), 16),
     )
     return out, new_residual
 

@@ -1,4 +1,5 @@
 """Rotary position embedding, neox style (rotate halves), from a precomputed cos/sin table."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,9 +14,17 @@ if TYPE_CHECKING:
 
 @lazy_jit
 def _rotary_kernel(
-    x_ptr, out_ptr, positions_ptr, cos_sin_ptr,
-    x_token_stride, x_head_stride, cos_sin_position_stride, num_heads,
-    HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    x_token_stride,
+    x_head_stride,
+    cos_sin_position_stride,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
@@ -46,9 +55,17 @@ def _rotate_triton(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torc
     if tokens == 0:
         return out
     _rotary_kernel[(tokens,)](
-        x, out, positions, cos_sin_cache,
-        x.stride(0), x.stride(1), cos_sin_cache.stride(0), num_heads,
-        HALF=head_dim // 2, BLOCK_HEADS=next_power_of_2(num_heads), BLOCK_HALF=next_power_of_2(head_dim // 2),
+        x,
+        out,
+        positions,
+        cos_sin_cache,
+        x.stride(0),
+        x.stride(1),
+        cos_sin_cache.stride(0),
+        num_heads,
+        HALF=head_dim // 2,
+        BLOCK_HEADS=next_power_of_2(num_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
     )
     return out
 

@@ -1,4 +1,5 @@
 """Write new keys and values into the paged KV cache at their slots (slot = block * block_size + offset)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,9 +14,19 @@ if TYPE_CHECKING:
 
 @lazy_jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    key_token_stride, key_head_stride, value_token_stride, value_head_stride, kv_heads, head_dim,
-    BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    key_token_stride,
+    key_head_stride,
+    value_token_stride,
+    value_head_stride,
+    kv_heads,
+    head_dim,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -47,9 +58,19 @@ def store_kv_triton(
     if tokens == 0:
         return
     _store_kv_kernel[(tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_heads, head_dim,
-        BLOCK_HEADS=next_power_of_2(kv_heads), BLOCK_DIM=next_power_of_2(head_dim),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_heads,
+        head_dim,
+        BLOCK_HEADS=next_power_of_2(kv_heads),
+        BLOCK_DIM=next_power_of_2(head_dim),
     )
 
 

@@ -1,5 +1,6 @@
 """Alembic environment. app.db.migrate passes a live connection; `alembic` on the command line
 (with `-x url=...` or TOKENMILL_DATABASE_URL) builds its own."""
+
 from __future__ import annotations
 
 import os

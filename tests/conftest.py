@@ -1,6 +1,7 @@
 """Fixtures every folder uses: the real models are loaded once per test session, a tiny Llama is built in a
 temp dir; the databases, Redis and gateway fixtures come from tests/support/gateway.py. A folder's own
 fixtures live in its conftest.py."""
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,18 @@ def tiny_llama_dir(tmp_path_factory, smollm2):
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     config = LlamaConfig(
-        vocab_size=smollm2.shape.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=smollm2.shape.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
         initializer_range=0.5,  # peaked logits: greedy choices far from ties, so exact comparisons are stable
     )
     torch.manual_seed(0)

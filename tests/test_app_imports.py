@@ -1,6 +1,7 @@
 """app/'s layout, checked from the source: no module reaches itself through its imports (those inside
 functions included: a lazy import hides a cycle, it doesn't remove it), and the gateway sees the rest of
 app/ only through the modules every layer shares (settings, db, tables, errors)."""
+
 from __future__ import annotations
 
 import ast
@@ -22,8 +23,11 @@ MODULES = {module_name(path): path for path in APP.rglob("*.py")}
 
 
 def _type_checking_only(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or (
-        isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+    return (
+        isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+        or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
+    )
 
 
 def imports_of(module: str) -> set[str]:
@@ -63,7 +67,7 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
         path.append(module)
         for target in graph[module]:
             if state.get(target) == "open":
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := walk(target)):
                 return cycle
         path.pop()
@@ -89,7 +93,11 @@ def test_no_module_of_app_imports_itself_through_a_cycle():
 
 
 def test_the_gateway_imports_nothing_of_app_but_the_foundation():
-    leaks = {module: sorted(target for target in imports_of(module)
-                            if not target.startswith("app.gateway") and target not in FOUNDATION)
-             for module in MODULES if module.startswith("app.gateway")}
+    leaks = {
+        module: sorted(
+            target for target in imports_of(module) if not target.startswith("app.gateway") and target not in FOUNDATION
+        )
+        for module in MODULES
+        if module.startswith("app.gateway")
+    }
     assert {module: targets for module, targets in leaks.items() if targets} == {}

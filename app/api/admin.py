@@ -1,5 +1,6 @@
 """/admin/api: teams, keys and usage, for the admin key only. JSON, keyset-paginated lists; what a change
 does is app.gateway.admin, which the dashboard's forms call too."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -41,11 +42,16 @@ Limit = Annotated[int, Query(ge=1, le=1000)]
 
 def _page(items: list, limit: int, view) -> dict:
     data = [view.of(item) for item in items[:limit]]
-    return {"data": data, "has_more": len(items) > limit,
-            "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}
+    return {
+        "data": data,
+        "has_more": len(items) > limit,
+        "first_id": data[0].id if data else None,
+        "last_id": data[-1].id if data else None,
+    }
 
 
 # teams
+
 
 @router.post("/teams", status_code=201, response_model=TeamView)
 def create_team(body: TeamCreate, session: SessionDep) -> TeamView:
@@ -74,14 +80,20 @@ def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep) -> dict:
 
 # keys
 
+
 @router.post("/keys", status_code=201, response_model=KeyCreated)
 def create_key(body: KeyCreate, session: SessionDep) -> KeyCreated:
     return admin.create_key(body, session)
 
 
 @router.get("/keys", response_model=Page[KeyView])
-def list_keys(session: SessionDep, limit: Limit = 100, after: int | None = None, team_id: int | None = None,
-              include_revoked: bool = False) -> dict:
+def list_keys(
+    session: SessionDep,
+    limit: Limit = 100,
+    after: int | None = None,
+    team_id: int | None = None,
+    include_revoked: bool = False,
+) -> dict:
     keys = crud.list_keys(session, team_id=team_id, include_revoked=include_revoked, limit=limit + 1, after=after)
     return _page(list(keys), limit, KeyView)
 
@@ -104,13 +116,20 @@ def revoke_key(key_id: int, session: SessionDep, gateway: GatewayDep) -> KeyView
 
 # usage
 
+
 class UsageQuery:
-    def __init__(self, team_id: int | None = None, key_id: int | None = None, model: str | None = None,
-                 since: Annotated[str | None, Query(description="inclusive; date or ISO time, UTC")] = None,
-                 until: Annotated[str | None, Query(description="exclusive; date or ISO time, UTC")] = None,
-                 group_by: Annotated[str, Query(description="comma-separated: day, team, key, model, replica")] = "day",
-                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000, offset: Annotated[int, Query(ge=0)] = 0,
-                 format: Literal["json", "csv"] = "json") -> None:
+    def __init__(
+        self,
+        team_id: int | None = None,
+        key_id: int | None = None,
+        model: str | None = None,
+        since: Annotated[str | None, Query(description="inclusive; date or ISO time, UTC")] = None,
+        until: Annotated[str | None, Query(description="exclusive; date or ISO time, UTC")] = None,
+        group_by: Annotated[str, Query(description="comma-separated: day, team, key, model, replica")] = "day",
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        format: Literal["json", "csv"] = "json",
+    ) -> None:
         try:
             self.since = parse_when(since)
             self.until = parse_when(until)
@@ -121,19 +140,31 @@ class UsageQuery:
         self.limit, self.offset, self.format = limit, offset, format
 
     def filters(self) -> dict:
-        return {"team_id": self.team_id, "key_id": self.key_id, "model": self.model, "since": self.since,
-                "until": self.until}
+        return {
+            "team_id": self.team_id,
+            "key_id": self.key_id,
+            "model": self.model,
+            "since": self.since,
+            "until": self.until,
+        }
 
 
 def usage_response(session: Session, query: UsageQuery, *, csv: bool = False) -> Response | dict:
     if csv or query.format == "csv":
         rows = usage_report(session, group_by=query.group_by, **query.filters())
-        return Response(to_csv(rows, query.group_by), media_type="text/csv",
-                        headers={"content-disposition": 'attachment; filename="usage.csv"'})
-    rows = usage_report(session, group_by=query.group_by, limit=query.limit + 1, offset=query.offset,
-                        **query.filters())
-    return {"group_by": list(query.group_by), "since": _iso(query.since), "until": _iso(query.until),
-            "data": rows[:query.limit], "has_more": len(rows) > query.limit}
+        return Response(
+            to_csv(rows, query.group_by),
+            media_type="text/csv",
+            headers={"content-disposition": 'attachment; filename="usage.csv"'},
+        )
+    rows = usage_report(session, group_by=query.group_by, limit=query.limit + 1, offset=query.offset, **query.filters())
+    return {
+        "group_by": list(query.group_by),
+        "since": _iso(query.since),
+        "until": _iso(query.until),
+        "data": rows[: query.limit],
+        "has_more": len(rows) > query.limit,
+    }
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -154,12 +185,21 @@ def usage_csv(session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> R
 
 
 @router.get("/usage/requests", response_model=Page[UsageRequestView])
-def usage_requests(session: SessionDep, query: Annotated[UsageQuery, Depends()],
-                   before: int | None = None) -> dict:
+def usage_requests(session: SessionDep, query: Annotated[UsageQuery, Depends()], before: int | None = None) -> dict:
     """Request rows, newest first; page with `before` = the last id seen."""
     rows = list(list_requests(session, limit=query.limit + 1, before=before, **query.filters()))
-    data = [UsageRequestView.model_validate({**{c: getattr(r, c) for c in UsageRequestView.model_fields
-                                                 if hasattr(r, c)}, "cost_usd": r.cost_nano_usd / NANO})
-            for r in rows[:query.limit]]
-    return {"data": data, "has_more": len(rows) > query.limit,
-            "first_id": data[0].id if data else None, "last_id": data[-1].id if data else None}
+    data = [
+        UsageRequestView.model_validate(
+            {
+                **{c: getattr(r, c) for c in UsageRequestView.model_fields if hasattr(r, c)},
+                "cost_usd": r.cost_nano_usd / NANO,
+            }
+        )
+        for r in rows[: query.limit]
+    ]
+    return {
+        "data": data,
+        "has_more": len(rows) > query.limit,
+        "first_id": data[0].id if data else None,
+        "last_id": data[-1].id if data else None,
+    }

@@ -1,5 +1,6 @@
 """/admin/api/models: the registry for the admin key. Changes apply to this process at once (load,
 unload, aliases, prices); engine settings and paths apply at the model's next load."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -101,13 +102,21 @@ async def costs(request: Request) -> dict:
     context = request.app.state.context
     pool = _pool(request)
     meter = context.cost_meter
-    return {"object": "costs", "real": meter.snapshot() if meter is not None else None,
-            "chargeback": {name: None if spec.price is None else _price_sheet(spec.price)
-                           for name, spec in pool.specs.items()}}
+    return {
+        "object": "costs",
+        "real": meter.snapshot() if meter is not None else None,
+        "chargeback": {
+            name: None if spec.price is None else _price_sheet(spec.price) for name, spec in pool.specs.items()
+        },
+    }
 
 
 def _price_sheet(price: ModelPrice) -> dict[str, float]:
     batch = price.for_batch()
-    return {"input_per_1m": price.input_per_1m, "cached_input_per_1m": price.cached_input_per_1m,
-            "output_per_1m": price.output_per_1m, "batch_input_per_1m": batch.input_per_1m,
-            "batch_output_per_1m": batch.output_per_1m}
+    return {
+        "input_per_1m": price.input_per_1m,
+        "cached_input_per_1m": price.cached_input_per_1m,
+        "output_per_1m": price.output_per_1m,
+        "batch_input_per_1m": batch.input_per_1m,
+        "batch_output_per_1m": batch.output_per_1m,
+    }

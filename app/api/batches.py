@@ -1,4 +1,5 @@
 """/v1/batches: create a batch from an uploaded file, list, read and cancel a team's batches."""
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -34,28 +35,48 @@ async def create_batch(request: Request, principal: PrincipalDep, batches: Batch
     completion_window_length(body.completion_window)
     row, path = await run_in_threadpool(batches.files.open, team_id=principal.team_id, file_id=body.input_file_id)
     if row.purpose != "batch":
-        raise invalid_request(f"The input file's purpose is {row.purpose!r}; upload it with purpose 'batch'.",
-                              param="input_file_id")
+        raise invalid_request(
+            f"The input file's purpose is {row.purpose!r}; upload it with purpose 'batch'.", param="input_file_id"
+        )
     total = await run_in_threadpool(count_lines, path)
     if total == 0:
         raise invalid_request("The input file has no requests.", param="input_file_id", code="empty_file")
     if total > batches.max_batch_lines:
-        raise invalid_request(f"The input file has {total} requests; a batch may have at most "
-                              f"{batches.max_batch_lines}.", param="input_file_id", code="too_many_requests")
-    job = await run_in_threadpool(batches.jobs.create, team_id=principal.team_id, key_id=principal.key_id,
-                                  endpoint=body.endpoint, input_file_id=body.input_file_id,
-                                  completion_window=body.completion_window, metadata=body.metadata, total=total)
+        raise invalid_request(
+            f"The input file has {total} requests; a batch may have at most {batches.max_batch_lines}.",
+            param="input_file_id",
+            code="too_many_requests",
+        )
+    job = await run_in_threadpool(
+        batches.jobs.create,
+        team_id=principal.team_id,
+        key_id=principal.key_id,
+        endpoint=body.endpoint,
+        input_file_id=body.input_file_id,
+        completion_window=body.completion_window,
+        metadata=body.metadata,
+        total=total,
+    )
     batches.runner.wake()
     return batch_view(job)
 
 
 @router.get("/v1/batches")
-async def list_batches(principal: PrincipalDep, batches: BatchesDep, after: str | None = None,
-                       limit: Annotated[int, Query(ge=1, le=100)] = 20):
+async def list_batches(
+    principal: PrincipalDep,
+    batches: BatchesDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+):
     rows, has_more = await run_in_threadpool(batches.jobs.page, team_id=principal.team_id, after=after, limit=limit)
     data = [batch_view(row) for row in rows]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 @router.get("/v1/batches/{batch_id}")

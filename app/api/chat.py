@@ -1,4 +1,5 @@
 """POST /v1/chat/completions, whole or streamed."""
+
 from __future__ import annotations
 
 import time
@@ -37,11 +38,16 @@ router = APIRouter()
 
 def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list[dict]:
     def entry(token_id: int, logprob: float) -> dict:
-        return {"token": token_texts.text_of(token_id), "logprob": logprob,
-                "bytes": list(token_texts.bytes_of(token_id))}
+        return {
+            "token": token_texts.text_of(token_id),
+            "logprob": logprob,
+            "bytes": list(token_texts.bytes_of(token_id)),
+        }
 
-    return [{**entry(item.token_id, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}
-            for item in token_texts.shown(logprobs)]
+    return [
+        {**entry(item.token_id, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}
+        for item in token_texts.shown(logprobs)
+    ]
 
 
 @router.post("/v1/chat/completions")
@@ -49,18 +55,24 @@ async def create_chat_completion(request: Request, server: ContextDep, principal
     body = await read_body(request, ChatCompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
-    return await server.with_model(body.model, lambda context: chat_completion(request, context, principal, body),
-                                   principal=principal, kind="chat")
+    return await server.with_model(
+        body.model, lambda context: chat_completion(request, context, principal, body), principal=principal, kind="chat"
+    )
 
 
-async def chat_completion(request: Request, context: ModelContext, principal: Principal,
-                          body: ChatCompletionRequest):
+async def chat_completion(request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest):
     plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
     params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
-                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
-                                          sequences=params.n, request_id=request_id, price=context.price)
+    headers = await context.gateway.admit(
+        principal,
+        model=context.access_name(principal, body.model),
+        prompt_tokens=len(prompt_ids),
+        max_tokens=params.max_tokens,
+        sequences=params.n,
+        request_id=request_id,
+        price=context.price,
+    )
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="chat.completions")
     tracker.priority = body.priority or 0
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -73,16 +85,27 @@ async def chat_completion(request: Request, context: ModelContext, principal: Pr
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = chat_events(context, tracker, prompt_ids, params, include_usage, plan)
         context.streaming = True
-        return sse_response(finished_stream(tracker, events, prompt_param="messages",
-                                            max_tokens_param=max_tokens_param), headers, tracker)
-    response = await chat_response(request, context, tracker, prompt_ids, params, bool(body.logprobs),
-                                   max_tokens_param, plan)
+        return sse_response(
+            finished_stream(tracker, events, prompt_param="messages", max_tokens_param=max_tokens_param),
+            headers,
+            tracker,
+        )
+    response = await chat_response(
+        request, context, tracker, prompt_ids, params, bool(body.logprobs), max_tokens_param, plan
+    )
     return JSONResponse(response, headers=headers)
 
 
-async def chat_response(request: Request, context: ModelContext, tracker: RequestTracker,
-                        prompt_ids: list[int], params: SamplingParams, with_logprobs: bool,
-                        max_tokens_param: str, plan: StructuredPlan) -> dict:
+async def chat_response(
+    request: Request,
+    context: ModelContext,
+    tracker: RequestTracker,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    with_logprobs: bool,
+    max_tokens_param: str,
+    plan: StructuredPlan,
+) -> dict:
     choices = [Choice() for _ in range(params.n)]
     status = "error"
     try:
@@ -105,27 +128,48 @@ async def chat_response(request: Request, context: ModelContext, tracker: Reques
         "created": int(time.time()),
         "model": context.model_name,
         "system_fingerprint": None,
-        "choices": [{
-            "index": index,
-            "message": message,
-            "logprobs": {"content": chat_logprobs(context.token_texts, choice.logprobs), "refusal": None}
-            if with_logprobs else None,
-            "finish_reason": finish_reason,
-        } for index, (choice, (message, finish_reason)) in enumerate(zip(choices, messages))],
+        "choices": [
+            {
+                "index": index,
+                "message": message,
+                "logprobs": {"content": chat_logprobs(context.token_texts, choice.logprobs), "refusal": None}
+                if with_logprobs
+                else None,
+                "finish_reason": finish_reason,
+            }
+            for index, (choice, (message, finish_reason)) in enumerate(zip(choices, messages))
+        ],
         "usage": tracker.usage(),
     }
 
 
-async def chat_events(context: ModelContext, tracker: RequestTracker, prompt_ids: list[int],
-                      params: SamplingParams, include_usage: bool, plan: StructuredPlan) -> AsyncIterator[str]:
-    base = {"id": tracker.request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": context.model_name, "system_fingerprint": None}
+async def chat_events(
+    context: ModelContext,
+    tracker: RequestTracker,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    include_usage: bool,
+    plan: StructuredPlan,
+) -> AsyncIterator[str]:
+    base = {
+        "id": tracker.request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": context.model_name,
+        "system_fingerprint": None,
+    }
 
-    def chunk(index: int, delta: dict, logprobs: list[TokenLogprob] | None = None,
-              finish_reason: str | None = None) -> str:
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": None if logprobs is None else
-                  {"content": chat_logprobs(context.token_texts, logprobs), "refusal": None}}
+    def chunk(
+        index: int, delta: dict, logprobs: list[TokenLogprob] | None = None, finish_reason: str | None = None
+    ) -> str:
+        choice = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish_reason,
+            "logprobs": None
+            if logprobs is None
+            else {"content": chat_logprobs(context.token_texts, logprobs), "refusal": None},
+        }
         return sse({**base, "choices": [choice]})
 
     for index in range(params.n):

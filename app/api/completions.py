@@ -1,4 +1,5 @@
 """POST /v1/completions (legacy): one or several prompts, text or token ids, whole or streamed."""
+
 from __future__ import annotations
 
 import time
@@ -67,18 +68,23 @@ async def create_completion(request: Request, server: ContextDep, principal: Pri
         raise invalid_request("echo with logprobs (prompt logprobs) is not supported.", param="echo")
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
-    return await server.with_model(body.model, lambda context: completion(request, context, principal, body),
-                                   principal=principal, kind="chat")
+    return await server.with_model(
+        body.model, lambda context: completion(request, context, principal, body), principal=principal, kind="chat"
+    )
 
 
 async def completion(request: Request, context: ModelContext, principal: Principal, body: CompletionRequest):
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
-    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
-                                          prompt_tokens=sum(len(p.ids) for p in prompts),
-                                          max_tokens=prompts[0].params.max_tokens,
-                                          sequences=prompts[0].params.n * len(prompts), request_id=request_id,
-                                          price=context.price)
+    headers = await context.gateway.admit(
+        principal,
+        model=context.access_name(principal, body.model),
+        prompt_tokens=sum(len(p.ids) for p in prompts),
+        max_tokens=prompts[0].params.max_tokens,
+        sequences=prompts[0].params.n * len(prompts),
+        request_id=request_id,
+        price=context.price,
+    )
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions")
     tracker.priority = body.priority or 0
     try:
@@ -91,10 +97,10 @@ async def completion(request: Request, context: ModelContext, principal: Princip
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = completion_events(context, tracker, prompts, bool(body.echo), include_usage)
         context.streaming = True
-        return sse_response(finished_stream(tracker, events, prompt_param="prompt", max_tokens_param="max_tokens"),
-                            headers, tracker)
-    return JSONResponse(await completion_response(request, context, tracker, prompts, bool(body.echo)),
-                        headers=headers)
+        return sse_response(
+            finished_stream(tracker, events, prompt_param="prompt", max_tokens_param="max_tokens"), headers, tracker
+        )
+    return JSONResponse(await completion_response(request, context, tracker, prompts, bool(body.echo)), headers=headers)
 
 
 def prepare_prompts(context: ModelContext, body: CompletionRequest, request_id: str) -> list[PreparedPrompt]:
@@ -113,8 +119,9 @@ def _engine_streams(context: ModelContext, tracker: RequestTracker, prompts: lis
     return [engine_outputs(context, tracker, p.engine_request_id, p.ids, p.params) for p in prompts]
 
 
-async def completion_response(request: Request, context: ModelContext, tracker: RequestTracker,
-                              prompts: list[PreparedPrompt], echo: bool) -> dict:
+async def completion_response(
+    request: Request, context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt], echo: bool
+) -> dict:
     n = prompts[0].params.n
     choices = [Choice() for _ in range(len(prompts) * n)]
     status = "error"
@@ -140,29 +147,46 @@ async def completion_response(request: Request, context: ModelContext, tracker: 
     results = []
     for index, choice in enumerate(choices):
         prefix = prompts[index // n].text if echo else ""
-        results.append({
-            "index": index,
-            "text": prefix + choice.text,
-            "logprobs": completion_logprobs(context.token_texts, choice.logprobs, len(prefix))
-            if with_logprobs else None,
-            "finish_reason": choice.finish_reason,
-        })
-    return {"id": tracker.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": context.model_name, "system_fingerprint": None, "choices": results, "usage": tracker.usage()}
+        results.append(
+            {
+                "index": index,
+                "text": prefix + choice.text,
+                "logprobs": completion_logprobs(context.token_texts, choice.logprobs, len(prefix))
+                if with_logprobs
+                else None,
+                "finish_reason": choice.finish_reason,
+            }
+        )
+    return {
+        "id": tracker.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": context.model_name,
+        "system_fingerprint": None,
+        "choices": results,
+        "usage": tracker.usage(),
+    }
 
 
-async def completion_events(context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt],
-                            echo: bool, include_usage: bool) -> AsyncIterator[str]:
-    base = {"id": tracker.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": context.model_name, "system_fingerprint": None}
+async def completion_events(
+    context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt], echo: bool, include_usage: bool
+) -> AsyncIterator[str]:
+    base = {
+        "id": tracker.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": context.model_name,
+        "system_fingerprint": None,
+    }
     n = prompts[0].params.n
     with_logprobs = prompts[0].params.logprobs is not None
     text_offsets = [0] * (len(prompts) * n)
 
     def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
         text_offsets[index] += len(text)
-        return sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]})
+        return sse(
+            {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        )
 
     if echo:
         for index in range(len(text_offsets)):
@@ -171,8 +195,11 @@ async def completion_events(context: ModelContext, tracker: RequestTracker, prom
         for delta in output.deltas:
             if delta.text or delta.finish_reason or delta.logprobs:
                 index = prompt_index * n + delta.index
-                logprobs = completion_logprobs(context.token_texts, delta.logprobs or [], text_offsets[index]) \
-                    if with_logprobs else None
+                logprobs = (
+                    completion_logprobs(context.token_texts, delta.logprobs or [], text_offsets[index])
+                    if with_logprobs
+                    else None
+                )
                 yield chunk(index, delta.text, logprobs, delta.finish_reason)
     if include_usage:
         yield sse({**base, "choices": [], "usage": tracker.usage()})

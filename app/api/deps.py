@@ -2,6 +2,7 @@
 and `PrincipalDep` (the caller, as the app's gateway authenticates it) for /v1; `GatewayDep`,
 `TeamKeyDep` (a team's API key) and `AdminDep` (the admin key) for the TeamGateway's own routes, which
 find it on app.state.gateway."""
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -52,8 +53,13 @@ async def require_team_key(request: Request, gateway: GatewayDep) -> KeyPrincipa
 async def require_admin(request: Request, gateway: GatewayDep) -> None:
     token = bearer_token(request.headers.get("authorization"))
     if gateway.admin is None or not gateway.admin.matches(token):
-        raise gateway.auth_failure(request, token, OpenAIError(
-            401, "This endpoint needs the admin key: 'Authorization: Bearer <admin key>'.", code="invalid_api_key"))
+        raise gateway.auth_failure(
+            request,
+            token,
+            OpenAIError(
+                401, "This endpoint needs the admin key: 'Authorization: Bearer <admin key>'.", code="invalid_api_key"
+            ),
+        )
 
 
 TeamKeyDep = Annotated[KeyPrincipal, Depends(require_team_key)]

@@ -2,6 +2,7 @@
 which the official openai client asks for unless told otherwise). Admitted and metered through the
 gateway like the other /v1 routes; the encoder runs on the process's one embedding worker
 (app/serving/encoder_queue.py), a batch at a time."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,10 +55,15 @@ class EmbeddingRequest(Body):
         """A string, a list of strings, a list of token ids, or a list of token-id lists."""
         if isinstance(value, str) or (_is_token_ids(value) and value):
             value = [value]
-        if not isinstance(value, list) or not value or \
-                not all(isinstance(item, str) or _is_token_ids(item) for item in value):
-            raise ValueError("input must be a string, a list of strings, a list of token ids or a list of "
-                             "token-id lists, and not empty")
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(item, str) or _is_token_ids(item) for item in value)
+        ):
+            raise ValueError(
+                "input must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists, and not empty"
+            )
         if len(value) > MAX_INPUTS:
             raise ValueError(f"input may hold at most {MAX_INPUTS} items, got {len(value)}")
         if any(len(item) == 0 for item in value):
@@ -74,8 +80,11 @@ def embedder_of(context: ModelContext) -> EmbeddingModel:
 
 def check_dimensions(name: str, model: EmbeddingModel, dimensions: int | None) -> None:
     if dimensions is not None and dimensions != model.dimensions:
-        raise invalid_request(f"`{name}` makes {model.dimensions}-dimensional embeddings and cannot shorten them: "
-                              f"omit dimensions or set it to {model.dimensions}.", param="dimensions")
+        raise invalid_request(
+            f"`{name}` makes {model.dimensions}-dimensional embeddings and cannot shorten them: "
+            f"omit dimensions or set it to {model.dimensions}.",
+            param="dimensions",
+        )
 
 
 def input_token_ids(model: EmbeddingModel, inputs: list[EmbeddingInput]) -> list[list[int]]:
@@ -86,8 +95,10 @@ def input_token_ids(model: EmbeddingModel, inputs: list[EmbeddingInput]) -> list
         token_ids[index] = ids
     for index, item in enumerate(inputs):
         if not isinstance(item, str) and any(t < 0 or t >= model.vocab_size for t in item):
-            raise invalid_request(f"Input {index} holds token ids outside this model's vocabulary "
-                                  f"(0 to {model.vocab_size - 1}).", param="input")
+            raise invalid_request(
+                f"Input {index} holds token ids outside this model's vocabulary (0 to {model.vocab_size - 1}).",
+                param="input",
+            )
     return token_ids
 
 
@@ -98,11 +109,16 @@ def check_lengths(name: str, model: EmbeddingModel, token_ids: list[list[int]]) 
             raise invalid_request(
                 f"Input {index} is {len(ids)} tokens long; `{name}` accepts at most {model.max_input_tokens} "
                 "tokens per input. Shorten it or split it into several inputs.",
-                param="input", code="context_length_exceeded")
+                param="input",
+                code="context_length_exceeded",
+            )
     total = sum(len(ids) for ids in token_ids)
     if total > MAX_TOTAL_TOKENS:
-        raise invalid_request(f"The inputs add up to {total} tokens; at most {MAX_TOTAL_TOKENS} per request.",
-                              param="input", code="context_length_exceeded")
+        raise invalid_request(
+            f"The inputs add up to {total} tokens; at most {MAX_TOTAL_TOKENS} per request.",
+            param="input",
+            code="context_length_exceeded",
+        )
 
 
 async def embed(request: Request, model: EmbeddingModel, token_ids: list[list[int]]) -> torch.Tensor | None:
@@ -123,13 +139,24 @@ def encoded(vector: torch.Tensor, encoding_format: str | None) -> list[float] | 
     return vector.tolist()
 
 
-def report_usage(context: ModelContext, principal: Principal, *, request_id: str, prompt_tokens: int,
-                 started_at: float, status: str) -> None:
+def report_usage(
+    context: ModelContext, principal: Principal, *, request_id: str, prompt_tokens: int, started_at: float, status: str
+) -> None:
     record = UsageRecord(
-        request_id=request_id, team_id=principal.team_id, key_id=principal.key_id, model=context.model_name,
-        endpoint="embeddings", prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0,
-        latency_seconds=time.monotonic() - started_at, time_to_first_token_seconds=None, status=status,
-        finished_at=time.time(), price=context.price)
+        request_id=request_id,
+        team_id=principal.team_id,
+        key_id=principal.key_id,
+        model=context.model_name,
+        endpoint="embeddings",
+        prompt_tokens=prompt_tokens,
+        cached_tokens=0,
+        completion_tokens=0,
+        latency_seconds=time.monotonic() - started_at,
+        time_to_first_token_seconds=None,
+        status=status,
+        finished_at=time.time(),
+        price=context.price,
+    )
     try:
         context.gateway.request_finished(record)
     except Exception:  # metering must never break a response that is already on its way
@@ -142,20 +169,23 @@ def report_usage(context: ModelContext, principal: Principal, *, request_id: str
 @router.post("/v1/embeddings")
 async def create_embeddings(request: Request, context: ContextDep, principal: PrincipalDep):
     body = await read_body(request, EmbeddingRequest, context.settings.max_request_bytes)
-    return await context.with_model(body.model, lambda bound: serve_embeddings(request, bound, principal, body),
-                                    principal=principal)
+    return await context.with_model(
+        body.model, lambda bound: serve_embeddings(request, bound, principal, body), principal=principal
+    )
 
 
-async def serve_embeddings(request: Request, context: ModelContext, principal: Principal,
-                           body: EmbeddingRequest) -> JSONResponse:
+async def serve_embeddings(
+    request: Request, context: ModelContext, principal: Principal, body: EmbeddingRequest
+) -> JSONResponse:
     name, model = context.model_name, embedder_of(context)
     check_dimensions(name, model, body.dimensions)
     request_id = f"embd-{uuid.uuid4().hex}"
     started_at = time.monotonic()
     token_ids = await run_in_threadpool(input_token_ids, model, body.input)
     prompt_tokens = sum(len(ids) for ids in token_ids)
-    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
-                                          prompt_tokens=prompt_tokens, max_tokens=0)
+    headers = await context.gateway.admit(
+        principal, model=context.access_name(principal, body.model), prompt_tokens=prompt_tokens, max_tokens=0
+    )
     status, metered_tokens, vectors = "error", prompt_tokens, None
     try:
         try:
@@ -169,11 +199,26 @@ async def serve_embeddings(request: Request, context: ModelContext, principal: P
         status = "aborted"
         raise
     finally:
-        report_usage(context, principal, request_id=request_id, prompt_tokens=metered_tokens, started_at=started_at,
-                     status=status)
+        report_usage(
+            context,
+            principal,
+            request_id=request_id,
+            prompt_tokens=metered_tokens,
+            started_at=started_at,
+            status=status,
+        )
     if vectors is None:
         return JSONResponse({}, status_code=499)  # nobody is listening any more
-    data = [{"object": "embedding", "index": index, "embedding": encoded(vector, body.encoding_format)}
-            for index, vector in enumerate(vectors)]
-    return JSONResponse({"object": "list", "data": data, "model": name,
-                         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}, headers=headers)
+    data = [
+        {"object": "embedding", "index": index, "embedding": encoded(vector, body.encoding_format)}
+        for index, vector in enumerate(vectors)
+    ]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": name,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        },
+        headers=headers,
+    )

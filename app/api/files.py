@@ -1,4 +1,5 @@
 """/v1/files: upload (multipart), list, read, download and delete a team's files."""
+
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -22,26 +23,46 @@ async def upload_file(request: Request, principal: PrincipalDep, batches: Batche
         upload = form.get("file")
         purpose = form.get("purpose")
         if purpose not in UPLOAD_PURPOSES:
-            raise invalid_request(f"purpose must be one of {list(UPLOAD_PURPOSES)}; got {purpose!r}.",
-                                  param="purpose")
+            raise invalid_request(f"purpose must be one of {list(UPLOAD_PURPOSES)}; got {purpose!r}.", param="purpose")
         if not isinstance(upload, UploadFile):
             raise invalid_request("Send the file as the multipart field 'file'.", param="file")
-        row = await run_in_threadpool(batches.files.save, team_id=principal.team_id, purpose=str(purpose),
-                                      filename=upload.filename or "upload", source=upload.file)
+        row = await run_in_threadpool(
+            batches.files.save,
+            team_id=principal.team_id,
+            purpose=str(purpose),
+            filename=upload.filename or "upload",
+            source=upload.file,
+        )
     finally:
         await form.close()
     return JSONResponse(file_view(row))
 
 
 @router.get("/v1/files")
-async def list_files(principal: PrincipalDep, batches: BatchesDep, after: str | None = None,
-                     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
-                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None):
-    rows, has_more = await run_in_threadpool(batches.files.page, team_id=principal.team_id, purpose=purpose,
-                                             after=after, limit=limit, ascending=order == "asc")
+async def list_files(
+    principal: PrincipalDep,
+    batches: BatchesDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = None,
+):
+    rows, has_more = await run_in_threadpool(
+        batches.files.page,
+        team_id=principal.team_id,
+        purpose=purpose,
+        after=after,
+        limit=limit,
+        ascending=order == "asc",
+    )
     data = [file_view(row) for row in rows]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 @router.get("/v1/files/{file_id}")

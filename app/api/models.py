@@ -1,5 +1,6 @@
 """GET /v1/models and /v1/models/{id}: the enabled models of the registry, and their aliases, that the
 caller's key may use. An alias is listed as a model of its own, as OpenAI clients expect."""
+
 from __future__ import annotations
 
 import time
@@ -30,13 +31,20 @@ def visible_names(spec: ModelSpec, principal: Principal) -> list[str]:
 
 def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settings) -> dict:
     created = int(spec.created_at.replace(tzinfo=UTC).timestamp()) if spec.created_at else STARTED_AT
-    card = {"id": model_id, "object": "model", "created": created, "owned_by": "tokenmill", "kind": spec.kind,
-            "status": pool.state(spec.name)}
+    card = {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "tokenmill",
+        "kind": spec.kind,
+        "status": pool.state(spec.name),
+    }
     if model_id != spec.name:
         card["root"] = spec.name  # what the alias points at
     served = pool.served.get(spec.name)
-    context_length = served.engine.max_model_len if served is not None and served.engine is not None \
-        else spec.max_model_len
+    context_length = (
+        served.engine.max_model_len if served is not None and served.engine is not None else spec.max_model_len
+    )
     if context_length is not None:  # vLLM's name and the one OpenRouter-style clients (Codex, LiteLLM) read
         card["max_model_len"] = card["context_length"] = context_length
     if spec.kind == "chat":  # an extension, like max_model_len: what a request that sets none gets
@@ -47,8 +55,14 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settin
 @router.get("/v1/models")
 async def list_models(context: ContextDep, principal: PrincipalDep) -> dict:
     pool = context.models
-    return {"object": "list", "data": [model_card(pool, spec, name, context.settings) for spec in pool.specs.values()
-                                       for name in visible_names(spec, principal)]}
+    return {
+        "object": "list",
+        "data": [
+            model_card(pool, spec, name, context.settings)
+            for spec in pool.specs.values()
+            for name in visible_names(spec, principal)
+        ],
+    }
 
 
 @router.get("/v1/models/{model_id:path}")

@@ -3,6 +3,7 @@ input items, and cancel (which only background responses allow; we run none).
 
 A response runs as a chat completion does (app.structured plans tools and formats, the gateway admits
 and meters, the engine generates); only the shapes in and out differ (app.serving.responses)."""
+
 from __future__ import annotations
 
 import functools
@@ -55,8 +56,13 @@ async def in_store(call: Callable[..., Result], *args) -> Result:
         return await run_in_threadpool(call, *args)
     except SQLAlchemyError as error:
         log.warning("response store unavailable: %s", type(error).__name__)
-        raise OpenAIError(503, "The response store is unavailable; please retry shortly.", type="server_error",
-                          code="service_unavailable", headers={"Retry-After": "2"}) from None
+        raise OpenAIError(
+            503,
+            "The response store is unavailable; please retry shortly.",
+            type="server_error",
+            code="service_unavailable",
+            headers={"Retry-After": "2"},
+        ) from None
 
 
 def response_not_found(response_id: str, param: str | None = None) -> OpenAIError:
@@ -76,22 +82,43 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
     assert body.input is not None  # check_fields refused a request without one
     conversation = [*earlier, *normalize_input(body.input, earlier)]
     return await server.with_model(
-        body.model, lambda context: run_response(request, context, principal, body, conversation, server.responses),
-        principal=principal, kind="chat")
+        body.model,
+        lambda context: run_response(request, context, principal, body, conversation, server.responses),
+        principal=principal,
+        kind="chat",
+    )
 
 
-async def run_response(request: Request, context: ModelContext, principal: Principal, body: ResponsesRequest,
-                       conversation: list[dict], store: ResponseStore):
-    chat_body, plan, prompt_ids = await run_in_threadpool(prepare, context.engine.tokenizer, body, conversation,
-                                                          context.engine.max_model_len)
+async def run_response(
+    request: Request,
+    context: ModelContext,
+    principal: Principal,
+    body: ResponsesRequest,
+    conversation: list[dict],
+    store: ResponseStore,
+):
+    chat_body, plan, prompt_ids = await run_in_threadpool(
+        prepare, context.engine.tokenizer, body, conversation, context.engine.max_model_len
+    )
     tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict resolved
-    params = renamed_errors(lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids),
-                                                                         context.sampling)))
-    header = ResponseHeader(id=new_item_id("resp"), model=context.model_name, body=body, tools=tools,
-                            temperature=params.temperature, top_p=params.top_p)
-    headers = await context.gateway.admit(principal, model=context.access_name(principal, body.model),
-                                          prompt_tokens=len(prompt_ids), max_tokens=params.max_tokens,
-                                          sequences=params.n, request_id=header.id, price=context.price)
+    params = renamed_errors(lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids), context.sampling)))
+    header = ResponseHeader(
+        id=new_item_id("resp"),
+        model=context.model_name,
+        body=body,
+        tools=tools,
+        temperature=params.temperature,
+        top_p=params.top_p,
+    )
+    headers = await context.gateway.admit(
+        principal,
+        model=context.access_name(principal, body.model),
+        prompt_tokens=len(prompt_ids),
+        max_tokens=params.max_tokens,
+        sequences=params.n,
+        request_id=header.id,
+        price=context.price,
+    )
     tracker = RequestTracker(context, principal, request_id=header.id, endpoint="responses")
     try:
         check_fits(context, prompt_ids, params, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM)
@@ -102,14 +129,16 @@ async def run_response(request: Request, context: ModelContext, principal: Princ
     if body.stream:
         obfuscate = bool((body.stream_options or {}).get("include_obfuscation"))
         context.streaming = True
-        return sse_response(response_events(context, tracker, header, prompt_ids, params, plan, save, obfuscate),
-                            headers, tracker)
+        return sse_response(
+            response_events(context, tracker, header, prompt_ids, params, plan, save, obfuscate), headers, tracker
+        )
     response = await whole_response(request, context, tracker, header, prompt_ids, params, plan, save)
     return JSONResponse(response, headers=headers)
 
 
-def prepare(tokenizer, body: ResponsesRequest, conversation: list[dict],
-            max_model_len: int) -> tuple[ChatCompletionRequest, StructuredPlan, list[int]]:
+def prepare(
+    tokenizer, body: ResponsesRequest, conversation: list[dict], max_model_len: int
+) -> tuple[ChatCompletionRequest, StructuredPlan, list[int]]:
     """The request in chat's shape, the plan and the prompt's token ids. With truncation 'auto', the oldest turns
     are left out of the prompt (never out of what is stored) until it fits. Blocking."""
     while True:
@@ -130,12 +159,19 @@ def oldest_turn_dropped(conversation: list[dict]) -> list[dict] | None:
     user_turns = [index for index, item in enumerate(rest) if item.get("role") == "user"]
     if len(user_turns) < 2:
         return None
-    return kept + rest[user_turns[1]:]
+    return kept + rest[user_turns[1] :]
 
 
-async def whole_response(request: Request, context: ModelContext, tracker: RequestTracker, header: ResponseHeader,
-                         prompt_ids: list[int], params: SamplingParams, plan: StructuredPlan,
-                         save: Saver | None) -> dict:
+async def whole_response(
+    request: Request,
+    context: ModelContext,
+    tracker: RequestTracker,
+    header: ResponseHeader,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    plan: StructuredPlan,
+    save: Saver | None,
+) -> dict:
     choice = Choice()
     status = "error"
     try:
@@ -160,9 +196,16 @@ async def whole_response(request: Request, context: ModelContext, tracker: Reque
     return response
 
 
-async def response_events(context: ModelContext, tracker: RequestTracker, header: ResponseHeader,
-                          prompt_ids: list[int], params: SamplingParams, plan: StructuredPlan, save: Saver | None,
-                          obfuscate: bool) -> AsyncIterator[str]:
+async def response_events(
+    context: ModelContext,
+    tracker: RequestTracker,
+    header: ResponseHeader,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    plan: StructuredPlan,
+    save: Saver | None,
+    obfuscate: bool,
+) -> AsyncIterator[str]:
     """The typed events, ending with response.completed (or .incomplete, .failed). The response is stored
     before the last event goes out, so a client that reads it back at once finds it. A client that goes
     away cancels us: the engine request is aborted and nothing is stored."""
@@ -182,8 +225,9 @@ async def response_events(context: ModelContext, tracker: RequestTracker, header
         for event in events.finished(finish_reason):
             yield event
         state, incomplete_reason = final_status(finish_reason)
-        response = header.response(state, events.output, response_usage(tracker.usage()),
-                                   incomplete_reason=incomplete_reason)
+        response = header.response(
+            state, events.output, response_usage(tracker.usage()), incomplete_reason=incomplete_reason
+        )
         if save is not None:
             await in_store(save, response)
         status = tracker.final_status()
@@ -206,16 +250,18 @@ async def response_events(context: ModelContext, tracker: RequestTracker, header
 
 
 def failed(events: ResponseEvents, error: OpenAIError) -> str:
-    response = events.header.response("failed", events.output, None,
-                                      error={"code": error.code or "server_error", "message": error.message})
+    response = events.header.response(
+        "failed", events.output, None, error={"code": error.code or "server_error", "message": error.message}
+    )
     return events.event("response.failed", response=response)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request, server: ContextDep, principal: PrincipalDep):
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-        raise invalid_request("Streaming a stored response again is not supported.", param="stream",
-                              code="unsupported_parameter")
+        raise invalid_request(
+            "Streaming a stored response again is not supported.", param="stream", code="unsupported_parameter"
+        )
     stored = await in_store(server.responses.get, response_id, principal.team_id)
     if stored is None:
         raise response_not_found(response_id)
@@ -233,8 +279,9 @@ async def delete_response(response_id: str, server: ContextDep, principal: Princ
 async def cancel_response(response_id: str, server: ContextDep, principal: PrincipalDep):
     if await in_store(server.responses.get, response_id, principal.team_id) is None:
         raise response_not_found(response_id)
-    raise invalid_request("Only responses created with background=true can be cancelled; this server runs none.",
-                          code="not_background")
+    raise invalid_request(
+        "Only responses created with background=true can be cancelled; this server runs none.", code="not_background"
+    )
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -255,7 +302,12 @@ async def list_input_items(response_id: str, request: Request, server: ContextDe
         ids = [item["id"] for item in items]
         if after not in ids:
             raise invalid_request(f"No input item with id '{after}' in this response.", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:int(limit_text)]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit_text)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }

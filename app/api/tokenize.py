@@ -1,6 +1,7 @@
 """POST /tokenize and POST /detokenize, in vLLM's shapes. Chat messages are rendered exactly as
 /v1/chat/completions renders them (tools included), so `count` equals that request's
 usage.prompt_tokens; a prompt is encoded as /v1/completions encodes it."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,23 +46,33 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'prompt' and 'messages'.", param="prompt")
     if body.messages is not None and body.add_special_tokens:
-        raise invalid_request("'add_special_tokens' must be false with 'messages': the chat template adds them.",
-                              param="add_special_tokens")
+        raise invalid_request(
+            "'add_special_tokens' must be false with 'messages': the chat template adds them.",
+            param="add_special_tokens",
+        )
     if body.messages is not None and not body.add_generation_prompt:
-        raise invalid_request("Only add_generation_prompt=true is supported: it is what a chat request counts.",
-                              param="add_generation_prompt")
+        raise invalid_request(
+            "Only add_generation_prompt=true is supported: it is what a chat request counts.",
+            param="add_generation_prompt",
+        )
 
     async def handle(context: ModelContext):
         tokenizer = context.engine.tokenizer
         if body.messages is not None:
-            chat = {"model": body.model, "messages": body.messages, "tools": body.tools,
-                    "tool_choice": body.tool_choice}
-            chat_body = ChatCompletionRequest.model_validate({key: value for key, value in chat.items()
-                                                              if value is not None})
+            chat = {
+                "model": body.model,
+                "messages": body.messages,
+                "tools": body.tools,
+                "tool_choice": body.tool_choice,
+            }
+            chat_body = ChatCompletionRequest.model_validate(
+                {key: value for key, value in chat.items() if value is not None}
+            )
             _, ids = await run_in_threadpool(prepare_chat, tokenizer, chat_body)
         else:
-            ids = await run_in_threadpool(tokenizer.encode, body.prompt,
-                                          add_special_tokens=body.add_special_tokens is not False)
+            ids = await run_in_threadpool(
+                tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens is not False
+            )
         result = {"count": len(ids), "max_model_len": context.engine.max_model_len, "tokens": ids}
         if body.return_token_strs:
             result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)

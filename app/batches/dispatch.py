@@ -2,6 +2,7 @@
 admitted, run in the engine and metered by exactly the code a live request goes through. The caller is
 named in the ASGI scope (BATCH_PRINCIPAL), which only code in this process can set; the route's
 authentication takes it from there instead of from a header."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,14 +18,24 @@ log = logging.getLogger("tokenmill.batches")
 BATCH_PRINCIPAL = "tokenmill.batch_principal"
 
 
-async def dispatch(app: ASGIApp, path: str, body: bytes, principal: Principal,
-                   stop: asyncio.Event | None = None) -> tuple[int, dict]:
+async def dispatch(
+    app: ASGIApp, path: str, body: bytes, principal: Principal, stop: asyncio.Event | None = None
+) -> tuple[int, dict]:
     """(status code, JSON body) of POST `path` with `body`. Setting `stop` reads to the route as the
     client going away: the engine aborts the line."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-        "query_string": b"", "client": ("batch", 0), "server": ("batch", 0), "state": {},
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "client": ("batch", 0),
+        "server": ("batch", 0),
+        "state": {},
         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         BATCH_PRINCIPAL: principal,
     }
@@ -59,6 +70,12 @@ async def dispatch(app: ASGIApp, path: str, body: bytes, principal: Principal,
         parsed = None
     if not isinstance(parsed, dict):
         status = status if status >= 400 else 500
-        parsed = {"error": {"message": "The server had an error while processing this request.",
-                            "type": "server_error", "param": None, "code": None}}
+        parsed = {
+            "error": {
+                "message": "The server had an error while processing this request.",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+        }
     return status, parsed

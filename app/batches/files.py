@@ -1,6 +1,7 @@
 """Files of the Files API: bytes in the files folder under the file's id, a row in the database saying
 whose it is. Everything here is keyword-only and blocking (routes run it in a thread); a file another
 team owns is as absent as one that never existed."""
+
 from __future__ import annotations
 
 import os
@@ -31,9 +32,17 @@ def file_not_found(file_id: str) -> OpenAIError:
 
 def file_view(row: StoredFile) -> dict:
     """A FileObject, as the openai client reads it."""
-    return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": unix(row.created_at),
-            "filename": row.filename, "purpose": row.purpose, "status": "processed", "expires_at": None,
-            "status_details": None}
+    return {
+        "id": row.id,
+        "object": "file",
+        "bytes": row.bytes,
+        "created_at": unix(row.created_at),
+        "filename": row.filename,
+        "purpose": row.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,11 @@ class FileStore:
                 while chunk := source.read(COPY_CHUNK):
                     size += len(chunk)
                     if size > self.max_bytes:
-                        raise invalid_request(f"The file is larger than the {self.max_bytes} bytes a file may have.",
-                                              param="file", code="file_too_large")
+                        raise invalid_request(
+                            f"The file is larger than the {self.max_bytes} bytes a file may have.",
+                            param="file",
+                            code="file_too_large",
+                        )
                     out.write(chunk)
             os.replace(partial, self.path_of(file_id))
         finally:
@@ -72,12 +84,18 @@ class FileStore:
         with open(partial, "wb") as out:
             out.writelines(lines)
         os.replace(partial, self.path_of(file_id))
-        return self.record(file_id=file_id, team_id=team_id, purpose=purpose, filename=filename,
-                           size=self.path_of(file_id).stat().st_size)
+        return self.record(
+            file_id=file_id,
+            team_id=team_id,
+            purpose=purpose,
+            filename=filename,
+            size=self.path_of(file_id).stat().st_size,
+        )
 
     def record(self, *, file_id: str, team_id: int | None, purpose: str, filename: str, size: int) -> StoredFile:
-        row = StoredFile(id=file_id, team_id=team_id, purpose=purpose, filename=filename[:256], bytes=size,
-                         created_at=utcnow())
+        row = StoredFile(
+            id=file_id, team_id=team_id, purpose=purpose, filename=filename[:256], bytes=size, created_at=utcnow()
+        )
         with self.sessions() as session, session.begin():
             session.add(row)
         return row
@@ -89,8 +107,9 @@ class FileStore:
             raise file_not_found(file_id)
         return row
 
-    def page(self, *, team_id: int | None, purpose: str | None, after: str | None, limit: int,
-             ascending: bool) -> tuple[list[StoredFile], bool]:
+    def page(
+        self, *, team_id: int | None, purpose: str | None, after: str | None, limit: int, ascending: bool
+    ) -> tuple[list[StoredFile], bool]:
         """A page of the team's files and whether more follow, newest first unless `ascending`."""
         query = select(StoredFile).where(StoredFile.team_id == team_id)
         if purpose is not None:

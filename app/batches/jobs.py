@@ -1,6 +1,7 @@
 """Batches in the database: create, read, list, cancel, and the runner's progress (one row per finished
 line, counted on the batch in the same transaction). Keyword-only and blocking; a batch of another team
 is as absent as one that never existed."""
+
 from __future__ import annotations
 
 import re
@@ -29,8 +30,9 @@ def completion_window_length(window: str) -> timedelta:
     """OpenAI's "24h", or any whole number of s / m / h up to a week."""
     match = WINDOW_PATTERN.fullmatch(window) if isinstance(window, str) else None
     if match is None:
-        raise invalid_request(f"completion_window must look like '24h' (s, m or h); got {window!r}.",
-                              param="completion_window")
+        raise invalid_request(
+            f"completion_window must look like '24h' (s, m or h); got {window!r}.", param="completion_window"
+        )
     length = timedelta(seconds=int(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]])
     if length > MAX_WINDOW:
         raise invalid_request("completion_window may be at most 168h.", param="completion_window")
@@ -44,14 +46,23 @@ def batch_not_found(batch_id: str) -> OpenAIError:
 def batch_view(row: BatchJob) -> dict:
     """A Batch, as the openai client reads it."""
     return {
-        "id": row.id, "object": "batch", "endpoint": row.endpoint, "input_file_id": row.input_file_id,
-        "completion_window": row.completion_window, "status": row.status, "output_file_id": row.output_file_id,
+        "id": row.id,
+        "object": "batch",
+        "endpoint": row.endpoint,
+        "input_file_id": row.input_file_id,
+        "completion_window": row.completion_window,
+        "status": row.status,
+        "output_file_id": row.output_file_id,
         "error_file_id": row.error_file_id,
         "errors": None if not row.errors else {"object": "list", "data": row.errors},
-        "created_at": unix(row.created_at), "in_progress_at": unix(row.in_progress_at),
-        "expires_at": unix(row.expires_at), "finalizing_at": unix(row.finalizing_at),
-        "completed_at": unix(row.completed_at), "failed_at": unix(row.failed_at),
-        "expired_at": unix(row.expired_at), "cancelling_at": unix(row.cancelling_at),
+        "created_at": unix(row.created_at),
+        "in_progress_at": unix(row.in_progress_at),
+        "expires_at": unix(row.expires_at),
+        "finalizing_at": unix(row.finalizing_at),
+        "completed_at": unix(row.completed_at),
+        "failed_at": unix(row.failed_at),
+        "expired_at": unix(row.expired_at),
+        "cancelling_at": unix(row.cancelling_at),
         "cancelled_at": unix(row.cancelled_at),
         "request_counts": {"total": row.total, "completed": row.completed, "failed": row.failed},
         "metadata": row.batch_metadata,
@@ -62,13 +73,33 @@ def batch_view(row: BatchJob) -> dict:
 class BatchStore:
     sessions: sessionmaker[Session]
 
-    def create(self, *, team_id: int | None, key_id: int | None, endpoint: str, input_file_id: str,
-               completion_window: str, metadata: dict | None, total: int) -> BatchJob:
+    def create(
+        self,
+        *,
+        team_id: int | None,
+        key_id: int | None,
+        endpoint: str,
+        input_file_id: str,
+        completion_window: str,
+        metadata: dict | None,
+        total: int,
+    ) -> BatchJob:
         now = utcnow()
-        row = BatchJob(id=f"batch_{uuid.uuid4().hex[:24]}", team_id=team_id, key_id=key_id, endpoint=endpoint,
-                       input_file_id=input_file_id, completion_window=completion_window, status="validating",
-                       total=total, completed=0, failed=0, batch_metadata=metadata, created_at=now,
-                       expires_at=now + completion_window_length(completion_window))
+        row = BatchJob(
+            id=f"batch_{uuid.uuid4().hex[:24]}",
+            team_id=team_id,
+            key_id=key_id,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            status="validating",
+            total=total,
+            completed=0,
+            failed=0,
+            batch_metadata=metadata,
+            created_at=now,
+            expires_at=now + completion_window_length(completion_window),
+        )
         with self.sessions() as session, session.begin():
             session.add(row)
         return row
@@ -115,8 +146,14 @@ class BatchStore:
         now = utcnow()
         free = or_(BatchJob.runner_id.is_(None), BatchJob.runner_id == runner_id, BatchJob.lease_expires_at < now)
         with self.sessions() as session:
-            candidates = list(session.scalars(select(BatchJob.id).where(BatchJob.status.in_(ACTIVE), free)
-                                              .order_by(BatchJob.created_at, BatchJob.id).limit(8)))
+            candidates = list(
+                session.scalars(
+                    select(BatchJob.id)
+                    .where(BatchJob.status.in_(ACTIVE), free)
+                    .order_by(BatchJob.created_at, BatchJob.id)
+                    .limit(8)
+                )
+            )
         for batch_id in candidates:
             if self.renew(batch_id, runner_id, lease):
                 with self.sessions() as session:
@@ -129,14 +166,20 @@ class BatchStore:
         now = utcnow()
         free = or_(BatchJob.runner_id.is_(None), BatchJob.runner_id == runner_id, BatchJob.lease_expires_at < now)
         with self.sessions() as session, session.begin():
-            result = session.execute(update(BatchJob).where(BatchJob.id == batch_id, free)
-                                     .values(runner_id=runner_id, lease_expires_at=now + lease))
+            result = session.execute(
+                update(BatchJob)
+                .where(BatchJob.id == batch_id, free)
+                .values(runner_id=runner_id, lease_expires_at=now + lease)
+            )
             return cast(CursorResult, result).rowcount == 1
 
     def release(self, batch_id: str, runner_id: str) -> None:
         with self.sessions() as session, session.begin():
-            session.execute(update(BatchJob).where(BatchJob.id == batch_id, BatchJob.runner_id == runner_id)
-                            .values(runner_id=None, lease_expires_at=None))
+            session.execute(
+                update(BatchJob)
+                .where(BatchJob.id == batch_id, BatchJob.runner_id == runner_id)
+                .values(runner_id=None, lease_expires_at=None)
+            )
 
     def status_of(self, batch_id: str) -> str | None:
         with self.sessions() as session:
@@ -145,38 +188,59 @@ class BatchStore:
     def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...], **values: object) -> bool:
         """Move to `status` (stamping its *_at time) unless the batch has moved on meanwhile, e.g. a
         cancel that came in between."""
-        stamp = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
-                 "failed": "failed_at", "expired": "expired_at", "cancelled": "cancelled_at"}.get(status)
+        stamp = {
+            "in_progress": "in_progress_at",
+            "finalizing": "finalizing_at",
+            "completed": "completed_at",
+            "failed": "failed_at",
+            "expired": "expired_at",
+            "cancelled": "cancelled_at",
+        }.get(status)
         if stamp is not None:
             values[stamp] = utcnow()
         with self.sessions() as session, session.begin():
-            result = session.execute(update(BatchJob).where(BatchJob.id == batch_id, BatchJob.status.in_(only_from))
-                                     .values(status=status, **values))
+            result = session.execute(
+                update(BatchJob)
+                .where(BatchJob.id == batch_id, BatchJob.status.in_(only_from))
+                .values(status=status, **values)
+            )
             return cast(CursorResult, result).rowcount == 1
 
     def finished_lines(self, batch_id: str) -> set[int]:
         with self.sessions() as session:
             return set(session.scalars(select(BatchLine.line_number).where(BatchLine.batch_id == batch_id)))
 
-    def record_line(self, batch_id: str, *, line_number: int, custom_id: str | None, status_code: int,
-                    result: dict) -> bool:
+    def record_line(
+        self, batch_id: str, *, line_number: int, custom_id: str | None, status_code: int, result: dict
+    ) -> bool:
         """Keep one finished line and count it; False if that line was recorded already (it never is twice)."""
         ok = 200 <= status_code < 300
         try:
             with self.sessions() as session, session.begin():
-                session.add(BatchLine(batch_id=batch_id, line_number=line_number, custom_id=custom_id,
-                                      status_code=status_code, result=result))
+                session.add(
+                    BatchLine(
+                        batch_id=batch_id,
+                        line_number=line_number,
+                        custom_id=custom_id,
+                        status_code=status_code,
+                        result=result,
+                    )
+                )
                 session.flush()
-                session.execute(update(BatchJob).where(BatchJob.id == batch_id).values(
-                    completed=BatchJob.completed + int(ok), failed=BatchJob.failed + int(not ok)))
+                session.execute(
+                    update(BatchJob)
+                    .where(BatchJob.id == batch_id)
+                    .values(completed=BatchJob.completed + int(ok), failed=BatchJob.failed + int(not ok))
+                )
         except IntegrityError:
             return False
         return True
 
     def results(self, batch_id: str) -> list[BatchLine]:
         with self.sessions() as session:
-            return list(session.scalars(select(BatchLine).where(BatchLine.batch_id == batch_id)
-                                        .order_by(BatchLine.line_number)))
+            return list(
+                session.scalars(select(BatchLine).where(BatchLine.batch_id == batch_id).order_by(BatchLine.line_number))
+            )
 
 
 def expired(row: BatchJob, now: datetime) -> bool:

@@ -3,6 +3,7 @@
 An input line is `{"custom_id": ..., "method": "POST", "url": <the batch's endpoint>, "body": {...}}`.
 One that is not goes to the error file with its custom_id (when it has one) and an error saying why; the
 body itself is judged later, by the endpoint's own route."""
+
 from __future__ import annotations
 
 import json
@@ -67,21 +68,30 @@ def parse_line(number: int, raw: bytes, endpoint: str, seen: set[str]) -> InputL
 
 def output_line(custom_id: str | None, status_code: int, body: dict) -> dict:
     """The output file's line for a response of the endpoint (status 2xx), or the error file's for a refusal."""
-    line: dict = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id,
-                  "response": {"status_code": status_code, "request_id": body.get("id", ""), "body": body},
-                  "error": None}
+    line: dict = {
+        "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": body.get("id", ""), "body": body},
+        "error": None,
+    }
     if not 200 <= status_code < 300:
         found = body.get("error")
         error: dict = found if isinstance(found, dict) else {}
-        line["error"] = {"code": error.get("code") or error.get("type") or "request_failed",
-                         "message": error.get("message") or f"The request failed with status {status_code}."}
+        line["error"] = {
+            "code": error.get("code") or error.get("type") or "request_failed",
+            "message": error.get("message") or f"The request failed with status {status_code}.",
+        }
     return line
 
 
 def error_line(custom_id: str | None, code: str, message: str) -> dict:
     """The error file's line for a request that never ran (malformed, cancelled, expired)."""
-    return {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 def encode(line: dict) -> bytes:

@@ -8,6 +8,7 @@ batch does the same and ends `expired`. Lines that never ran go to the error fil
 
 A runner holds a lease on the batch it runs (renewed while it runs, released when it stops), so replicas
 sharing the database never run one batch at once; one that was killed lets go when its lease runs out."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,9 @@ def batch_principal(sessions: sessionmaker[Session], key_id: int | None) -> KeyP
     if key_id is None:
         return None
     with sessions() as session:
-        found = session.execute(select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id)
-                                .where(ApiKey.id == key_id)).first()
+        found = session.execute(
+            select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id).where(ApiKey.id == key_id)
+        ).first()
     if found is None:
         return None
     principal = principal_of(*found)
@@ -55,8 +57,16 @@ def batch_principal(sessions: sessionmaker[Session], key_id: int | None) -> KeyP
 
 
 class BatchRunner:
-    def __init__(self, app: ASGIApp, *, jobs: BatchStore, files: FileStore, max_in_flight: int,
-                 poll_s: float = 1.0, lease_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        jobs: BatchStore,
+        files: FileStore,
+        max_in_flight: int,
+        poll_s: float = 1.0,
+        lease_s: float = 30.0,
+    ) -> None:
         self.app = app
         self.runner_id = f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:12]}"  # this process, for the lease
         self.lease = timedelta(seconds=lease_s)
@@ -141,8 +151,7 @@ class BatchRunner:
         if not lost.is_set():
             await self.finish(job, lines)
 
-    async def feed(self, job: BatchJob, lines: list[InputLine], principal: KeyPrincipal,
-                   lost: asyncio.Event) -> None:
+    async def feed(self, job: BatchJob, lines: list[InputLine], principal: KeyPrincipal, lost: asyncio.Event) -> None:
         """Runs the lines not yet finished, at most max_in_flight at once, until they are all done or the
         batch is cancelled or expires."""
         done = await run_in_threadpool(self.jobs.finished_lines, job.id)
@@ -183,8 +192,14 @@ class BatchRunner:
         else:
             status, body = await dispatch(self.app, job.endpoint, line.body, principal)
             result = output_line(line.custom_id, status, body)
-        await run_in_threadpool(self.jobs.record_line, job.id, line_number=line.number, custom_id=line.custom_id,
-                                status_code=status, result=result)
+        await run_in_threadpool(
+            self.jobs.record_line,
+            job.id,
+            line_number=line.number,
+            custom_id=line.custom_id,
+            status_code=status,
+            result=result,
+        )
 
     async def finish(self, job: BatchJob, lines: list[InputLine]) -> None:
         """Write the output and error files and end the batch: completed, or cancelled / expired with the
@@ -193,7 +208,11 @@ class BatchRunner:
         if status == "cancelling" or job.id in self.cancelled:
             final, code, why = "cancelled", "batch_cancelled", "The batch was cancelled before this request ran."
         elif status == "in_progress" and expired(job, utcnow()):
-            final, code, why = "expired", "batch_expired", "The batch's completion window ended before this request ran."
+            final, code, why = (
+                "expired",
+                "batch_expired",
+                "The batch's completion window ended before this request ran.",
+            )
         else:
             final, code, why = "completed", "", ""
         await run_in_threadpool(self.write_results, job, lines, final, code, why)
@@ -206,21 +225,32 @@ class BatchRunner:
             done = self.jobs.finished_lines(job.id)
             for line in lines:
                 if line.number not in done:
-                    self.jobs.record_line(job.id, line_number=line.number, custom_id=line.custom_id, status_code=499,
-                                          result=error_line(line.custom_id, code, why))
+                    self.jobs.record_line(
+                        job.id,
+                        line_number=line.number,
+                        custom_id=line.custom_id,
+                        status_code=499,
+                        result=error_line(line.custom_id, code, why),
+                    )
         results = self.jobs.results(job.id)
         outputs = [encode(r.result) for r in results if 200 <= r.status_code < 300]
         errors = [encode(r.result) for r in results if not 200 <= r.status_code < 300]
         values: dict[str, object] = {"total": len(lines)}
         if outputs:
-            values["output_file_id"] = self.files.write(team_id=job.team_id, purpose="batch_output",
-                                                        filename=f"{job.id}_output.jsonl", lines=outputs).id
+            values["output_file_id"] = self.files.write(
+                team_id=job.team_id, purpose="batch_output", filename=f"{job.id}_output.jsonl", lines=outputs
+            ).id
         if errors:
-            values["error_file_id"] = self.files.write(team_id=job.team_id, purpose="batch_output",
-                                                       filename=f"{job.id}_error.jsonl", lines=errors).id
+            values["error_file_id"] = self.files.write(
+                team_id=job.team_id, purpose="batch_output", filename=f"{job.id}_error.jsonl", lines=errors
+            ).id
         self.jobs.set_status(job.id, final, only_from=("in_progress", "finalizing", "cancelling"), **values)
 
     async def fail(self, job: BatchJob, code: str, message: str) -> None:
-        await run_in_threadpool(self.jobs.set_status, job.id, "failed",
-                                only_from=("validating", "in_progress", "finalizing", "cancelling"),
-                                errors=[{"code": code, "message": message, "param": None, "line": None}])
+        await run_in_threadpool(
+            self.jobs.set_status,
+            job.id,
+            "failed",
+            only_from=("validating", "in_progress", "finalizing", "cancelling"),
+            errors=[{"code": code, "message": message, "param": None, "line": None}],
+        )

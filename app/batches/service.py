@@ -1,4 +1,5 @@
 """What the /v1/files and /v1/batches routes share with the runner: the stores, the limits, the runner."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 Settings come from the environment (TOKENMILL_DATABASE_URL, TOKENMILL_DATA_DIR) or --database-url /
 --data-dir. Migrations run first, so the commands work on an empty database too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,13 @@ def parse_expiry(text: str | None) -> datetime | None:
 
 
 def _limits(args: argparse.Namespace) -> dict:
-    limits = {"rpm_limit": args.rpm, "tpm_limit": args.tpm, "max_budget_usd": args.budget,
-              "budget_period": args.period, "expires_at": parse_expiry(args.expires)}
+    limits = {
+        "rpm_limit": args.rpm,
+        "tpm_limit": args.tpm,
+        "max_budget_usd": args.budget,
+        "budget_period": args.period,
+        "expires_at": parse_expiry(args.expires),
+    }
     if args.models is not None:
         limits["allowed_models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     return {k: v for k, v in limits.items() if v is not None}
@@ -82,13 +88,15 @@ def _team_named(session, name: str):
 
 # teams
 
+
 def teams_create(args: argparse.Namespace) -> int:
     _, sessions = _open(args)
     with sessions() as session:
         try:
             share = {"scheduling_weight": args.weight, "cache_group": args.cache_group}
-            team = crud.create_team(session, name=args.name, **_limits(args),
-                                    **{k: v for k, v in share.items() if v is not None})
+            team = crud.create_team(
+                session, name=args.name, **_limits(args), **{k: v for k, v in share.items() if v is not None}
+            )
         except (crud.Conflict, ValueError) as error:
             return _fail(str(error))
         session.commit()
@@ -102,8 +110,18 @@ def teams_list(args: argparse.Namespace) -> int:
     with sessions() as session:
         while True:
             page = crud.list_teams(session, limit=1000, after=after)
-            rows += [{"id": t.id, "name": t.name, "models": ",".join(t.allowed_models) or "*", "rpm": t.rpm_limit,
-                      "tpm": t.tpm_limit, "budget_usd": t.max_budget_usd, "period": t.budget_period} for t in page]
+            rows += [
+                {
+                    "id": t.id,
+                    "name": t.name,
+                    "models": ",".join(t.allowed_models) or "*",
+                    "rpm": t.rpm_limit,
+                    "tpm": t.tpm_limit,
+                    "budget_usd": t.max_budget_usd,
+                    "period": t.budget_period,
+                }
+                for t in page
+            ]
             if len(page) < 1000:
                 break
             after = page[-1].id
@@ -112,6 +130,7 @@ def teams_list(args: argparse.Namespace) -> int:
 
 
 # keys
+
 
 def keys_create(args: argparse.Namespace) -> int:
     _, sessions = _open(args)
@@ -122,8 +141,10 @@ def keys_create(args: argparse.Namespace) -> int:
         except (LookupError, ValueError) as error:
             return _fail(str(error))
         session.commit()
-        print(f"created key {key.key_prefix}... (id {key.id}) for team {team.name!r}; "
-              "shown once, store it now:", file=sys.stderr)
+        print(
+            f"created key {key.key_prefix}... (id {key.id}) for team {team.name!r}; shown once, store it now:",
+            file=sys.stderr,
+        )
         print(plaintext)
     return 0
 
@@ -139,9 +160,18 @@ def keys_list(args: argparse.Namespace) -> int:
         names = {t.id: t.name for t in crud.list_teams(session, limit=100_000)}
         while True:
             page = crud.list_keys(session, team_id=team_id, include_revoked=args.all, limit=1000, after=after)
-            rows += [{"id": k.id, "prefix": k.key_prefix, "team": names.get(k.team_id, k.team_id), "name": k.name,
-                      "expires": k.expires_at, "revoked": "yes" if k.revoked_at else "",
-                      "last_used": k.last_used_at} for k in page]
+            rows += [
+                {
+                    "id": k.id,
+                    "prefix": k.key_prefix,
+                    "team": names.get(k.team_id, k.team_id),
+                    "name": k.name,
+                    "expires": k.expires_at,
+                    "revoked": "yes" if k.revoked_at else "",
+                    "last_used": k.last_used_at,
+                }
+                for k in page
+            ]
             if len(page) < 1000:
                 break
             after = page[-1].id
@@ -170,6 +200,7 @@ def keys_revoke(args: argparse.Namespace) -> int:
 
 # usage
 
+
 def usage(args: argparse.Namespace) -> int:
     _, sessions = _open(args)
     try:
@@ -184,8 +215,7 @@ def usage(args: argparse.Namespace) -> int:
                 team_id = _team_named(session, args.team).id
             except LookupError as error:
                 return _fail(str(error))
-        rows = usage_report(session, group_by=group_by, team_id=team_id, model=args.model, since=since,
-                            until=until)
+        rows = usage_report(session, group_by=group_by, team_id=team_id, model=args.model, since=since, until=until)
     if args.csv:
         sys.stdout.write(to_csv(rows, group_by))
     else:
@@ -197,7 +227,9 @@ def _teams_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = sub.add_parser("create", help="create a team")
     create.add_argument("name")
-    create.add_argument("--weight", type=float, default=None, help="share of the engine against other teams (default 1)")
+    create.add_argument(
+        "--weight", type=float, default=None, help="share of the engine against other teams (default 1)"
+    )
     create.add_argument("--cache-group", default=None, help="teams in one group reuse each other's cached prompts")
     _limit_arguments(create)
     _store_arguments(create)

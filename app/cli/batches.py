@@ -1,5 +1,6 @@
 """`tokenmill batches list|show|cancel`: every team's batches from a shell, against the server's database.
 A cancel here is seen by the running server within a second; it stops feeding and writes the partial output."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,21 @@ def batches_list(args: argparse.Namespace) -> int:
         query = query.where(BatchJob.status == args.status)
     with sessions() as session:
         rows = session.execute(query.order_by(BatchJob.created_at.desc(), BatchJob.id.desc()).limit(args.limit)).all()
-    _table([{"id": job.id, "team": team, "status": job.status, "endpoint": job.endpoint,
-             "done": f"{job.completed + job.failed}/{job.total}", "failed": job.failed,
-             "created": job.created_at.isoformat(timespec="seconds")} for job, team in rows],
-           ["id", "team", "status", "endpoint", "done", "failed", "created"])
+    _table(
+        [
+            {
+                "id": job.id,
+                "team": team,
+                "status": job.status,
+                "endpoint": job.endpoint,
+                "done": f"{job.completed + job.failed}/{job.total}",
+                "failed": job.failed,
+                "created": job.created_at.isoformat(timespec="seconds"),
+            }
+            for job, team in rows
+        ],
+        ["id", "team", "status", "endpoint", "done", "failed", "created"],
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
 """`tokenmill` command line. A subcommand is a `Command` in COMMANDS: a name, its flags and what it runs."""
+
 from __future__ import annotations
 
 import argparse

@@ -5,6 +5,7 @@ the server (TOKENMILL_URL or --url, with the admin key), not to the database: th
 at once, a registration is checked by the same code and on the same machine that will load the
 weights, and aliases and prices apply to the next request. Registrations persist in the database.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,17 @@ import httpx
 from app.registry.spec import DEFAULT_SOURCE
 
 TIMEOUT_S = 600.0  # a first load of a GGUF converts it
-DEFAULT_HELP = ("a sampling default for requests that leave the field out, e.g. temperature=0.2 or "
-                "max_tokens=512 (temperature, top_p, top_k, min_p, repetition/presence/frequency_penalty, "
-                "max_tokens; repeat for more)")
+DEFAULT_HELP = (
+    "a sampling default for requests that leave the field out, e.g. temperature=0.2 or "
+    "max_tokens=512 (temperature, top_p, top_k, min_p, repetition/presence/frequency_penalty, "
+    "max_tokens; repeat for more)"
+)
 
 
 def _server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=None,
-                        help="the server [env TOKENMILL_URL; default http://TOKENMILL_HOST:TOKENMILL_PORT]")
+    parser.add_argument(
+        "--url", default=None, help="the server [env TOKENMILL_URL; default http://TOKENMILL_HOST:TOKENMILL_PORT]"
+    )
     parser.add_argument("--admin-key", default=None, help="[env TOKENMILL_ADMIN_KEY]")
 
 
@@ -44,8 +48,7 @@ def _call(args: argparse.Namespace, method: str, path: str, **kwargs) -> dict | 
         return None
     url = f"{_base_url(args)}/admin/api{path}"
     try:
-        response = httpx.request(method, url, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S,
-                                 **kwargs)
+        response = httpx.request(method, url, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT_S, **kwargs)
     except httpx.HTTPError as error:
         print(f"tokenmill: cannot reach the server at {_base_url(args)}: {error}", file=sys.stderr)
         return None
@@ -63,11 +66,17 @@ COLUMNS = ["name", "kind", "state", "aliases", "price_in_out_per_1m", "defaults"
 def _print_models(models: list[dict]) -> None:
     from app.cli.admin import _table
 
-    rows = [{**model, "aliases": ",".join(model["aliases"]),
-             "price_in_out_per_1m": "" if model.get("price") is None
-             else f"${model['price']['input_per_1m']:g} / ${model['price']['output_per_1m']:g}",
-             "defaults": " ".join(f"{name}={value:g}" for name, value in model.get("sampling_defaults", {}).items())}
-            for model in models]
+    rows = [
+        {
+            **model,
+            "aliases": ",".join(model["aliases"]),
+            "price_in_out_per_1m": ""
+            if model.get("price") is None
+            else f"${model['price']['input_per_1m']:g} / ${model['price']['output_per_1m']:g}",
+            "defaults": " ".join(f"{name}={value:g}" for name, value in model.get("sampling_defaults", {}).items()),
+        }
+        for model in models
+    ]
     _table(rows, COLUMNS)
 
 
@@ -81,11 +90,21 @@ def models_list(args: argparse.Namespace) -> int:
 
 def models_add(args: argparse.Namespace) -> int:
     path = args.path if args.path == DEFAULT_SOURCE else str(Path(args.path).expanduser().resolve())
-    fields = {"name": args.name, "path": path, "kind": args.kind, "aliases": args.alias or [],
-              "load": args.load, "enabled": not args.disabled}
-    for field, value in (("price_input_per_1m", args.price_in), ("price_cached_input_per_1m", args.price_cached_in),
-                         ("price_output_per_1m", args.price_out), ("dtype", args.dtype),
-                         ("max_model_len", args.max_model_len)):
+    fields = {
+        "name": args.name,
+        "path": path,
+        "kind": args.kind,
+        "aliases": args.alias or [],
+        "load": args.load,
+        "enabled": not args.disabled,
+    }
+    for field, value in (
+        ("price_input_per_1m", args.price_in),
+        ("price_cached_input_per_1m", args.price_cached_in),
+        ("price_output_per_1m", args.price_out),
+        ("dtype", args.dtype),
+        ("max_model_len", args.max_model_len),
+    ):
         if value is not None:
             fields[field] = value
     if args.engine_setting:
@@ -130,8 +149,9 @@ def _setting(text: str) -> tuple[str, object]:
 def _action(method: str, suffix: str = "", **json_body) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         params = {"wait": "true"} if getattr(args, "wait", False) else None
-        body = _call(args, method, f"/models/{args.name}{suffix}", params=params,
-                     **({"json": json_body} if json_body else {}))
+        body = _call(
+            args, method, f"/models/{args.name}{suffix}", params=params, **({"json": json_body} if json_body else {})
+        )
         if body is None:
             return 1
         if body.get("deleted"):
@@ -139,6 +159,7 @@ def _action(method: str, suffix: str = "", **json_body) -> Callable[[argparse.Na
         else:
             _print_models([body])
         return 0
+
     return run
 
 
@@ -154,25 +175,29 @@ def _models_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--price-out", type=float, default=None, help="USD per 1M output tokens")
     add.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     add.add_argument("--max-model-len", type=int, default=None)
-    add.add_argument("--engine-setting", action="append", metavar="NAME=VALUE",
-                     help="e.g. num_kv_blocks=256 or max_num_seqs=16 (repeat for more)")
+    add.add_argument(
+        "--engine-setting",
+        action="append",
+        metavar="NAME=VALUE",
+        help="e.g. num_kv_blocks=256 or max_num_seqs=16 (repeat for more)",
+    )
     add.add_argument("--default", action="append", metavar="NAME=VALUE", help=DEFAULT_HELP)
     add.add_argument("--disabled", action="store_true", help="register it disabled")
     add.add_argument("--load", action="store_true", help="load it now")
     add.set_defaults(run=models_add)
     update = sub.add_parser("update", help="change a model's sampling defaults (they apply to the next request)")
     update.add_argument("name")
-    update.add_argument("--default", action="append", metavar="NAME=VALUE",
-                        help=DEFAULT_HELP + "; NAME=none drops one")
+    update.add_argument("--default", action="append", metavar="NAME=VALUE", help=DEFAULT_HELP + "; NAME=none drops one")
     update.set_defaults(run=models_update)
     listing = sub.add_parser("list", help="registered models and their state on the server")
     listing.set_defaults(run=models_list)
     for name, help_text, run in (
-            ("load", "load a model on the server", _action("POST", "/load")),
-            ("unload", "unload a model (requests in flight finish first)", _action("POST", "/unload")),
-            ("enable", "let a model be loaded and served", _action("PATCH", enabled=True)),
-            ("disable", "stop serving a model (it is unloaded)", _action("PATCH", enabled=False)),
-            ("remove", "unload and delete a registration", _action("DELETE"))):
+        ("load", "load a model on the server", _action("POST", "/load")),
+        ("unload", "unload a model (requests in flight finish first)", _action("POST", "/unload")),
+        ("enable", "let a model be loaded and served", _action("PATCH", enabled=True)),
+        ("disable", "stop serving a model (it is unloaded)", _action("PATCH", enabled=False)),
+        ("remove", "unload and delete a registration", _action("DELETE")),
+    ):
         action = sub.add_parser(name, help=help_text)
         action.add_argument("name")
         if name == "unload":
@@ -188,5 +213,4 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def commands() -> list[tuple]:
     """(name, help, add_arguments, run) for app.cli.main's COMMANDS."""
-    return [("models", "register, list, load and unload models (on the running server)", _models_arguments,
-             _dispatch)]
+    return [("models", "register, list, load and unload models (on the running server)", _models_arguments, _dispatch)]

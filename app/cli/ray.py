@@ -9,6 +9,7 @@ share state only through the database and Redis, so both should be set: without 
 keeps its own SQLite file and its own rate-limit counters. SIGTERM or Ctrl-C drains (requests in flight
 finish, new ones get 503 shutting_down), then the replicas flush their usage and stop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,15 @@ if TYPE_CHECKING:
 def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("replicas on Ray Serve (needs the `ray` extra)")
     group.add_argument("--ray", action="store_true", help="run replicas on Ray Serve behind one ingress")
-    group.add_argument("--replicas", type=int, help="a fixed number of replicas (sets --min-replicas and --max-replicas)")
-    group.add_argument("--router", default="prefix", choices=("prefix", "round-robin"),
-                       help="prefix-aware routing (default) or replicas in turn")
+    group.add_argument(
+        "--replicas", type=int, help="a fixed number of replicas (sets --min-replicas and --max-replicas)"
+    )
+    group.add_argument(
+        "--router",
+        default="prefix",
+        choices=("prefix", "round-robin"),
+        help="prefix-aware routing (default) or replicas in turn",
+    )
     group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     group.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
 
@@ -56,10 +63,16 @@ def serve_on_ray(settings: Settings, args: argparse.Namespace, store: PreparedSt
 
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    serve.run(build_application(settings, router=args.router, replica_cpus=args.replica_cpus),
-              name="tokenmill", route_prefix="/")
-    print(f"tokenmill: serving at {settings.base_url} on Ray Serve ({settings.min_replicas}..{settings.max_replicas}"
-          f" replicas, {args.router} routing)", flush=True)
+    serve.run(
+        build_application(settings, router=args.router, replica_cpus=args.replica_cpus),
+        name="tokenmill",
+        route_prefix="/",
+    )
+    print(
+        f"tokenmill: serving at {settings.base_url} on Ray Serve ({settings.min_replicas}..{settings.max_replicas}"
+        f" replicas, {args.router} routing)",
+        flush=True,
+    )
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

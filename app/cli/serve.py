@@ -1,4 +1,5 @@
 """`tokenmill serve`: the OpenAI-compatible server in this process, or on Ray Serve with --ray."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,14 @@ def serve(args: argparse.Namespace) -> int:
             deliver_admin_key(store.created_admin_key, settings.data_dir)
         # proxy_headers=False: uvicorn would believe X-Forwarded-For from 127.0.0.1; the app itself trusts
         # only --forwarded-allow-ips.
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, proxy_headers=False)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            proxy_headers=False,
+        )
     finally:
         engine.shutdown()
     return 0

@@ -1,4 +1,5 @@
 """/admin/batches: every team's batches (Batch API), newest first, with their progress; cancel one."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -19,8 +20,14 @@ ERRORS = {"not_found": "No such batch.", "not_cancellable": "That batch has alre
 
 
 @router.get("/admin/batches", include_in_schema=False)
-def list_batches(request: Request, session: PageSession, dashboard: DashboardDep, team: int | None = None,
-                 after: str | None = None, error: str | None = None) -> Response:
+def list_batches(
+    request: Request,
+    session: PageSession,
+    dashboard: DashboardDep,
+    team: int | None = None,
+    after: str | None = None,
+    error: str | None = None,
+) -> Response:
     query = select(BatchJob, Team.name).outerjoin(Team, Team.id == BatchJob.team_id)
     if team is not None:
         query = query.where(BatchJob.team_id == team)
@@ -30,9 +37,18 @@ def list_batches(request: Request, session: PageSession, dashboard: DashboardDep
             query = query.where(tuple_(BatchJob.created_at, BatchJob.id) < tuple_(cursor.created_at, cursor.id))
         rows = db.execute(query.order_by(BatchJob.created_at.desc(), BatchJob.id.desc()).limit(PAGE_SIZE + 1)).all()
     batches = [{"job": job, "team": name, "done": job.completed + job.failed} for job, name in rows[:PAGE_SIZE]]
-    return render(request, "batches.html", session, section="batches", batches=batches, team=team, after=after,
-                  next_after=rows[PAGE_SIZE - 1][0].id if len(rows) > PAGE_SIZE else None,
-                  cancellable=CANCELLABLE, error=ERRORS.get(error or ""))
+    return render(
+        request,
+        "batches.html",
+        session,
+        section="batches",
+        batches=batches,
+        team=team,
+        after=after,
+        next_after=rows[PAGE_SIZE - 1][0].id if len(rows) > PAGE_SIZE else None,
+        cancellable=CANCELLABLE,
+        error=ERRORS.get(error or ""),
+    )
 
 
 @router.post("/admin/batches/{batch_id}/cancel", include_in_schema=False)

@@ -1,5 +1,6 @@
 """The dashboard's dependencies: its state on app.state.dashboard, the admin session a page or a data
 call needs (pages redirect to the login, data calls answer 401) and the CSRF check on every POST."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,8 +53,7 @@ def current_session(request: Request, dashboard: DashboardDep) -> AdminSession |
     return session if session is not None and dashboard.session_store.is_open(session) else None
 
 
-def page_session(request: Request, session: Annotated[AdminSession | None, Depends(current_session)]
-                 ) -> AdminSession:
+def page_session(request: Request, session: Annotated[AdminSession | None, Depends(current_session)]) -> AdminSession:
     if session is None:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise LoginRequired(path)

@@ -1,4 +1,5 @@
 """/admin/keys: every key (keyset pages, by team), create (the key is shown once), edit limits, revoke."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -24,14 +25,30 @@ def team_names(session, team_ids: set[int]) -> dict[int, str]:
 
 
 @router.get("/admin/keys", include_in_schema=False)
-def list_keys(request: Request, session: PageSession, dashboard: DashboardDep, after: int | None = None,
-              team_id: int | None = None, revoked: bool = False) -> Response:
+def list_keys(
+    request: Request,
+    session: PageSession,
+    dashboard: DashboardDep,
+    after: int | None = None,
+    team_id: int | None = None,
+    revoked: bool = False,
+) -> Response:
     with dashboard.gateway.sessions() as db:
         keys = list(crud.list_keys(db, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1, after=after))
         names = team_names(db, {key.team_id for key in keys})
-    return render(request, "keys.html", session, section="keys", keys=keys[:PAGE_SIZE], team_names=names,
-                  next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None, after=after,
-                  team_id=team_id, revoked=revoked, back=str(request.url.path))
+    return render(
+        request,
+        "keys.html",
+        session,
+        section="keys",
+        keys=keys[:PAGE_SIZE],
+        team_names=names,
+        next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None,
+        after=after,
+        team_id=team_id,
+        revoked=revoked,
+        back=str(request.url.path),
+    )
 
 
 @router.post("/admin/keys", include_in_schema=False)
@@ -49,20 +66,37 @@ def create_key(request: Request, session: PageSession, dashboard: DashboardDep, 
 
 
 @router.get("/admin/keys/{key_id}", include_in_schema=False)
-def show_key(request: Request, key_id: int, session: PageSession, dashboard: DashboardDep,
-             done: str | None = None, error: str | None = None, status_code: int = 200) -> Response:
+def show_key(
+    request: Request,
+    key_id: int,
+    session: PageSession,
+    dashboard: DashboardDep,
+    done: str | None = None,
+    error: str | None = None,
+    status_code: int = 200,
+) -> Response:
     with dashboard.gateway.sessions() as db:
         key = crud.get_key(db, key_id=key_id)
         team = crud.get_team(db, team_id=key.team_id) if key is not None else None
     if key is None:
         return render(request, "error.html", session, status_code=404, message=f"No key with id {key_id}.")
-    return render(request, "key.html", session, section="keys", key=key, team=team, error=error,
-                  notice="Key saved." if done == "saved" else None, status_code=status_code)
+    return render(
+        request,
+        "key.html",
+        session,
+        section="keys",
+        key=key,
+        team=team,
+        error=error,
+        notice="Key saved." if done == "saved" else None,
+        status_code=status_code,
+    )
 
 
 @router.post("/admin/keys/{key_id}", include_in_schema=False)
-def update_key(request: Request, key_id: int, session: PageSession, dashboard: DashboardDep,
-               form: CheckedForm) -> Response:
+def update_key(
+    request: Request, key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm
+) -> Response:
     try:
         body = body_from(form, KeyUpdate, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:

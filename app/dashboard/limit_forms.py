@@ -1,4 +1,5 @@
 """Team and key forms -> the admin API's bodies. An empty field means "no limit"; pydantic validates."""
+
 from __future__ import annotations
 
 import re

@@ -4,6 +4,7 @@ per token over any window come from the two snapshots at its ends. 15 minutes ar
 
 Real cost: the machine costs `hardware_cost_per_hour` whether it is busy or not, so what a token costs
 is that cost over the window divided by the tokens generated in it. Batch occupancy moves it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,7 @@ MINUTE_S = 60.0  # latency percentiles, hit rate and cost "now"
 @dataclass(frozen=True)
 class ModelSource:
     """One served model as the dashboard sees it. A model registry adds more of these."""
+
     name: str
     stats: Callable[[], EngineStats]
     ttft: Callable[[], HistogramCounts] = HistogramCounts.empty
@@ -84,30 +86,55 @@ def latencies(older: Snapshot, newer: Snapshot, cost_per_hour: float) -> dict:
     itl = newer.inter_token.since(older.inter_token)
     seconds = newer.at - older.at
     return {
-        "ttft_p50": quantile(0.5, ttft), "ttft_p99": quantile(0.99, ttft),
-        "itl_p50": quantile(0.5, itl), "itl_p99": quantile(0.99, itl),
-        "prefix_hit_rate": _ratio(b.prefix_cache_hits - a.prefix_cache_hits,
-                                  b.prefix_cache_queries - a.prefix_cache_queries),
-        "cost_per_1m_out": cost_per_million(cost_per_hour, seconds,
-                                            b.generation_tokens_total - a.generation_tokens_total),
+        "ttft_p50": quantile(0.5, ttft),
+        "ttft_p99": quantile(0.99, ttft),
+        "itl_p50": quantile(0.5, itl),
+        "itl_p99": quantile(0.99, itl),
+        "prefix_hit_rate": _ratio(
+            b.prefix_cache_hits - a.prefix_cache_hits, b.prefix_cache_queries - a.prefix_cache_queries
+        ),
+        "cost_per_1m_out": cost_per_million(
+            cost_per_hour, seconds, b.generation_tokens_total - a.generation_tokens_total
+        ),
     }
 
 
 def gauges(stats: EngineStats) -> dict:
     return {
-        "running": stats.num_running, "waiting": stats.num_waiting, "swapped": stats.num_swapped,
-        "max_num_seqs": stats.max_num_seqs, "max_num_batched_tokens": stats.max_num_batched_tokens,
-        "seqs_last_step": stats.scheduled_seqs_last_step, "tokens_last_step": stats.scheduled_tokens_last_step,
-        "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
-        "kv_usage_now": stats.kv_usage, "preemptions": stats.num_preemptions,
-        "preemptions_recompute": stats.num_preemptions_recompute, "preemptions_swap": stats.num_preemptions_swap,
-        "prompt_tokens_total": stats.prompt_tokens_total, "generation_tokens_total": stats.generation_tokens_total,
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
+        "swapped": stats.num_swapped,
+        "max_num_seqs": stats.max_num_seqs,
+        "max_num_batched_tokens": stats.max_num_batched_tokens,
+        "seqs_last_step": stats.scheduled_seqs_last_step,
+        "tokens_last_step": stats.scheduled_tokens_last_step,
+        "kv_blocks_used": stats.kv_blocks_used,
+        "kv_blocks_total": stats.kv_blocks_total,
+        "kv_usage_now": stats.kv_usage,
+        "preemptions": stats.num_preemptions,
+        "preemptions_recompute": stats.num_preemptions_recompute,
+        "preemptions_swap": stats.num_preemptions_swap,
+        "prompt_tokens_total": stats.prompt_tokens_total,
+        "generation_tokens_total": stats.generation_tokens_total,
     }
 
 
-SERIES_FIELDS = ("running", "waiting", "swapped", "seq_occupancy", "token_occupancy", "kv_usage",
-                 "tokens_in_per_s", "tokens_out_per_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
-                 "prefix_hit_rate", "cost_per_1m_out")
+SERIES_FIELDS = (
+    "running",
+    "waiting",
+    "swapped",
+    "seq_occupancy",
+    "token_occupancy",
+    "kv_usage",
+    "tokens_in_per_s",
+    "tokens_out_per_s",
+    "ttft_p50",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "prefix_hit_rate",
+    "cost_per_1m_out",
+)
 
 
 def _utc_day(unix: float) -> str:
@@ -131,9 +158,15 @@ class ModelHistory:
 
 
 class LiveSampler:
-    def __init__(self, sources: Callable[[], list[ModelSource]], *, hardware_cost_per_hour: float = 0.0,
-                 interval_s: float = 1.0, history_s: float = HISTORY_S, clock: Callable[[], float] = time.time
-                 ) -> None:
+    def __init__(
+        self,
+        sources: Callable[[], list[ModelSource]],
+        *,
+        hardware_cost_per_hour: float = 0.0,
+        interval_s: float = 1.0,
+        history_s: float = HISTORY_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.sources = sources
         self.hardware_cost_per_hour = hardware_cost_per_hour
         self.interval_s = interval_s
@@ -157,13 +190,18 @@ class LiveSampler:
             previous = history.snapshots[-1] if history.snapshots else None
             history.snapshots.append(snapshot)
             if history.day_start is None or _utc_day(history.day_start.at) != _utc_day(now):
-                history.day_start = previous if previous is not None and _utc_day(previous.at) == _utc_day(now) \
-                    else snapshot
+                history.day_start = (
+                    previous if previous is not None and _utc_day(previous.at) == _utc_day(now) else snapshot
+                )
             if previous is not None:
-                point = {"t": now, **rates(previous, snapshot),
-                         **latencies(history.back(MINUTE_S), snapshot, self.hardware_cost_per_hour),
-                         "running": snapshot.stats.num_running, "waiting": snapshot.stats.num_waiting,
-                         "swapped": snapshot.stats.num_swapped}
+                point = {
+                    "t": now,
+                    **rates(previous, snapshot),
+                    **latencies(history.back(MINUTE_S), snapshot, self.hardware_cost_per_hour),
+                    "running": snapshot.stats.num_running,
+                    "waiting": snapshot.stats.num_waiting,
+                    "swapped": snapshot.stats.num_swapped,
+                }
                 history.points.append(point)
 
     def current(self, name: str) -> dict:
@@ -175,15 +213,19 @@ class LiveSampler:
         day_tokens = latest.stats.generation_tokens_total - day_start.stats.generation_tokens_total
         day_tokens_all = day_tokens + latest.stats.prompt_tokens_total - day_start.stats.prompt_tokens_total
         minute = history.back(MINUTE_S)
-        minute_tokens_all = (latest.stats.generation_tokens_total - minute.stats.generation_tokens_total
-                             + latest.stats.prompt_tokens_total - minute.stats.prompt_tokens_total)
+        minute_tokens_all = (
+            latest.stats.generation_tokens_total
+            - minute.stats.generation_tokens_total
+            + latest.stats.prompt_tokens_total
+            - minute.stats.prompt_tokens_total
+        )
         return {
-            "name": name, "at": latest.at,
+            "name": name,
+            "at": latest.at,
             **gauges(latest.stats),
             **rates(history.back(RECENT_S), latest),
             **latencies(minute, latest, self.hardware_cost_per_hour),
-            "cost_per_1m_all": cost_per_million(self.hardware_cost_per_hour, latest.at - minute.at,
-                                                minute_tokens_all),
+            "cost_per_1m_all": cost_per_million(self.hardware_cost_per_hour, latest.at - minute.at, minute_tokens_all),
             "today_since": day_start.at,
             "today_tokens_out": day_tokens,
             "today_cost_usd": self.hardware_cost_per_hour * day_seconds / 3600,
@@ -203,10 +245,13 @@ class LiveSampler:
         if not self.models:
             self.sample()
         return {
-            "now": self.clock(), "interval_s": self.interval_s, "history_s": self.history_s,
+            "now": self.clock(),
+            "interval_s": self.interval_s,
+            "history_s": self.history_s,
             "hardware_cost_per_hour": self.hardware_cost_per_hour,
-            "models": [{"current": self.current(name), "series": self.series(name, after=after)}
-                       for name in self.models],
+            "models": [
+                {"current": self.current(name), "series": self.series(name, after=after)} for name in self.models
+            ],
         }
 
     # the background task, started and stopped with the app

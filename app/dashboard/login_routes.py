@@ -1,5 +1,6 @@
 """/admin/login and /admin/logout. The admin key buys a signed, HttpOnly, SameSite=Strict session
 cookie that expires; the login form carries its own CSRF token (double submit) before a session exists."""
+
 from __future__ import annotations
 
 from typing import Annotated
@@ -22,19 +23,38 @@ def _secure(request: Request) -> bool:
     return request.app.state.context.settings.secure_cookies or request.url.scheme == "https"
 
 
-def login_page(request: Request, dashboard, *, next_path: str, error: str | None = None,
-               status_code: int = 200) -> Response:
+def login_page(
+    request: Request, dashboard, *, next_path: str, error: str | None = None, status_code: int = 200
+) -> Response:
     token, cookie = dashboard.signer.login_token()
-    response = render(request, "login.html", None, status_code=status_code, login_token=token,
-                      next_path=safe_next(next_path), error=error)
-    response.set_cookie(LOGIN_COOKIE, cookie, max_age=3600, path="/admin/login", httponly=True, samesite="strict",
-                        secure=_secure(request))
+    response = render(
+        request,
+        "login.html",
+        None,
+        status_code=status_code,
+        login_token=token,
+        next_path=safe_next(next_path),
+        error=error,
+    )
+    response.set_cookie(
+        LOGIN_COOKIE,
+        cookie,
+        max_age=3600,
+        path="/admin/login",
+        httponly=True,
+        samesite="strict",
+        secure=_secure(request),
+    )
     return response
 
 
 @router.get("/admin/login", include_in_schema=False)
-def show_login(request: Request, dashboard: DashboardDep,
-               session: Annotated[AdminSession | None, Depends(current_session)], next: str = "/admin") -> Response:
+def show_login(
+    request: Request,
+    dashboard: DashboardDep,
+    session: Annotated[AdminSession | None, Depends(current_session)],
+    next: str = "/admin",
+) -> Response:
     if session is not None:
         return RedirectResponse(safe_next(next), status_code=303)
     return login_page(request, dashboard, next_path=next)
@@ -45,23 +65,35 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
     form = await read_form(request)
     next_path = safe_next(form.get("next"))
     if not dashboard.signer.login_token_ok(request.cookies.get(LOGIN_COOKIE), form.get("csrf_token")):
-        return login_page(request, dashboard, next_path=next_path, status_code=403,
-                          error="The form expired or was not ours. Please try again.")
+        return login_page(
+            request,
+            dashboard,
+            next_path=next_path,
+            status_code=403,
+            error="The form expired or was not ours. Please try again.",
+        )
     admin = dashboard.gateway.admin
     presented = form.get("admin_key", "").strip()
     if admin is None or not admin.matches(presented):  # the same failure limit as the API's keys
         refused = dashboard.gateway.auth_failure(request, presented, OpenAIError(401, "That is not the admin key."))
-        response = login_page(request, dashboard, next_path=next_path, status_code=refused.status,
-                              error=refused.message)
+        response = login_page(
+            request, dashboard, next_path=next_path, status_code=refused.status, error=refused.message
+        )
         response.headers.update(refused.headers)
         return response
     session, cookie = dashboard.signer.issue()
     await run_in_threadpool(dashboard.session_store.open, session)
     response = RedirectResponse(next_path, status_code=303)
-    response.set_cookie(SESSION_COOKIE, cookie, max_age=int(dashboard.signer.lifetime_s), path="/admin",
-                        httponly=True, samesite="strict", secure=_secure(request))
-    response.delete_cookie(LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict",
-                           secure=_secure(request))
+    response.set_cookie(
+        SESSION_COOKIE,
+        cookie,
+        max_age=int(dashboard.signer.lifetime_s),
+        path="/admin",
+        httponly=True,
+        samesite="strict",
+        secure=_secure(request),
+    )
+    response.delete_cookie(LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict", secure=_secure(request))
     return response
 
 
@@ -70,6 +102,5 @@ async def log_out(request: Request, dashboard: DashboardDep, session: PageSessio
     await run_in_threadpool(dashboard.session_store.end, session)  # on every replica: the row is gone
     await run_in_threadpool(dashboard.playground.forget, session.session_id)
     response = RedirectResponse("/admin/login", status_code=303)
-    response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict",
-                           secure=_secure(request))
+    response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict", secure=_secure(request))
     return response

@@ -1,5 +1,6 @@
 """/admin/models/{name}/load and /unload: the Models page's buttons, through the same pool calls as
 the admin API (unload drains: requests in flight finish first)."""
+
 from __future__ import annotations
 
 from urllib.parse import quote

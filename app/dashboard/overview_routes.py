@@ -1,4 +1,5 @@
 """/admin: the live overview (the page polls /admin/data/live every second) and the models page."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -13,9 +14,14 @@ router = APIRouter()
 
 @router.get("/admin", include_in_schema=False)
 def overview(request: Request, session: PageSession, dashboard: DashboardDep) -> Response:
-    return render(request, "overview.html", session, section="overview",
-                  hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour,
-                  interval_ms=int(dashboard.sampler.interval_s * 1000))
+    return render(
+        request,
+        "overview.html",
+        session,
+        section="overview",
+        hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour,
+        interval_ms=int(dashboard.sampler.interval_s * 1000),
+    )
 
 
 @router.get("/admin/data/live", include_in_schema=False)
@@ -26,5 +32,11 @@ async def live_data(session: DataSession, dashboard: DashboardDep, after: float 
 
 @router.get("/admin/models", include_in_schema=False)
 def models(request: Request, session: PageSession, dashboard: DashboardDep) -> Response:
-    return render(request, "models.html", session, section="models", models=model_cards(request.app),
-                  hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour)
+    return render(
+        request,
+        "models.html",
+        session,
+        section="models",
+        models=model_cards(request.app),
+        hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour,
+    )

@@ -2,6 +2,7 @@
 the `playground` team, so its requests are authenticated, rate-limited and metered like any other.
 One key per admin session, expiring within the hour, revoked at logout; the plaintext lives only in
 this process's memory and the page's."""
+
 from __future__ import annotations
 
 import threading
@@ -51,8 +52,9 @@ class PlaygroundKeys:
         expires = datetime.fromtimestamp(expires_at, UTC)
         with self.gateway.sessions() as session:
             team_id = self._team_id(session)
-            created = admin.create_key(KeyCreate(team_id=team_id, name="dashboard playground",
-                                                     expires_at=expires), session)
+            created = admin.create_key(
+                KeyCreate(team_id=team_id, name="dashboard playground", expires_at=expires), session
+            )
         return PlaygroundKey(created.key, created.id, team_id, expires_at)
 
     @staticmethod

@@ -1,5 +1,6 @@
 """/admin/playground: a chat with a loaded model. The page's script streams from the real
 /v1/chat/completions with a short-lived key of the `playground` team (see playground_keys)."""
+
 from __future__ import annotations
 
 from datetime import UTC, datetime
@@ -25,5 +26,6 @@ def playground(request: Request, session: PageSession) -> Response:
 async def playground_key(session: CheckedCall, dashboard: DashboardDep) -> Response:
     minted = await run_in_threadpool(dashboard.playground.key_for, session.session_id)
     expires = datetime.fromtimestamp(minted.expires_at, UTC).isoformat()
-    return JSONResponse({"key": minted.key, "key_id": minted.key_id, "team_id": minted.team_id,
-                         "expires_at": expires}, headers=NO_STORE)
+    return JSONResponse(
+        {"key": minted.key, "key_id": minted.key_id, "team_id": minted.team_id, "expires_at": expires}, headers=NO_STORE
+    )

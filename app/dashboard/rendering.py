@@ -1,4 +1,5 @@
 """Jinja2 pages from web/templates (autoescaped), with the CSRF token and a few number filters."""
+
 from __future__ import annotations
 
 from datetime import UTC, date, datetime
@@ -57,9 +58,13 @@ templates = Jinja2Templates(directory=WEB_DIR / "templates")
 templates.env.filters.update(number=_number, usd=_usd, when=_when, field=_field_value)
 
 
-def render(request: Request, name: str, session: AdminSession | None, *, status_code: int = 200,
-           **context) -> HTMLResponse:
+def render(
+    request: Request, name: str, session: AdminSession | None, *, status_code: int = 200, **context
+) -> HTMLResponse:
     signer = request.app.state.dashboard.signer
-    context = {"csrf_token": signer.csrf_token(session) if session is not None else "", "logged_in": session
-               is not None, **context}
+    context = {
+        "csrf_token": signer.csrf_token(session) if session is not None else "",
+        "logged_in": session is not None,
+        **context,
+    }
     return templates.TemplateResponse(request, name, context, status_code=status_code, headers=NO_STORE)

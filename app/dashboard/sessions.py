@@ -1,6 +1,7 @@
 """Admin dashboard sessions: a signed cookie (HMAC-SHA256) carrying a random id and an expiry, and
 CSRF tokens derived from that id. Which sessions are open is the database's to say (SessionStore), not
 a process's: logging out ends the session on every replica at once."""
+
 from __future__ import annotations
 
 import base64
@@ -33,8 +34,13 @@ class AdminSession:
 
 
 class SessionSigner:
-    def __init__(self, secret: str | bytes | None = None, *, lifetime_s: float = SESSION_LIFETIME_S,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        secret: str | bytes | None = None,
+        *,
+        lifetime_s: float = SESSION_LIFETIME_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if secret is None:
             secret = secrets.token_bytes(32)
         self._secret = secret.encode() if isinstance(secret, str) else secret
@@ -106,14 +112,18 @@ class SessionStore:
         now = _naive_utc(self.clock())
         with self.sessions() as db:
             db.execute(delete(AdminSessionRow).where(AdminSessionRow.expires_at <= now))  # expired ones go here
-            db.add(AdminSessionRow(id_hash=_id_hash(session.session_id), created_at=now,
-                                   expires_at=_naive_utc(session.expires_at)))
+            db.add(
+                AdminSessionRow(
+                    id_hash=_id_hash(session.session_id), created_at=now, expires_at=_naive_utc(session.expires_at)
+                )
+            )
             db.commit()
 
     def is_open(self, session: AdminSession) -> bool:
         with self.sessions() as db:
-            expires_at = db.scalar(select(AdminSessionRow.expires_at)
-                                   .where(AdminSessionRow.id_hash == _id_hash(session.session_id)))
+            expires_at = db.scalar(
+                select(AdminSessionRow.expires_at).where(AdminSessionRow.id_hash == _id_hash(session.session_id))
+            )
         return expires_at is not None and expires_at > _naive_utc(self.clock())
 
     def end(self, session: AdminSession) -> None:

@@ -1,5 +1,6 @@
 """What the app serves, as the dashboard sees it: one `ModelSource` (live numbers) per loaded chat
 model, and one model card (registry entry, state, settings, prices) per registered model."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -24,10 +25,16 @@ def model_sources(app) -> list[ModelSource]:  # FastAPI
 
 
 ENGINE_SETTING_NOTES = {
-    "model": "weights (default = embedded SmolLM2)", "dtype": "weights and KV cache",
-    "block_size": "tokens per KV block", "num_kv_blocks": "KV pool, blocks", "kv_cache_memory_gb": "KV pool, GiB",
-    "max_num_seqs": "sequences per step", "max_num_batched_tokens": "token budget per step",
-    "max_model_len": "context length", "max_waiting": "queue before 503", "preemption_mode": "when KV runs out",
+    "model": "weights (default = embedded SmolLM2)",
+    "dtype": "weights and KV cache",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV pool, blocks",
+    "kv_cache_memory_gb": "KV pool, GiB",
+    "max_num_seqs": "sequences per step",
+    "max_num_batched_tokens": "token budget per step",
+    "max_model_len": "context length",
+    "max_waiting": "queue before 503",
+    "preemption_mode": "when KV runs out",
     "enable_prefix_caching": "share identical prompt prefixes",
 }
 
@@ -41,21 +48,34 @@ def model_cards(app) -> list[dict]:
         served = pool.served.get(spec.name)
         engine = served.engine if served is not None else None
         price = spec.price or (gateway.config.price(spec.name) if gateway is not None else None)
-        card = {"name": spec.name, "kind": spec.kind, "state": pool.state(spec.name), "aliases": list(spec.aliases),
-                "source": spec.source, "architecture": spec.architecture, "enabled": spec.enabled,
-                "in_flight": served.in_flight if served is not None else 0,
-                "max_model_len": spec.max_model_len, "price": None if price is None else asdict(price),
-                "sampling_defaults": dict(spec.sampling_defaults),
-                "settings": [(name, value, ENGINE_SETTING_NOTES.get(name, ""))
-                             for name, value in spec.engine_settings.items()], "engine": None}
+        card = {
+            "name": spec.name,
+            "kind": spec.kind,
+            "state": pool.state(spec.name),
+            "aliases": list(spec.aliases),
+            "source": spec.source,
+            "architecture": spec.architecture,
+            "enabled": spec.enabled,
+            "in_flight": served.in_flight if served is not None else 0,
+            "max_model_len": spec.max_model_len,
+            "price": None if price is None else asdict(price),
+            "sampling_defaults": dict(spec.sampling_defaults),
+            "settings": [
+                (name, value, ENGINE_SETTING_NOTES.get(name, "")) for name, value in spec.engine_settings.items()
+            ],
+            "engine": None,
+        }
         if engine is not None:
             stats = engine.stats()
             card["max_model_len"] = engine.max_model_len
-            card["engine"] = {"kv_blocks_total": stats.kv_blocks_total,
-                              "kv_tokens_total": stats.kv_blocks_total * engine.config.block_size,
-                              "max_num_seqs": stats.max_num_seqs,
-                              "max_num_batched_tokens": stats.max_num_batched_tokens}
-            card["settings"] = [(name, value, ENGINE_SETTING_NOTES.get(name, ""))
-                                for name, value in asdict(engine.config).items()]
+            card["engine"] = {
+                "kv_blocks_total": stats.kv_blocks_total,
+                "kv_tokens_total": stats.kv_blocks_total * engine.config.block_size,
+                "max_num_seqs": stats.max_num_seqs,
+                "max_num_batched_tokens": stats.max_num_batched_tokens,
+            }
+            card["settings"] = [
+                (name, value, ENGINE_SETTING_NOTES.get(name, "")) for name, value in asdict(engine.config).items()
+            ]
         cards.append(card)
     return cards

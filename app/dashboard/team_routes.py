@@ -1,5 +1,6 @@
 """/admin/teams: list (keyset pages), create, edit limits, delete; a team's page lists its keys.
 Changes go through the admin API's functions, so the key cache is invalidated exactly as there."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -16,26 +17,52 @@ from app.tables import ApiKey
 
 router = APIRouter()
 PAGE_SIZE = 50
-NOTICES = {"created": "Team created.", "saved": "Limits saved.", "revoked": "Key revoked.",
-           "deleted": "Team deleted; its keys are revoked.", "key_saved": "Key saved."}
+NOTICES = {
+    "created": "Team created.",
+    "saved": "Limits saved.",
+    "revoked": "Key revoked.",
+    "deleted": "Team deleted; its keys are revoked.",
+    "key_saved": "Key saved.",
+}
 
 
 def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:
     if not team_ids:
         return {}
-    query = (select(ApiKey.team_id, func.count()).where(ApiKey.team_id.in_(team_ids), ApiKey.revoked_at.is_(None))
-             .group_by(ApiKey.team_id))
+    query = (
+        select(ApiKey.team_id, func.count())
+        .where(ApiKey.team_id.in_(team_ids), ApiKey.revoked_at.is_(None))
+        .group_by(ApiKey.team_id)
+    )
     return dict(session.execute(query).all())
 
 
-def teams_page(request: Request, session_, dashboard, *, after: int | None, error: str | None = None,
-               form: dict | None = None, status_code: int = 200) -> Response:
+def teams_page(
+    request: Request,
+    session_,
+    dashboard,
+    *,
+    after: int | None,
+    error: str | None = None,
+    form: dict | None = None,
+    status_code: int = 200,
+) -> Response:
     with dashboard.gateway.sessions() as session:
         teams = list(crud.list_teams(session, limit=PAGE_SIZE + 1, after=after))
         counts = live_key_counts(session, [team.id for team in teams[:PAGE_SIZE]])
-    return render(request, "teams.html", session_, section="teams", teams=teams[:PAGE_SIZE], key_counts=counts,
-                  next_after=teams[PAGE_SIZE - 1].id if len(teams) > PAGE_SIZE else None, after=after, error=error,
-                  form=form or {}, status_code=status_code)
+    return render(
+        request,
+        "teams.html",
+        session_,
+        section="teams",
+        teams=teams[:PAGE_SIZE],
+        key_counts=counts,
+        next_after=teams[PAGE_SIZE - 1].id if len(teams) > PAGE_SIZE else None,
+        after=after,
+        error=error,
+        form=form or {},
+        status_code=status_code,
+    )
 
 
 @router.get("/admin/teams", include_in_schema=False)
@@ -68,35 +95,67 @@ def engine_share(request: Request, team_id: int) -> dict[str, int]:
     return share
 
 
-def team_page(request: Request, session_, dashboard, team_id: int, *, after: int | None = None,
-              revoked: bool = False, done: str | None = None, error: str | None = None,
-              status_code: int = 200) -> Response:
+def team_page(
+    request: Request,
+    session_,
+    dashboard,
+    team_id: int,
+    *,
+    after: int | None = None,
+    revoked: bool = False,
+    done: str | None = None,
+    error: str | None = None,
+    status_code: int = 200,
+) -> Response:
     with dashboard.gateway.sessions() as session:
         team = crud.get_team(session, team_id=team_id)
         if team is None:
             return render(request, "error.html", session_, status_code=404, message=f"No team with id {team_id}.")
-        keys = list(crud.list_keys(session, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1,
-                                   after=after))
-    return render(request, "team.html", session_, section="teams", team=team, keys=keys[:PAGE_SIZE],
-                  engine_share=engine_share(request, team_id),
-                  next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None, after=after,
-                  revoked=revoked, notice=NOTICES.get(done or ""), error=error, status_code=status_code,
-                  back=str(request.url.path))
+        keys = list(crud.list_keys(session, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1, after=after))
+    return render(
+        request,
+        "team.html",
+        session_,
+        section="teams",
+        team=team,
+        keys=keys[:PAGE_SIZE],
+        engine_share=engine_share(request, team_id),
+        next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None,
+        after=after,
+        revoked=revoked,
+        notice=NOTICES.get(done or ""),
+        error=error,
+        status_code=status_code,
+        back=str(request.url.path),
+    )
 
 
 @router.get("/admin/teams/{team_id}", include_in_schema=False)
-def show_team(request: Request, team_id: int, session: PageSession, dashboard: DashboardDep,
-              after: int | None = None, revoked: bool = False, done: str | None = None) -> Response:
+def show_team(
+    request: Request,
+    team_id: int,
+    session: PageSession,
+    dashboard: DashboardDep,
+    after: int | None = None,
+    revoked: bool = False,
+    done: str | None = None,
+) -> Response:
     return team_page(request, session, dashboard, team_id, after=after, revoked=revoked, done=done)
 
 
 @router.post("/admin/teams/{team_id}", include_in_schema=False)
-def update_team(request: Request, team_id: int, session: PageSession, dashboard: DashboardDep,
-                form: CheckedForm) -> Response:
+def update_team(
+    request: Request, team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm
+) -> Response:
     try:
         name = form.get("name", "").strip()
-        body = body_from(form, TeamUpdate, blocked=form.get("blocked") == "on", **({"name": name} if name else {}),
-                         **share_from(form))
+        body = body_from(
+            form,
+            TeamUpdate,
+            blocked=form.get("blocked") == "on",
+            **({"name": name} if name else {}),
+            **share_from(form),
+        )
         with dashboard.gateway.sessions() as db:
             admin.update_team(team_id, body, db, dashboard.gateway)
     except (FormError, OpenAIError) as error:

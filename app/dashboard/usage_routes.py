@@ -1,5 +1,6 @@
 """/admin/usage: usage by team / key / model / day over a date range, as a table (pages of 100), a
 daily chart (JSON for the page's script) and a CSV download. The gateway's reports do the SQL."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ def _day(text: str | None, default: date) -> date:
 @dataclass(frozen=True)
 class UsageFilter:
     """The page's query: a range of whole UTC days (both ends included), groups and filters."""
+
     first_day: date
     last_day: date
     group_by: tuple[str, ...]
@@ -40,66 +42,135 @@ class UsageFilter:
     offset: int
 
     @classmethod
-    def of(cls, *, since: str | None, until: str | None, group: list[str], team_id: str | None,
-           key_id: str | None, model: str | None, offset: int = 0) -> UsageFilter:
+    def of(
+        cls,
+        *,
+        since: str | None,
+        until: str | None,
+        group: list[str],
+        team_id: str | None,
+        key_id: str | None,
+        model: str | None,
+        offset: int = 0,
+    ) -> UsageFilter:
         today = datetime.now(UTC).date()
         last = _day(until, today)
         first = min(_day(since, last - timedelta(days=DEFAULT_DAYS - 1)), last)
         groups = tuple(g for g in GROUPS if g in group) or ("day",)
-        return cls(first, last, groups, int(team_id) if team_id and team_id.isdigit() else None,
-                   int(key_id) if key_id and key_id.isdigit() else None, model or None, max(offset, 0))
+        return cls(
+            first,
+            last,
+            groups,
+            int(team_id) if team_id and team_id.isdigit() else None,
+            int(key_id) if key_id and key_id.isdigit() else None,
+            model or None,
+            max(offset, 0),
+        )
 
     def report_args(self) -> dict:
-        return {"since": datetime.combine(self.first_day, time()),
-                "until": datetime.combine(self.last_day + timedelta(days=1), time()),
-                "team_id": self.team_id, "key_id": self.key_id, "model": self.model}
+        return {
+            "since": datetime.combine(self.first_day, time()),
+            "until": datetime.combine(self.last_day + timedelta(days=1), time()),
+            "team_id": self.team_id,
+            "key_id": self.key_id,
+            "model": self.model,
+        }
 
     def query(self, **changes) -> str:
-        values = {"since": self.first_day.isoformat(), "until": self.last_day.isoformat(), "group": list(self.group_by),
-                  "team_id": self.team_id, "key_id": self.key_id, "model": self.model, "offset": self.offset, **changes}
-        return urlencode([(k, v) for k, v in values.items() if v not in (None, "", 0) and k != "group"]
-                         + [("group", g) for g in values["group"]])
+        values = {
+            "since": self.first_day.isoformat(),
+            "until": self.last_day.isoformat(),
+            "group": list(self.group_by),
+            "team_id": self.team_id,
+            "key_id": self.key_id,
+            "model": self.model,
+            "offset": self.offset,
+            **changes,
+        }
+        return urlencode(
+            [(k, v) for k, v in values.items() if v not in (None, "", 0) and k != "group"]
+            + [("group", g) for g in values["group"]]
+        )
 
 
 @router.get("/admin/usage", include_in_schema=False)
-def usage_page(request: Request, session: PageSession, dashboard: DashboardDep, since: str | None = None,
-               until: str | None = None, group: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies the default per request
-               team_id: str | None = None, key_id: str | None = None, model: str | None = None,
-               offset: int = 0) -> Response:
-    query = UsageFilter.of(since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model,
-                           offset=offset)
+def usage_page(
+    request: Request,
+    session: PageSession,
+    dashboard: DashboardDep,
+    since: str | None = None,
+    until: str | None = None,
+    group: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies the default per request
+    team_id: str | None = None,
+    key_id: str | None = None,
+    model: str | None = None,
+    offset: int = 0,
+) -> Response:
+    query = UsageFilter.of(
+        since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model, offset=offset
+    )
     with dashboard.gateway.sessions() as db:
-        rows = usage_report(db, group_by=query.group_by, limit=PAGE_SIZE + 1, offset=query.offset,
-                            **query.report_args())
+        rows = usage_report(
+            db, group_by=query.group_by, limit=PAGE_SIZE + 1, offset=query.offset, **query.report_args()
+        )
         [totals] = usage_report(db, group_by=(), **query.report_args())
         teams = list(crud.list_teams(db, limit=TEAM_CHOICES))
-    return render(request, "usage.html", session, section="usage", rows=rows[:PAGE_SIZE], totals=totals,
-                  columns=report_columns(query.group_by), query=query, groups=GROUPS, teams=teams,
-                  has_more=len(rows) > PAGE_SIZE, page_size=PAGE_SIZE)
+    return render(
+        request,
+        "usage.html",
+        session,
+        section="usage",
+        rows=rows[:PAGE_SIZE],
+        totals=totals,
+        columns=report_columns(query.group_by),
+        query=query,
+        groups=GROUPS,
+        teams=teams,
+        has_more=len(rows) > PAGE_SIZE,
+        page_size=PAGE_SIZE,
+    )
 
 
 @router.get("/admin/usage.csv", include_in_schema=False)
-def usage_csv(session: PageSession, dashboard: DashboardDep, since: str | None = None, until: str | None = None,
-              group: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies the default per request
-              team_id: str | None = None, key_id: str | None = None, model: str | None = None) -> Response:
+def usage_csv(
+    session: PageSession,
+    dashboard: DashboardDep,
+    since: str | None = None,
+    until: str | None = None,
+    group: Annotated[list[str], Query()] = [],  # noqa: B006 - FastAPI copies the default per request
+    team_id: str | None = None,
+    key_id: str | None = None,
+    model: str | None = None,
+) -> Response:
     query = UsageFilter.of(since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model)
     with dashboard.gateway.sessions() as db:
         rows = usage_report(db, group_by=query.group_by, **query.report_args())
     name = f"usage-{query.first_day}-{query.last_day}.csv"
-    return Response(to_csv(rows, query.group_by), media_type="text/csv",
-                    headers={"content-disposition": f'attachment; filename="{name}"', **NO_STORE})
+    return Response(
+        to_csv(rows, query.group_by),
+        media_type="text/csv",
+        headers={"content-disposition": f'attachment; filename="{name}"', **NO_STORE},
+    )
 
 
 @router.get("/admin/data/usage", include_in_schema=False)
-def usage_chart_data(session: DataSession, dashboard: DashboardDep, since: str | None = None,
-                     until: str | None = None, team_id: str | None = None, key_id: str | None = None,
-                     model: str | None = None) -> Response:
+def usage_chart_data(
+    session: DataSession,
+    dashboard: DashboardDep,
+    since: str | None = None,
+    until: str | None = None,
+    team_id: str | None = None,
+    key_id: str | None = None,
+    model: str | None = None,
+) -> Response:
     """Tokens and cost per day over the range (every day present, zeros included), for the chart."""
     query = UsageFilter.of(since=since, until=until, group=["day"], team_id=team_id, key_id=key_id, model=model)
     with dashboard.gateway.sessions() as db:
         rows = {row["day"]: row for row in usage_report(db, group_by=("day",), **query.report_args())}
-    days = [(query.first_day + timedelta(days=i)).isoformat()
-            for i in range((query.last_day - query.first_day).days + 1)]
+    days = [
+        (query.first_day + timedelta(days=i)).isoformat() for i in range((query.last_day - query.first_day).days + 1)
+    ]
     fields = ("requests", "prompt_tokens", "completion_tokens", "cost_usd")
-    return JSONResponse({"day": days, **{f: [rows[d][f] if d in rows else 0 for d in days] for f in fields}},
-                        headers=NO_STORE)
+    return JSONResponse(
+        {"day": days, **{f: [rows[d][f] if d in rows else 0 for d in days] for f in fields}}, headers=NO_STORE
+    )

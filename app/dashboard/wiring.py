@@ -1,6 +1,7 @@
 """Puts the dashboard into the app: its routers under /admin, static files, security headers, the
 login redirect, and the live sampler (app.main starts and stops it with the app's lifespan). The
 dashboard needs the TeamGateway (the admin key, teams, keys, usage); an app without one gets none."""
+
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -26,8 +27,16 @@ from app.dashboard.sessions import SessionSigner, SessionStore
 from app.dashboard.sources import model_sources
 from app.gateway.service import TeamGateway
 
-ROUTERS = (login_routes, overview_routes, team_routes, key_routes, usage_routes, batch_routes, playground_routes,
-           model_routes)
+ROUTERS = (
+    login_routes,
+    overview_routes,
+    team_routes,
+    key_routes,
+    usage_routes,
+    batch_routes,
+    playground_routes,
+    model_routes,
+)
 
 
 async def _to_login(request: Request, error: LoginRequired) -> Response:
@@ -35,19 +44,30 @@ async def _to_login(request: Request, error: LoginRequired) -> Response:
 
 
 async def _csrf_rejected(request: Request, error: CsrfRejected) -> Response:
-    return render(request, "error.html", None, status_code=403,
-                  message="This form is stale or did not come from this dashboard (CSRF check). Reload the page.")
+    return render(
+        request,
+        "error.html",
+        None,
+        status_code=403,
+        message="This form is stale or did not come from this dashboard (CSRF check). Reload the page.",
+    )
 
 
 def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: float = 1.0) -> Dashboard:
     """Routers, static files, headers and handlers; the caller starts and stops `dashboard.sampler` with
     the app's lifespan."""
     settings = app.state.context.settings
-    sampler = LiveSampler(lambda: model_sources(app), hardware_cost_per_hour=settings.hardware_cost_per_hour,
-                          interval_s=sample_interval_s)
-    dashboard = Dashboard(settings=settings, gateway=gateway, signer=SessionSigner(settings.session_secret),
-                          session_store=SessionStore(gateway.sessions),
-                          sampler=sampler, playground=PlaygroundKeys(gateway))
+    sampler = LiveSampler(
+        lambda: model_sources(app), hardware_cost_per_hour=settings.hardware_cost_per_hour, interval_s=sample_interval_s
+    )
+    dashboard = Dashboard(
+        settings=settings,
+        gateway=gateway,
+        signer=SessionSigner(settings.session_secret),
+        session_store=SessionStore(gateway.sessions),
+        sampler=sampler,
+        playground=PlaygroundKeys(gateway),
+    )
     app.state.dashboard = dashboard
     for module in ROUTERS:
         app.include_router(module.router)

@@ -1,5 +1,6 @@
 """What an admin does to teams and keys, for both the admin API (app.api.admin) and the dashboard's
 forms (app.dashboard): one transaction each, and the gateway's key cache told what changed."""
+
 from __future__ import annotations
 
 from sqlalchemy.orm import Session
@@ -31,6 +32,7 @@ def _conflict(error: crud.Conflict) -> OpenAIError:
 
 
 # teams
+
 
 def create_team(body: TeamCreate, session: Session) -> TeamView:
     try:
@@ -73,6 +75,7 @@ def delete_team(team_id: int, session: Session, gateway: TeamGateway) -> dict:
 
 
 # keys
+
 
 def create_key(body: KeyCreate, session: Session) -> KeyCreated:
     fields = _changes(body)

@@ -1,5 +1,6 @@
 """Who is admin: the key in TOKENMILL_ADMIN_KEY, else one generated on first start, written once to a
 file only this user can read, and stored hashed. Only the hash is kept in memory either way."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ class AdminIdentity:
         return bool(key) and hashes_match(key, self._key_hash)
 
 
-def ensure_admin_identity(sessions: sessionmaker[Session], *, configured_key: str | None
-                          ) -> tuple[AdminIdentity, str | None]:
+def ensure_admin_identity(
+    sessions: sessionmaker[Session], *, configured_key: str | None
+) -> tuple[AdminIdentity, str | None]:
     """The admin identity, and the plaintext key when this call generated it (to show once)."""
     if configured_key:
         return AdminIdentity(hash_key(configured_key)), None
@@ -34,8 +36,11 @@ def ensure_admin_identity(sessions: sessionmaker[Session], *, configured_key: st
         if stored is not None:
             return AdminIdentity(stored.key_hash), None
         plaintext = generate_key(ADMIN_KEY_PREFIX)
-        session.add(AdminCredential(id=1, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext),
-                                    created_at=utcnow()))
+        session.add(
+            AdminCredential(
+                id=1, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext), created_at=utcnow()
+            )
+        )
         try:
             session.commit()
         except IntegrityError:  # another replica won the race; its key is the admin key
@@ -53,8 +58,10 @@ MIN_CONFIGURED_KEY_CHARS = 16
 def check_configured_key(key: str) -> None:
     """A --api-key that is short or looks like an admin key is refused (ValueError) before anything runs."""
     if len(key) < MIN_CONFIGURED_KEY_CHARS or key.startswith(ADMIN_KEY_PREFIX):
-        raise ValueError(f"--api-key must be at least {MIN_CONFIGURED_KEY_CHARS} characters and not an admin key "
-                         f"({ADMIN_KEY_PREFIX}...); `tokenmill keys create` makes a strong one")
+        raise ValueError(
+            f"--api-key must be at least {MIN_CONFIGURED_KEY_CHARS} characters and not an admin key "
+            f"({ADMIN_KEY_PREFIX}...); `tokenmill keys create` makes a strong one"
+        )
 
 
 def ensure_configured_key(sessions: sessionmaker[Session], key: str) -> str:
@@ -66,8 +73,9 @@ def ensure_configured_key(sessions: sessionmaker[Session], key: str) -> str:
         found = find_key(session, key_hash=hash_key(key))
         if found is not None:
             row, team = found
-            return (f"--api-key is a key of team {team.name!r}"
-                    + (", revoked: requests with it are refused" if row.revoked_at is not None else ""))
+            return f"--api-key is a key of team {team.name!r}" + (
+                ", revoked: requests with it are refused" if row.revoked_at is not None else ""
+            )
         team = get_team_by_name(session, name=CONFIGURED_KEY_TEAM) or create_team(session, name=CONFIGURED_KEY_TEAM)
         create_key(session, team=team, name=CONFIGURED_KEY_NAME, plaintext=key)
         try:
@@ -91,8 +99,10 @@ def deliver_admin_key(plaintext: str, data_dir: str | Path, stream: TextIO | Non
     with os.fdopen(descriptor, "w") as file:
         os.fchmod(descriptor, 0o600)  # a file left from before keeps its mode otherwise
         file.write(plaintext + "\n")
-    stream.write(f"tokenmill: generated the admin key; it is in {path.resolve()} (readable by this user only). "
-                 "Keep it somewhere safe, then delete the file.\n")
+    stream.write(
+        f"tokenmill: generated the admin key; it is in {path.resolve()} (readable by this user only). "
+        "Keep it somewhere safe, then delete the file.\n"
+    )
     if stream.isatty():
         stream.write(f"  {plaintext}\n")
     stream.flush()

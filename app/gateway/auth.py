@@ -6,6 +6,7 @@ because no entry older than that is ever served. Keys in use are reloaded ahead 
 background and all in one query, so a request only waits on the database for a key it hasn't seen
 lately. Expiry is checked on every request against the clock, not cached.
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,15 +57,25 @@ def _unix(value: datetime | None) -> float | None:
 def principal_of(key: ApiKey, team: Team) -> KeyPrincipal:
     expiries = [t for t in (_unix(key.expires_at), _unix(team.expires_at)) if t is not None]
     return KeyPrincipal(
-        key_id=key.id, key_prefix=key.key_prefix, key_name=key.name, team_id=team.id, team_name=team.name,
-        key_models=frozenset(key.allowed_models or ()), team_models=frozenset(team.allowed_models or ()),
-        rate_scopes=(Scope(f"key:{key.id}", key.rpm_limit, key.tpm_limit),
-                     Scope(f"team:{team.id}", team.rpm_limit, team.tpm_limit)),
+        key_id=key.id,
+        key_prefix=key.key_prefix,
+        key_name=key.name,
+        team_id=team.id,
+        team_name=team.name,
+        key_models=frozenset(key.allowed_models or ()),
+        team_models=frozenset(team.allowed_models or ()),
+        rate_scopes=(
+            Scope(f"key:{key.id}", key.rpm_limit, key.tpm_limit),
+            Scope(f"team:{team.id}", team.rpm_limit, team.tpm_limit),
+        ),
         budget_scopes=tuple(
             BudgetScope(kind, ident, budget, period)
-            for kind, ident, budget, period in (("key", key.id, key.max_budget_usd, key.budget_period),
-                                                ("team", team.id, team.max_budget_usd, team.budget_period))
-            if budget is not None),
+            for kind, ident, budget, period in (
+                ("key", key.id, key.max_budget_usd, key.budget_period),
+                ("team", team.id, team.max_budget_usd, team.budget_period),
+            )
+            if budget is not None
+        ),
         expires_at=min(expiries) if expiries else None,
         active=key.revoked_at is None and team.deleted_at is None and not team.blocked,
         team_weight=team.scheduling_weight if team.scheduling_weight is not None else 1.0,
@@ -85,8 +96,11 @@ def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> d
     found: dict[str, KeyPrincipal | None] = dict.fromkeys(key_hashes)
     with sessions() as session:
         for start in range(0, len(key_hashes), 500):
-            rows = session.execute(select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id)
-                                   .where(ApiKey.key_hash.in_(key_hashes[start:start + 500])))
+            rows = session.execute(
+                select(ApiKey, Team)
+                .join(Team, Team.id == ApiKey.team_id)
+                .where(ApiKey.key_hash.in_(key_hashes[start : start + 500]))
+            )
             for key, team in rows:
                 found[key.key_hash] = principal_of(key, team)
     return found
@@ -104,8 +118,14 @@ class _Entry:
 class KeyCache:
     """hash -> KeyPrincipal | None (unknown keys too, so guessing doesn't hammer the database)."""
 
-    def __init__(self, sessions: sessionmaker[Session], *, ttl_s: float = 5.0, max_entries: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        *,
+        ttl_s: float = 5.0,
+        max_entries: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.sessions = sessions
         self.ttl_s = ttl_s
         self.refresh_after_s = ttl_s / 2  # an entry in use this old is reloaded in the background
@@ -183,8 +203,14 @@ class FailedAuthLimiter:
     can't be guessed at speed. It is asked only after a key failed: a valid key is never refused, so
     nobody behind the same NAT or proxy can lock a team or the admin out."""
 
-    def __init__(self, limit: int = 10, *, window_s: float = 60.0, max_clients: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limit: int = 10,
+        *,
+        window_s: float = 60.0,
+        max_clients: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limit = limit
         self.window_s = window_s
         self.max_clients = max_clients
@@ -195,8 +221,11 @@ class FailedAuthLimiter:
         """Seconds until every one of `subjects` may fail again without a 429, or None when all may now."""
         if self.limit <= 0:
             return None
-        waits = [max(failures[0] + self.window_s - self.clock(), 0.0) for subject in subjects
-                 if (failures := self._recent(subject)) is not None and len(failures) >= self.limit]
+        waits = [
+            max(failures[0] + self.window_s - self.clock(), 0.0)
+            for subject in subjects
+            if (failures := self._recent(subject)) is not None and len(failures) >= self.limit
+        ]
         return max(waits) if waits else None
 
     def failed(self, *subjects: str) -> None:

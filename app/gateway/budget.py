@@ -6,6 +6,7 @@ each other's spend within a flush interval plus the cache TTL. Spends in use are
 their TTL in the background (one grouped query per kind and period), so requests don't wait on the
 database for them. Like any pre-request check it is soft by the requests already in flight.
 """
+
 from __future__ import annotations
 
 import threading
@@ -49,8 +50,9 @@ class _Spend:
 
 
 class BudgetTracker:
-    def __init__(self, sessions: sessionmaker[Session], *, cache_ttl_s: float = 2.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], *, cache_ttl_s: float = 2.0, clock: Callable[[], float] = time.time
+    ) -> None:
         self.sessions = sessions
         self.cache_ttl_s = cache_ttl_s
         self.clock = clock
@@ -133,8 +135,11 @@ class BudgetTracker:
         column = UsageDaily.key_id if scope.kind == "key" else UsageDaily.team_id
         generation = self._generation
         with self.sessions() as session:
-            total = session.scalar(select(func.coalesce(func.sum(UsageDaily.cost_nano_usd), 0))
-                                  .where(column == scope.id, UsageDaily.day >= start))
+            total = session.scalar(
+                select(func.coalesce(func.sum(UsageDaily.cost_nano_usd), 0)).where(
+                    column == scope.id, UsageDaily.day >= start
+                )
+            )
         with self._lock:
             # A batch committed while we read may or may not be in `total`: don't trust it for long.
             fetched_at = time.monotonic() if generation == self._generation else 0.0
@@ -159,9 +164,13 @@ class BudgetTracker:
             for (kind, start), ids in groups.items():
                 column = UsageDaily.key_id if kind == "key" else UsageDaily.team_id
                 sums = dict.fromkeys(ids, 0)
-                sums.update(session.execute(
-                    select(column, func.sum(UsageDaily.cost_nano_usd))
-                    .where(column.in_(ids), UsageDaily.day >= start).group_by(column)).all())
+                sums.update(
+                    session.execute(
+                        select(column, func.sum(UsageDaily.cost_nano_usd))
+                        .where(column.in_(ids), UsageDaily.day >= start)
+                        .group_by(column)
+                    ).all()
+                )
                 totals.update({(f"{kind}:{ident}", start): int(total or 0) for ident, total in sums.items()})
         with self._lock:
             if generation == self._generation:  # else a batch landed meanwhile: keep the entries it updated

@@ -3,6 +3,7 @@
 Prices: the registry's price sheet of a model wins; for a model without one, USD per 1M input / cached
 input / output tokens from --model-prices, "*" for any model not listed, 0 otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,14 @@ class ModelPrice:
     def cost_nano_usd(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
         uncached = max(prompt_tokens - cached_tokens, 0)
         # USD per 1M tokens * 1e9 nUSD per USD / 1e6 tokens = 1000 * price nUSD per token
-        return round(1000 * (uncached * self.input_per_1m + cached_tokens * self.cached_input_per_1m
-                             + completion_tokens * self.output_per_1m))
+        return round(
+            1000
+            * (
+                uncached * self.input_per_1m
+                + cached_tokens * self.cached_input_per_1m
+                + completion_tokens * self.output_per_1m
+            )
+        )
 
 
 FREE = ModelPrice()
@@ -52,8 +59,9 @@ def parse_prices(raw: str | Mapping[str, Any] | None) -> Mapping[str, ModelPrice
         elif isinstance(value, (list, tuple)):
             prices[model] = ModelPrice(*(float(v) for v in value))
         else:
-            prices[model] = ModelPrice(float(value.get("input", 0)), float(value.get("cached_input", 0)),
-                                       float(value.get("output", 0)))
+            prices[model] = ModelPrice(
+                float(value.get("input", 0)), float(value.get("cached_input", 0)), float(value.get("output", 0))
+            )
     return MappingProxyType(prices)
 
 
@@ -90,10 +98,15 @@ class GatewayConfig:
     def from_settings(cls, settings: Settings, **overrides: Any) -> GatewayConfig:
         """The gateway's part of the app's Settings (flags and TOKENMILL_* variables, read once there)."""
         values: dict[str, Any] = {
-            "database_url": settings.database_url, "redis_url": settings.redis_url, "admin_key": settings.admin_key,
-            "prices": parse_prices(settings.model_prices), "rate_window_s": settings.rate_window_s,
-            "key_cache_ttl_s": settings.key_cache_ttl_s, "usage_flush_interval_s": settings.usage_flush_interval_s,
-            "auth_failures_per_minute": settings.auth_failures_per_minute, "instance_id": settings.instance_id,
+            "database_url": settings.database_url,
+            "redis_url": settings.redis_url,
+            "admin_key": settings.admin_key,
+            "prices": parse_prices(settings.model_prices),
+            "rate_window_s": settings.rate_window_s,
+            "key_cache_ttl_s": settings.key_cache_ttl_s,
+            "usage_flush_interval_s": settings.usage_flush_interval_s,
+            "auth_failures_per_minute": settings.auth_failures_per_minute,
+            "instance_id": settings.instance_id,
             "max_in_flight_per_key": settings.max_in_flight_per_key,
             "spill_dir": settings.data_dir,
         }

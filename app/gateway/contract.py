@@ -7,6 +7,7 @@ The app starts and stops it with its lifespan. Two implementations: `SingleKeyGa
 from settings, or none; no database) and app.gateway.service.TeamGateway (teams, keys and usage in a
 database, where the model registry lives too).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Principal:
     """Who is calling. The gateway may subclass it to carry the key's limits and allowed models."""
+
     team_id: int | None = None
     key_id: int | None = None
     team_weight: float = 1.0  # the team's share of the engine (fair scheduling)
@@ -70,9 +72,17 @@ class Gateway(Protocol):
     async def authenticate(self, request: Request) -> Principal:
         """Raise OpenAIError (401) to refuse."""
 
-    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int, max_tokens: int | None,
-                    sequences: int = 1, request_id: str | None = None, price: ModelPrice | None = None
-                    ) -> dict[str, str]:
+    async def admit(
+        self,
+        principal: Principal,
+        *,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        sequences: int = 1,
+        request_id: str | None = None,
+        price: ModelPrice | None = None,
+    ) -> dict[str, str]:
         """Model access, rate limits, budget: raise OpenAIError (403, 429) to refuse. Returns headers for
         the response (x-ratelimit-*). With `request_id`, what the request can cost (prompt_tokens +
         max_tokens x sequences, and its price) is reserved until request_finished() reports that id."""
@@ -103,9 +113,17 @@ class SingleKeyGateway:
             raise invalid_api_key()
         return Principal()
 
-    async def admit(self, principal: Principal, *, model: str, prompt_tokens: int, max_tokens: int | None,
-                    sequences: int = 1, request_id: str | None = None, price: ModelPrice | None = None
-                    ) -> dict[str, str]:
+    async def admit(
+        self,
+        principal: Principal,
+        *,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        sequences: int = 1,
+        request_id: str | None = None,
+        price: ModelPrice | None = None,
+    ) -> dict[str, str]:
         return {}
 
     def request_finished(self, record: UsageRecord) -> None:

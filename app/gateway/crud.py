@@ -1,4 +1,5 @@
 """Keyword-only helpers for teams and keys. Callers own the session and the commit."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ def _clean(fields: dict[str, Any]) -> dict[str, Any]:
 
 # teams
 
+
 def create_team(session: Session, *, name: str, **limits: Any) -> Team:
     if get_team_by_name(session, name=name) is not None:
         raise Conflict(f"a team named {name!r} exists already")
@@ -86,24 +88,32 @@ def delete_team(session: Session, *, team: Team) -> list[str]:
     """Soft delete (usage history keeps its team id); revokes the team's keys. Returns their hashes."""
     now = utcnow()
     team.deleted_at = now
-    hashes = list(session.scalars(
-        select(ApiKey.key_hash).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None))))
-    session.execute(update(ApiKey).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None))
-                    .values(revoked_at=now))
+    hashes = list(
+        session.scalars(select(ApiKey.key_hash).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None)))
+    )
+    session.execute(update(ApiKey).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None)).values(revoked_at=now))
     session.flush()
     return hashes
 
 
 # keys
 
-def create_key(session: Session, *, team: Team, name: str = "", plaintext: str | None = None,
-               **limits: Any) -> tuple[ApiKey, str]:
+
+def create_key(
+    session: Session, *, team: Team, name: str = "", plaintext: str | None = None, **limits: Any
+) -> tuple[ApiKey, str]:
     """Returns the row and the plaintext key (generated unless the operator chose one, as with
     `tokenmill serve --api-key`); the plaintext exists nowhere else afterwards."""
     plaintext = plaintext or generate_key()
     fields = _clean({"allowed_models": [], "budget_period": "month", **limits})
-    key = ApiKey(team_id=team.id, name=name, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext),
-                 created_at=utcnow(), **fields)
+    key = ApiKey(
+        team_id=team.id,
+        name=name,
+        key_hash=hash_key(plaintext),
+        key_prefix=visible_prefix(plaintext),
+        created_at=utcnow(),
+        **fields,
+    )
     session.add(key)
     session.flush()
     return key, plaintext
@@ -120,8 +130,14 @@ def find_key(session: Session, *, key_hash: str) -> tuple[ApiKey, Team] | None:
     return (row[0], row[1]) if row else None
 
 
-def list_keys(session: Session, *, team_id: int | None = None, include_revoked: bool = False,
-              limit: int = 100, after: int | None = None) -> Sequence[ApiKey]:
+def list_keys(
+    session: Session,
+    *,
+    team_id: int | None = None,
+    include_revoked: bool = False,
+    limit: int = 100,
+    after: int | None = None,
+) -> Sequence[ApiKey]:
     query = select(ApiKey).order_by(ApiKey.id).limit(limit)
     if team_id is not None:
         query = query.where(ApiKey.team_id == team_id)

@@ -1,6 +1,7 @@
 """x-ratelimit-* headers on every response of an admitted request: success, stream, or an error raised
 after admission (context too long, queue full). `admit` drops the headers into a per-request holder
 that this middleware puts in place; the middleware adds whichever the response doesn't carry yet."""
+
 from __future__ import annotations
 
 from contextvars import ContextVar
@@ -32,8 +33,9 @@ class RateLimitHeadersMiddleware:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start" and holder:
                 present = {name.lower() for name, _ in message.get("headers", ())}
-                extra = [(name.encode(), value.encode()) for name, value in holder.items()
-                         if name.encode() not in present]
+                extra = [
+                    (name.encode(), value.encode()) for name, value in holder.items() if name.encode() not in present
+                ]
                 if extra:
                     message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)

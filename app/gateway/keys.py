@@ -1,4 +1,5 @@
 """API key material: made by a CSPRNG, shown once, stored as SHA-256 with a visible prefix."""
+
 from __future__ import annotations
 
 import hashlib

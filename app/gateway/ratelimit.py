@@ -8,6 +8,7 @@ in process otherwise. Finished requests' tokens go to Redis summed per scope, on
 `token_flush_s` rather than one per request. If Redis is unreachable we admit and log: availability
 over strictness.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -72,8 +73,9 @@ def format_duration(seconds: float) -> str:
 
 
 class Counters(Protocol):
-    async def acquire(self, window: int, ttl_s: float, scopes: Sequence[Scope],
-                      reserve: int = 0) -> tuple[int, list[tuple[int, int]]]:
+    async def acquire(
+        self, window: int, ttl_s: float, scopes: Sequence[Scope], reserve: int = 0
+    ) -> tuple[int, list[tuple[int, int]]]:
         """(0 admitted | 1 over requests | 2 over tokens, [(requests, tokens) per scope, this one included]).
 
         An admitted request's `reserve` tokens count at once, so requests in flight count against tpm."""
@@ -241,8 +243,14 @@ class RedisCounters:
 
 
 class RateLimiter:
-    def __init__(self, counters: Counters, *, window_s: float = 60.0, token_flush_s: float = 0.05,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        counters: Counters,
+        *,
+        window_s: float = 60.0,
+        token_flush_s: float = 0.05,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.counters = counters
         self.window_s = window_s
         self.token_flush_s = token_flush_s

@@ -1,6 +1,7 @@
 """Cache refreshes off the request path: a blocking round (one query for everything due) runs on the
 event loop's executor, at most one at a time. A round that fails changes nothing: the cache's own
 expiry rule decides what happens next (read on use, or the last known value while the store is away)."""
+
 from __future__ import annotations
 
 import asyncio

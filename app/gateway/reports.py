@@ -3,6 +3,7 @@
 Whole-day ranges read the daily roll-up (a few rows per key and day, however many requests);
 ranges with a time of day read the request rows. `since` is inclusive, `until` exclusive (UTC).
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,7 +23,7 @@ SUMS = ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_toke
 
 
 def parse_when(value: str | date | datetime | None) -> datetime | None:
-    """"2026-11-29" is that midnight UTC; datetimes with an offset are converted to naive UTC."""
+    """ "2026-11-29" is that midnight UTC; datetimes with an offset are converted to naive UTC."""
     if value is None or value == "":
         return None
     if isinstance(value, datetime):
@@ -50,9 +51,18 @@ def _whole_day(value: datetime | None) -> bool:
     return value is None or value.time() == time()
 
 
-def usage_report(session: Session, *, group_by: Sequence[str] = ("day",), team_id: int | None = None,
-                 key_id: int | None = None, model: str | None = None, since: datetime | None = None,
-                 until: datetime | None = None, limit: int | None = None, offset: int = 0) -> list[dict[str, Any]]:
+def usage_report(
+    session: Session,
+    *,
+    group_by: Sequence[str] = ("day",),
+    team_id: int | None = None,
+    key_id: int | None = None,
+    model: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+) -> list[dict[str, Any]]:
     if "replica" not in group_by and _whole_day(since) and _whole_day(until):  # the roll-up has no replica
         table = UsageDaily
         day = UsageDaily.day
@@ -73,15 +83,29 @@ def usage_report(session: Session, *, group_by: Sequence[str] = ("day",), team_i
         filters.append(table.key_id == key_id)
     if model is not None:
         filters.append(table.model == model)
-    columns = {"day": day, "team": table.team_id, "key": table.key_id, "model": table.model,
-               "replica": UsageRow.replica}
+    columns = {
+        "day": day,
+        "team": table.team_id,
+        "key": table.key_id,
+        "model": table.model,
+        "replica": UsageRow.replica,
+    }
     keys = [columns[g].label(g) for g in group_by]
-    query = (select(*keys, requests.label("requests"), errors.label("errors"),
-                    func.sum(table.prompt_tokens).label("prompt_tokens"),
-                    func.sum(table.cached_tokens).label("cached_tokens"),
-                    func.sum(table.completion_tokens).label("completion_tokens"),
-                    func.sum(table.cost_nano_usd).label("cost_nano_usd"))
-             .where(*filters).group_by(*keys).order_by(*keys).offset(offset))
+    query = (
+        select(
+            *keys,
+            requests.label("requests"),
+            errors.label("errors"),
+            func.sum(table.prompt_tokens).label("prompt_tokens"),
+            func.sum(table.cached_tokens).label("cached_tokens"),
+            func.sum(table.completion_tokens).label("completion_tokens"),
+            func.sum(table.cost_nano_usd).label("cost_nano_usd"),
+        )
+        .where(*filters)
+        .group_by(*keys)
+        .order_by(*keys)
+        .offset(offset)
+    )
     if limit is not None:
         query = query.limit(limit)
     rows = []
@@ -93,9 +117,13 @@ def usage_report(session: Session, *, group_by: Sequence[str] = ("day",), team_i
                 out["day"] = value.isoformat() if isinstance(value, date) else str(value)[:10]
             else:
                 out[{"team": "team_id", "key": "key_id"}.get(g, g)] = value
-        out.update(requests=int(row["requests"] or 0), errors=int(row["errors"] or 0),
-                   prompt_tokens=int(row["prompt_tokens"] or 0), cached_tokens=int(row["cached_tokens"] or 0),
-                   completion_tokens=int(row["completion_tokens"] or 0))
+        out.update(
+            requests=int(row["requests"] or 0),
+            errors=int(row["errors"] or 0),
+            prompt_tokens=int(row["prompt_tokens"] or 0),
+            cached_tokens=int(row["cached_tokens"] or 0),
+            completion_tokens=int(row["completion_tokens"] or 0),
+        )
         out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
         out["cost_usd"] = int(row["cost_nano_usd"] or 0) / NANO
         rows.append(out)
@@ -107,8 +135,11 @@ def _add_names(session: Session, rows: list[dict[str, Any]]) -> None:
     team_ids = {r["team_id"] for r in rows if "team_id" in r}
     key_ids = {r["key_id"] for r in rows if "key_id" in r}
     teams = dict(session.execute(select(Team.id, Team.name).where(Team.id.in_(team_ids))).all()) if team_ids else {}
-    keys = dict(session.execute(select(ApiKey.id, ApiKey.key_prefix).where(ApiKey.id.in_(key_ids))).all()) \
-        if key_ids else {}
+    keys = (
+        dict(session.execute(select(ApiKey.id, ApiKey.key_prefix).where(ApiKey.id.in_(key_ids))).all())
+        if key_ids
+        else {}
+    )
     for row in rows:
         if "team_id" in row:
             row["team_name"] = teams.get(row["team_id"])
@@ -116,9 +147,17 @@ def _add_names(session: Session, rows: list[dict[str, Any]]) -> None:
             row["key_prefix"] = keys.get(row["key_id"])
 
 
-def list_requests(session: Session, *, team_id: int | None = None, key_id: int | None = None,
-                  model: str | None = None, since: datetime | None = None, until: datetime | None = None,
-                  limit: int = 100, before: int | None = None) -> list[UsageRow]:
+def list_requests(
+    session: Session,
+    *,
+    team_id: int | None = None,
+    key_id: int | None = None,
+    model: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = 100,
+    before: int | None = None,
+) -> list[UsageRow]:
     """Request rows, newest first, keyset-paginated by id."""
     query = select(UsageRow).order_by(UsageRow.id.desc()).limit(limit)
     for column, value in ((UsageRow.team_id, team_id), (UsageRow.key_id, key_id), (UsageRow.model, model)):
@@ -134,8 +173,13 @@ def list_requests(session: Session, *, team_id: int | None = None, key_id: int |
 
 
 def report_columns(group_by: Sequence[str]) -> list[str]:
-    names = {"day": ["day"], "team": ["team_id", "team_name"], "key": ["key_id", "key_prefix"], "model": ["model"],
-             "replica": ["replica"]}
+    names = {
+        "day": ["day"],
+        "team": ["team_id", "team_name"],
+        "key": ["key_id", "key_prefix"],
+        "model": ["model"],
+        "replica": ["replica"],
+    }
     return [c for g in group_by for c in names[g]] + list(SUMS)
 
 

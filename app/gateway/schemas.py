@@ -1,4 +1,5 @@
 """Admin API bodies and views. Views never carry a key's hash; only create returns the plaintext."""
+
 from __future__ import annotations
 
 from datetime import UTC, datetime
@@ -31,10 +32,16 @@ def _refuse_null(body: BaseModel, *names: str) -> BaseModel:
 
 
 class TeamShare(Limits):
-    scheduling_weight: float | None = Field(None, gt=0, le=1000,
-                                            description="its share of the engine against other teams; default 1")
-    cache_group: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
-                                    description="teams in one group reuse each other's cached prompt prefixes")
+    scheduling_weight: float | None = Field(
+        None, gt=0, le=1000, description="its share of the engine against other teams; default 1"
+    )
+    cache_group: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="teams in one group reuse each other's cached prompt prefixes",
+    )
 
 
 class TeamCreate(TeamShare):
@@ -53,10 +60,12 @@ class TeamUpdate(TeamShare):
 class KeyCreate(Limits):
     team_id: int
     name: str = Field("", max_length=128)
-    priority_floor: int | None = Field(None, ge=-1000, le=1000,
-                                       description="the most urgent priority its requests may ask for; default 0")
-    max_in_flight: int | None = Field(None, ge=1, le=100_000,
-                                      description="requests it may have in flight at once; default: the server's")
+    priority_floor: int | None = Field(
+        None, ge=-1000, le=1000, description="the most urgent priority its requests may ask for; default 0"
+    )
+    max_in_flight: int | None = Field(
+        None, ge=1, le=100_000, description="requests it may have in flight at once; default: the server's"
+    )
 
 
 class KeyUpdate(Limits):
@@ -116,8 +125,9 @@ class KeyView(_View):
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyView:
-        return cls.model_validate({**{c: getattr(key, c) for c in cls.model_fields if hasattr(key, c)},
-                                   "revoked": key.revoked_at is not None})
+        return cls.model_validate(
+            {**{c: getattr(key, c) for c in cls.model_fields if hasattr(key, c)}, "revoked": key.revoked_at is not None}
+        )
 
 
 class KeyCreated(KeyView):

@@ -2,6 +2,7 @@
 the store, the key cache, the limiter, the budget tracker and the usage writer. It implements
 app.gateway.contract.Gateway (authenticate, admit, request_finished, astart / astop); app.main adds
 its admin API and dashboard when create_app is given one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +40,7 @@ RATE_LIMITED, OVER_BUDGET, FORBIDDEN = "rate_limited", "over_budget", "forbidden
 class Reservation:
     """What one admitted request may still cost: tokens counted in its admission window's tpm, and
     nano USD held against its budgets. Settled by request_finished()."""
+
     rate_scopes: tuple[Scope, ...]
     window: int
     tokens: int
@@ -52,8 +54,9 @@ def naive_utc(unix: float) -> datetime:
 
 
 class TeamGateway:
-    def __init__(self, config: GatewayConfig, *, clock: Callable[[], float] = time.time,
-                 announce: TextIO | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, *, clock: Callable[[], float] = time.time, announce: TextIO | None = None
+    ) -> None:
         self.config = config
         self.clock = clock
         self.announce = announce
@@ -61,13 +64,20 @@ class TeamGateway:
         self.sessions = session_factory(self.engine)
         self.keys = KeyCache(self.sessions, ttl_s=config.key_cache_ttl_s)
         self.auth_failures = FailedAuthLimiter(config.auth_failures_per_minute)
-        counters = RedisCounters(config.redis_url, prefix=config.redis_prefix) if config.redis_url else InProcessCounters()
+        counters = (
+            RedisCounters(config.redis_url, prefix=config.redis_prefix) if config.redis_url else InProcessCounters()
+        )
         self.limiter = RateLimiter(counters, window_s=config.rate_window_s, clock=clock)
         self.budgets = BudgetTracker(self.sessions, cache_ttl_s=config.budget_cache_ttl_s, clock=clock)
         self.writer = UsageWriter(
-            self.engine, spill_dir=config.spill_dir, flush_interval_s=config.usage_flush_interval_s,
-            batch_max=config.usage_batch_max, buffer_max=config.usage_buffer_max,
-            last_used_flush_s=config.last_used_flush_s, on_committed=self.budgets.committed)
+            self.engine,
+            spill_dir=config.spill_dir,
+            flush_interval_s=config.usage_flush_interval_s,
+            batch_max=config.usage_batch_max,
+            buffer_max=config.usage_buffer_max,
+            last_used_flush_s=config.last_used_flush_s,
+            on_committed=self.budgets.committed,
+        )
         self.admin: AdminIdentity | None = None
         self.started = False
         self._reservations: dict[str, Reservation] = {}  # request id -> what admit() set aside for it
@@ -111,9 +121,15 @@ class TeamGateway:
     async def authenticate(self, request: Request) -> KeyPrincipal:
         token = bearer_token(request.headers.get("authorization"))
         if not token:
-            raise self.auth_failure(request, None, OpenAIError(
-                401, "You didn't provide an API key. Pass it as 'Authorization: Bearer sk-...'.",
-                code="invalid_api_key"))
+            raise self.auth_failure(
+                request,
+                None,
+                OpenAIError(
+                    401,
+                    "You didn't provide an API key. Pass it as 'Authorization: Bearer sk-...'.",
+                    code="invalid_api_key",
+                ),
+            )
         hit, principal = self.keys.cached(token)
         if not hit:
             try:
@@ -138,13 +154,26 @@ class TeamGateway:
         if wait is None:
             self.auth_failures.failed(*subjects)
             return unauthorized
-        return OpenAIError(429, "Too many failed authentication attempts from your address or with this key. "
-                           f"Try again in {math.ceil(wait)}s.", type="requests", code="too_many_auth_failures",
-                           headers={"Retry-After": str(max(math.ceil(wait), 1))})
+        return OpenAIError(
+            429,
+            "Too many failed authentication attempts from your address or with this key. "
+            f"Try again in {math.ceil(wait)}s.",
+            type="requests",
+            code="too_many_auth_failures",
+            headers={"Retry-After": str(max(math.ceil(wait), 1))},
+        )
 
-    async def admit(self, principal: KeyPrincipal, *, model: str, prompt_tokens: int, max_tokens: int | None,
-                    sequences: int = 1, request_id: str | None = None, price: ModelPrice | None = None
-                    ) -> dict[str, str]:
+    async def admit(
+        self,
+        principal: KeyPrincipal,
+        *,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        sequences: int = 1,
+        request_id: str | None = None,
+        price: ModelPrice | None = None,
+    ) -> dict[str, str]:
         """Model access, then budget, then rate limits. A refusal raises in OpenAI's shape and is
         metered as a row of its own (status forbidden / over_budget / rate_limited).
 
@@ -162,9 +191,13 @@ class TeamGateway:
         cap = 0 if principal.batch else principal.max_in_flight or self.config.max_in_flight_per_key
         if honest and cap and self._in_flight_by_key.get(principal.key_id, 0) >= cap:
             self._refused(principal, model, RATE_LIMITED)
-            raise OpenAIError(429, f"Too many requests in flight for this key: at most {cap} at once. Retry when "
-                              "one has finished.", type="requests", code="rate_limit_exceeded",
-                              headers={"retry-after": "1"})
+            raise OpenAIError(
+                429,
+                f"Too many requests in flight for this key: at most {cap} at once. Retry when one has finished.",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"retry-after": "1"},
+            )
         worst_tokens = prompt_tokens + (max_tokens or 0) * sequences if honest else 0
         price = price or self.config.price(model)
         if principal.batch:
@@ -174,8 +207,7 @@ class TeamGateway:
             exhausted = None
             if any(self.budgets.needs_refresh(s) for s in principal.budget_scopes):
                 try:
-                    exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes,
-                                                        estimate)
+                    exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes, estimate)
                 except SQLAlchemyError as error:
                     raise store_unavailable(error) from None
             # Decide again and reserve in one turn of the event loop (the spend is cached now), so that
@@ -184,10 +216,13 @@ class TeamGateway:
             if exhausted is not None:
                 self._refused(principal, model, OVER_BUDGET)
                 raise OpenAIError(
-                    429, f"You exceeded your current quota: the {exhausted.kind}'s budget of "
+                    429,
+                    f"You exceeded your current quota: the {exhausted.kind}'s budget of "
                     f"${exhausted.max_budget_usd:g} per {exhausted.period} can't cover this request "
                     f"(up to ${estimate / NANO:.6f}) on top of what is spent and reserved.",
-                    type="insufficient_quota", code="insufficient_quota")
+                    type="insufficient_quota",
+                    code="insufficient_quota",
+                )
         if honest:
             self.budgets.reserve(principal.budget_scopes, estimate)
         decision = await self.limiter.acquire(principal.rate_scopes, worst_tokens)
@@ -200,13 +235,22 @@ class TeamGateway:
             budget = decision.requests if decision.exceeded == "requests" else decision.tokens
             detail = f" (this request may need {worst_tokens})" if decision.exceeded == "tokens" and honest else ""
             raise OpenAIError(
-                429, f"Rate limit reached for {decision.exceeded} per {self.limiter.window_s:g}s: limit "
+                429,
+                f"Rate limit reached for {decision.exceeded} per {self.limiter.window_s:g}s: limit "
                 f"{budget.limit}{detail}. Try again in {headers['x-ratelimit-reset-' + decision.exceeded]}.",
-                type=decision.exceeded, code="rate_limit_exceeded", headers=headers)
+                type=decision.exceeded,
+                code="rate_limit_exceeded",
+                headers=headers,
+            )
         if honest:
             self._reservations[request_id] = Reservation(
-                principal.rate_scopes, decision.window, worst_tokens, principal.budget_scopes, estimate,
-                None if principal.batch else principal.key_id)
+                principal.rate_scopes,
+                decision.window,
+                worst_tokens,
+                principal.budget_scopes,
+                estimate,
+                None if principal.batch else principal.key_id,
+            )
             if not principal.batch:
                 self._in_flight_by_key[principal.key_id] = self._in_flight_by_key.get(principal.key_id, 0) + 1
         self.admitted += 1
@@ -232,16 +276,24 @@ class TeamGateway:
         price = record.price or self.config.price(record.model)  # the registry's sheet, else the env's
         if record.batch:
             price = price.for_batch()
-        self._queue(UsageEvent(
-            created_at=naive_utc(record.finished_at - record.latency_seconds), team_id=record.team_id,
-            key_id=record.key_id, model=record.model, prompt_tokens=record.prompt_tokens,
-            cached_tokens=record.cached_tokens, completion_tokens=record.completion_tokens,
-            latency_ms=round(record.latency_seconds * 1000),
-            ttft_ms=None if record.time_to_first_token_seconds is None
-            else round(record.time_to_first_token_seconds * 1000),
-            status=record.status[:16], batch=record.batch,
-            cost_nano_usd=price.cost_nano_usd(record.prompt_tokens, record.cached_tokens,
-                                              record.completion_tokens)))
+        self._queue(
+            UsageEvent(
+                created_at=naive_utc(record.finished_at - record.latency_seconds),
+                team_id=record.team_id,
+                key_id=record.key_id,
+                model=record.model,
+                prompt_tokens=record.prompt_tokens,
+                cached_tokens=record.cached_tokens,
+                completion_tokens=record.completion_tokens,
+                latency_ms=round(record.latency_seconds * 1000),
+                ttft_ms=None
+                if record.time_to_first_token_seconds is None
+                else round(record.time_to_first_token_seconds * 1000),
+                status=record.status[:16],
+                batch=record.batch,
+                cost_nano_usd=price.cost_nano_usd(record.prompt_tokens, record.cached_tokens, record.completion_tokens),
+            )
+        )
         tokens = record.prompt_tokens + record.completion_tokens
         if record.batch:  # batch lines count against the budget (their rows), never the interactive tpm
             return
@@ -263,10 +315,21 @@ class TeamGateway:
         return principal.rate_scopes if principal is not None else ()
 
     def _refused(self, principal: KeyPrincipal, model: str, status: str) -> None:
-        self._queue(UsageEvent(
-            created_at=naive_utc(self.clock()), team_id=principal.team_id, key_id=principal.key_id, model=model,
-            prompt_tokens=0, cached_tokens=0, completion_tokens=0, latency_ms=0, ttft_ms=None, status=status,
-            cost_nano_usd=0))
+        self._queue(
+            UsageEvent(
+                created_at=naive_utc(self.clock()),
+                team_id=principal.team_id,
+                key_id=principal.key_id,
+                model=model,
+                prompt_tokens=0,
+                cached_tokens=0,
+                completion_tokens=0,
+                latency_ms=0,
+                ttft_ms=None,
+                status=status,
+                cost_nano_usd=0,
+            )
+        )
 
     def _queue(self, event: UsageEvent) -> None:
         event.replica = self.config.instance_id
@@ -287,5 +350,10 @@ def client_address(request: Request) -> str:
 
 def store_unavailable(error: Exception) -> OpenAIError:
     log.warning("database unavailable: %s", str(error).splitlines()[0] if str(error) else type(error).__name__)
-    return OpenAIError(503, "The key store is unavailable; please retry shortly.", type="server_error",
-                       code="service_unavailable", headers={"Retry-After": "2"})
+    return OpenAIError(
+        503,
+        "The key store is unavailable; please retry shortly.",
+        type="server_error",
+        code="service_unavailable",
+        headers={"Retry-After": "2"},
+    )

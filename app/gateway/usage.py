@@ -5,6 +5,7 @@ The request path only appends to a deque. If the database is down the writer kee
 retries with backoff; rows beyond `buffer_max`, and rows still unwritten at shutdown, go to a JSONL
 spill file that the next start replays. Nothing queued is dropped.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -78,8 +79,12 @@ def rollup(events: Iterable[UsageEvent]) -> list[dict]:
         row = sums.get((e.created_at.date(), e.key_id, e.model))
         if row is None:
             row = sums[(e.created_at.date(), e.key_id, e.model)] = {
-                "day": e.created_at.date(), "key_id": e.key_id, "model": e.model, "team_id": e.team_id,
-                **dict.fromkeys(ROLLUP_SUMS, 0)}
+                "day": e.created_at.date(),
+                "key_id": e.key_id,
+                "model": e.model,
+                "team_id": e.team_id,
+                **dict.fromkeys(ROLLUP_SUMS, 0),
+            }
         row["requests"] += 1
         row["errors"] += e.is_error
         row["prompt_tokens"] += e.prompt_tokens
@@ -95,7 +100,8 @@ def sqlite_rollup_upsert():  # an Insert ... ON CONFLICT DO UPDATE
     stmt = sqlite.insert(UsageDaily)
     return stmt.on_conflict_do_update(
         index_elements=["day", "key_id", "model"],
-        set_={name: getattr(UsageDaily, name) + getattr(stmt.excluded, name) for name in ROLLUP_SUMS})
+        set_={name: getattr(UsageDaily, name) + getattr(stmt.excluded, name) for name in ROLLUP_SUMS},
+    )
 
 
 def unnest_insert(table: Table, columns: Sequence[str], suffix: str = "") -> TextClause:
@@ -112,12 +118,16 @@ ROLLUP_COLUMNS = ("day", "key_id", "model", "team_id", *ROLLUP_SUMS)
 SQLITE_ROLLUP_UPSERT = sqlite_rollup_upsert()
 PG_USAGE_COPY = f"COPY {UsageRow.__tablename__} ({', '.join(USAGE_COLUMNS)}) FROM STDIN"
 PG_ROLLUP_UPSERT = unnest_insert(
-    UsageDaily.__table__, ROLLUP_COLUMNS, "ON CONFLICT (day, key_id, model) DO UPDATE SET "
-    + ", ".join(f"{name} = usage_daily.{name} + excluded.{name}" for name in ROLLUP_SUMS))
+    UsageDaily.__table__,
+    ROLLUP_COLUMNS,
+    "ON CONFLICT (day, key_id, model) DO UPDATE SET "
+    + ", ".join(f"{name} = usage_daily.{name} + excluded.{name}" for name in ROLLUP_SUMS),
+)
 
 
-def write_batch(engine: Engine, events: Sequence[UsageEvent], *, key_times: dict | None = None,
-                team_times: dict | None = None) -> None:
+def write_batch(
+    engine: Engine, events: Sequence[UsageEvent], *, key_times: dict | None = None, team_times: dict | None = None
+) -> None:
     with Session(engine) as session, session.begin():
         if events:
             # Core, not the ORM's bulk path: far less Python work per row (this thread holds the GIL
@@ -137,9 +147,17 @@ def write_batch(engine: Engine, events: Sequence[UsageEvent], *, key_times: dict
 
 
 class UsageWriter:
-    def __init__(self, engine: Engine, *, spill_dir: str | os.PathLike, flush_interval_s: float = 0.5,
-                 batch_max: int = 5000, buffer_max: int = 2_000_000, last_used_flush_s: float = 10.0,
-                 on_committed: Callable[[Sequence[UsageEvent]], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        spill_dir: str | os.PathLike,
+        flush_interval_s: float = 0.5,
+        batch_max: int = 5000,
+        buffer_max: int = 2_000_000,
+        last_used_flush_s: float = 10.0,
+        on_committed: Callable[[Sequence[UsageEvent]], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.spill_dir = Path(spill_dir)
         self.flush_interval_s = flush_interval_s
@@ -228,8 +246,7 @@ class UsageWriter:
             remaining = list(self._buffer)
             self._buffer.clear()
             self._spill(remaining)
-            log.error("database unavailable at shutdown: %d usage rows spilled to %s", len(remaining),
-                      self._spill_path)
+            log.error("database unavailable at shutdown: %d usage rows spilled to %s", len(remaining), self._spill_path)
         elif self._key_times or self._team_times:
             self._write_some(force_last_used=True)
 
@@ -270,8 +287,11 @@ class UsageWriter:
                 self._team_times = {**team_times, **self._team_times}
             self.failures += 1
             if self.failures == 1 or self.failures % 20 == 0:
-                log.warning("usage write failed (%d rows kept for retry): %s", len(self._buffer),
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                log.warning(
+                    "usage write failed (%d rows kept for retry): %s",
+                    len(self._buffer),
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
             return False
         if key_times is not None:
             self._last_used_flushed = time.monotonic()

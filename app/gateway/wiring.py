@@ -1,5 +1,6 @@
 """The gateway from the app's Settings, and the database steps taken once before a server (or a set of Ray
 Serve replicas) starts: migrations, the --api-key, the admin key on first start."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

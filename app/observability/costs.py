@@ -8,6 +8,7 @@ a server up for ten minutes has not cost a day yet) and USD per 1M tokens, overa
 Per model: a model with its own configured cost per hour (its own GPU, say) carries that cost; the
 server's cost is split over the other models by their share of the tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,13 @@ class HardwareCostMeter:
     `cost_per_hour` is the server's (TOKENMILL_HARDWARE_COST_PER_HOUR); `model_costs_per_hour` are
     per-model overrides, counted from when they are set."""
 
-    def __init__(self, cost_per_hour: float, clock: Callable[[], float] = time.monotonic, *,
-                 model_costs_per_hour: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        cost_per_hour: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        model_costs_per_hour: Mapping[str, float] | None = None,
+    ) -> None:
         if cost_per_hour < 0:
             raise ValueError("cost_per_hour must not be negative")
         self.cost_per_hour = cost_per_hour
@@ -106,18 +112,28 @@ class HardwareCostMeter:
     def _window(self, now: float, window_s: float, tokens_by_model: Counter) -> dict:
         elapsed = min(window_s, max(now - self.started_at, 0.0))
         server_cost = self.cost_per_hour * elapsed / 3600
-        own_costs = {model: rate * min(window_s, max(now - since, 0.0)) / 3600
-                     for model, (rate, since) in self._model_costs.items()}
+        own_costs = {
+            model: rate * min(window_s, max(now - since, 0.0)) / 3600
+            for model, (rate, since) in self._model_costs.items()
+        }
         shared_tokens = sum(n for model, n in tokens_by_model.items() if model not in own_costs)
         models = {}
         for model in sorted(set(tokens_by_model) | set(own_costs), key=str):
             if model is None:
                 continue  # tokens nobody attributed: in the totals, not in the per-model view
             tokens = tokens_by_model.get(model, 0)
-            cost = own_costs[model] if model in own_costs else \
-                (server_cost * tokens / shared_tokens if shared_tokens else 0.0)
+            cost = (
+                own_costs[model]
+                if model in own_costs
+                else (server_cost * tokens / shared_tokens if shared_tokens else 0.0)
+            )
             models[model] = {"tokens": tokens, "cost_usd": cost, "usd_per_1m_tokens": usd_per_million(cost, tokens)}
         tokens = sum(tokens_by_model.values())
         cost = server_cost + sum(own_costs.values())
-        return {"seconds": elapsed, "tokens": tokens, "cost_usd": cost,
-                "usd_per_1m_tokens": usd_per_million(cost, tokens), "models": models}
+        return {
+            "seconds": elapsed,
+            "tokens": tokens,
+            "cost_usd": cost,
+            "usd_per_1m_tokens": usd_per_million(cost, tokens),
+            "models": models,
+        }

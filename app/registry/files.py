@@ -1,6 +1,7 @@
 """Opening a file an operator named: regular files only. A FIFO would block the reader forever and a
 device (a link to /dev/zero) would never end, so both are refused before a byte is read; the check is
 made on the opened descriptor, so a path swapped after the check can't slip through."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A GGUF file's metadata, read from its header without touching its tensors; the readers of its values
 serve app/registry/memory.py too, which walks on to the tensor index."""
+
 from __future__ import annotations
 
 import os

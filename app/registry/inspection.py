@@ -1,6 +1,7 @@
 """Checks a model source before it is registered: the path exists, it is a checkpoint we can read, and
 its architecture is one the engine runs. Reads config and headers only, never the weights, so a bad
 registration fails in a second with a message that says what to fix."""
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,24 @@ EMBEDDING_ARCHITECTURES = frozenset({"bert"})
 MAX_CONFIG_BYTES = 4 * 2**20  # a real config.json is a few KB
 # The sizes a config.json gives that the engine and the memory check use, and the largest believed:
 # anything not a whole number in 1..limit is a broken or crafted checkpoint.
-SHAPE_LIMITS = {"max_position_embeddings": 2**26, "hidden_size": 2**20, "intermediate_size": 2**22,
-                "num_hidden_layers": 2**12, "num_attention_heads": 2**14, "num_key_value_heads": 2**14,
-                "head_dim": 2**14, "vocab_size": 2**24}
-GGUF_SHAPES = {"context_length": "max_position_embeddings", "embedding_length": "hidden_size",
-               "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
-               "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads"}
+SHAPE_LIMITS = {
+    "max_position_embeddings": 2**26,
+    "hidden_size": 2**20,
+    "intermediate_size": 2**22,
+    "num_hidden_layers": 2**12,
+    "num_attention_heads": 2**14,
+    "num_key_value_heads": 2**14,
+    "head_dim": 2**14,
+    "vocab_size": 2**24,
+}
+GGUF_SHAPES = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+}
 
 
 @dataclass(frozen=True)
@@ -60,20 +73,25 @@ def _existing_path(kind: str, source: str) -> Path:
         try:
             return default_source_path(kind)
         except (FileNotFoundError, ImportError) as error:
-            raise RegistryError(f"the embedded {kind} model is not installed: {error}", param="path",
-                                code="model_source_not_found") from None
+            raise RegistryError(
+                f"the embedded {kind} model is not installed: {error}", param="path", code="model_source_not_found"
+            ) from None
     try:
         path = Path(source).expanduser()
         if not path.is_absolute():
-            raise RegistryError(f"path must be absolute (the server resolves it, not your shell): {source!r}.",
-                                param="path", code="model_source_not_found")
+            raise RegistryError(
+                f"path must be absolute (the server resolves it, not your shell): {source!r}.",
+                param="path",
+                code="model_source_not_found",
+            )
         if not path.exists():
             raise RegistryError(f"no file or folder at {source!r}.", param="path", code="model_source_not_found")
     except (OSError, ValueError, RuntimeError) as error:  # a NUL byte, a name too long, ~nosuchuser
         if isinstance(error, RegistryError):
             raise
-        raise RegistryError(f"path {source!r} cannot be used: {error}", param="path",
-                            code="model_source_not_found") from None
+        raise RegistryError(
+            f"path {source!r} cannot be used: {error}", param="path", code="model_source_not_found"
+        ) from None
     return path
 
 
@@ -83,8 +101,9 @@ def _chat_facts(source: str) -> SourceFacts:
     path = _existing_path("chat", source)
     if path.is_file():
         if path.suffix != ".gguf":
-            raise RegistryError(f"{path} is neither a .gguf file nor a checkpoint folder.", param="path",
-                                code="unsupported_model")
+            raise RegistryError(
+                f"{path} is neither a .gguf file nor a checkpoint folder.", param="path", code="unsupported_model"
+            )
         architecture, max_context, sampling_defaults = _gguf_facts(path)
     else:
         config = _folder_config(path)
@@ -93,11 +112,16 @@ def _chat_facts(source: str) -> SourceFacts:
         sampling_defaults = folder_sampling_defaults(path)
         activation = config.get("hidden_act", "silu")
         if architecture in SUPPORTED_ARCHITECTURES and activation != "silu":
-            raise RegistryError(f"activation {activation!r} is not supported (only silu).", param="path",
-                                code="unsupported_model")
+            raise RegistryError(
+                f"activation {activation!r} is not supported (only silu).", param="path", code="unsupported_model"
+            )
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise RegistryError(f"architecture {architecture!r} is not supported for chat; tokenmill runs "
-                            f"{sorted(SUPPORTED_ARCHITECTURES)}.", param="path", code="unsupported_model")
+        raise RegistryError(
+            f"architecture {architecture!r} is not supported for chat; tokenmill runs "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}.",
+            param="path",
+            code="unsupported_model",
+        )
     if source == DEFAULT_SOURCE:
         sampling_defaults = {**EMBEDDED_CHAT_DEFAULTS, **sampling_defaults}
     return SourceFacts(architecture, max_context, sampling_defaults)
@@ -106,14 +130,19 @@ def _chat_facts(source: str) -> SourceFacts:
 def _embedding_facts(source: str) -> SourceFacts:
     path = _existing_path("embedding", source)
     if path.is_file():
-        raise RegistryError(f"an embedding model must be a checkpoint folder, not {path.name}.", param="path",
-                            code="unsupported_model")
+        raise RegistryError(
+            f"an embedding model must be a checkpoint folder, not {path.name}.", param="path", code="unsupported_model"
+        )
     config = _folder_config(path)
     _require_weights(path)
     architecture = str(config.get("model_type"))
     if architecture not in EMBEDDING_ARCHITECTURES:
-        raise RegistryError(f"architecture {architecture!r} is not supported for embeddings; tokenmill runs "
-                            f"{sorted(EMBEDDING_ARCHITECTURES)}.", param="path", code="unsupported_model")
+        raise RegistryError(
+            f"architecture {architecture!r} is not supported for embeddings; tokenmill runs "
+            f"{sorted(EMBEDDING_ARCHITECTURES)}.",
+            param="path",
+            code="unsupported_model",
+        )
     return SourceFacts(architecture, config.get("max_position_embeddings"))
 
 
@@ -121,11 +150,13 @@ def _folder_config(path: Path) -> dict:
     try:
         config = json.loads(read_regular(path / "config.json", MAX_CONFIG_BYTES))
     except FileNotFoundError:
-        raise RegistryError(f"{path} has no config.json: not a transformers checkpoint folder.", param="path",
-                            code="unsupported_model") from None
+        raise RegistryError(
+            f"{path} has no config.json: not a transformers checkpoint folder.", param="path", code="unsupported_model"
+        ) from None
     except (OSError, ValueError, RecursionError) as error:  # a FIFO, a device, too big, too deep, not JSON
-        raise RegistryError(f"{path}/config.json is unreadable: {error}", param="path",
-                            code="unsupported_model") from None
+        raise RegistryError(
+            f"{path}/config.json is unreadable: {error}", param="path", code="unsupported_model"
+        ) from None
     if not isinstance(config, dict):
         raise RegistryError(f"{path}/config.json is not a JSON object.", param="path", code="unsupported_model")
     for shape_field, limit in SHAPE_LIMITS.items():
@@ -137,25 +168,33 @@ def _check_shape(value: object, field: str, limit: int, where: Path) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise RegistryError(f"{where}: {field} is {value!r}; it must be a whole number from 1 to {limit}.",
-                            param="path", code="unsupported_model")
+        raise RegistryError(
+            f"{where}: {field} is {value!r}; it must be a whole number from 1 to {limit}.",
+            param="path",
+            code="unsupported_model",
+        )
 
 
 def _require_weights(path: Path) -> None:
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
-        raise RegistryError(f"{path} holds no *.safetensors or pytorch_model*.bin weights.", param="path",
-                            code="unsupported_model")
+        raise RegistryError(
+            f"{path} holds no *.safetensors or pytorch_model*.bin weights.", param="path", code="unsupported_model"
+        )
 
 
 def _gguf_facts(path: Path) -> tuple[str, int | None, dict[str, float | int]]:
     try:
         header = gguf_header(path, wanted=("general.architecture", *GGUF_SAMPLING_KEYS), stop_prefix="tokenizer.")
         architecture = str(header["general.architecture"])
-        header.update(gguf_header(path, wanted=tuple(f"{architecture}.{key}" for key in GGUF_SHAPES),
-                                  stop_prefix="tokenizer."))
+        header.update(
+            gguf_header(path, wanted=tuple(f"{architecture}.{key}" for key in GGUF_SHAPES), stop_prefix="tokenizer.")
+        )
     except (OSError, ValueError, KeyError, struct.error, RecursionError) as error:
-        raise RegistryError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}", param="path",
-                            code="unsupported_model") from None
+        raise RegistryError(
+            f"{path} is not a readable GGUF file: {type(error).__name__}: {error}",
+            param="path",
+            code="unsupported_model",
+        ) from None
     for key, shape_field in GGUF_SHAPES.items():
         _check_shape(header.get(f"{architecture}.{key}"), f"{architecture}.{key}", SHAPE_LIMITS[shape_field], path)
     return architecture, header.get(f"{architecture}.context_length"), gguf_sampling_defaults(header, path)

@@ -1,5 +1,6 @@
 """Loading a registered model into memory, and the specs of models loaded some other way: blocking
 work the pool runs in threads, kept apart from its bookkeeping."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,15 @@ def preloaded_spec(engine) -> ModelSpec:
         architecture, sampling_defaults = facts.architecture, facts.sampling_defaults
     except RegistryError:
         architecture, sampling_defaults = "unknown", {}
-    return ModelSpec(name=engine.model_name, kind="chat", source=source, architecture=architecture,
-                     dtype=config.dtype, max_model_len=engine.max_model_len, sampling_defaults=sampling_defaults)
+    return ModelSpec(
+        name=engine.model_name,
+        kind="chat",
+        source=source,
+        architecture=architecture,
+        dtype=config.dtype,
+        max_model_len=engine.max_model_len,
+        sampling_defaults=sampling_defaults,
+    )
 
 
 def embedded_defaults() -> tuple[dict[str, Any], ...]:

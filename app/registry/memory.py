@@ -10,6 +10,7 @@ float32 model and the copies it saves, if that is more; plus a margin. Measured 
 beside another model: float32 with 128 / 4096 KV blocks peaked at 1.15 / 3.89 GiB (estimate before the
 margin 1.09 / 3.81), bfloat16 at 0.75 / 1.96 GiB (estimate 0.80 / 2.16).
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,11 @@ class Estimate:
         return math.ceil(max(load, self.conversion_bytes) * MARGIN)
 
     def describe(self) -> str:
-        parts = [f"the checkpoint as read {self.read_bytes / GIB:.2f} GiB",
-                 f"the weights {self.weights_bytes / GIB:.2f} GiB", f"the KV cache {self.kv_bytes / GIB:.2f} GiB"]
+        parts = [
+            f"the checkpoint as read {self.read_bytes / GIB:.2f} GiB",
+            f"the weights {self.weights_bytes / GIB:.2f} GiB",
+            f"the KV cache {self.kv_bytes / GIB:.2f} GiB",
+        ]
         if self.conversion_bytes:
             parts.append(f"or converting the GGUF first {self.conversion_bytes / GIB:.2f} GiB")
         return f"about {self.total_bytes / GIB:.2f} GiB at its peak ({', '.join(parts)}, plus {MARGIN - 1:.0%})"
@@ -170,7 +174,10 @@ def check_memory_fits(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
         raise RegistryError(
             f"not enough memory to load {spec.name!r}: it needs {needed.describe()}, and "
             f"{available / GIB:.2f} GiB is available. Unload a model, lower its num_kv_blocks or "
-            f"kv_cache_memory_gb, or serve it in bfloat16.", param="engine_settings", code="insufficient_memory")
+            f"kv_cache_memory_gb, or serve it in bfloat16.",
+            param="engine_settings",
+            code="insufficient_memory",
+        )
     return needed
 
 

@@ -5,6 +5,7 @@ registers, changes, loads and unloads without a restart.
 Unloading drains: the model stops taking requests at once (503 model_not_loaded), the ones already in
 flight finish, then its engine stops and the pool drops its last reference, so the memory goes back.
 All methods run on the event loop; loading, inspecting and the store run in threads."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,16 +36,29 @@ LOADING, UNLOADED, DISABLED = "loading", "unloaded", "disabled"
 
 def model_not_loaded(name: str, state: str) -> OpenAIError:
     why = {DRAINING: "is being unloaded", LOADING: "is still loading", DISABLED: "is disabled"}.get(
-        state, "is not loaded")
-    return OpenAIError(503, f"The model `{name}` {why}; an administrator can load it with "
-                       f"POST /admin/api/models/{name}/load.", type="server_error", param="model",
-                       code="model_not_loaded", headers={"Retry-After": "5"})
+        state, "is not loaded"
+    )
+    return OpenAIError(
+        503,
+        f"The model `{name}` {why}; an administrator can load it with POST /admin/api/models/{name}/load.",
+        type="server_error",
+        param="model",
+        code="model_not_loaded",
+        headers={"Retry-After": "5"},
+    )
 
 
 class ModelPool:
-    def __init__(self, base: EngineConfig, *, store: RegistryStore | None = None,
-                 load_enabled_at_start: bool = False, drain_timeout_s: float = 600.0,
-                 first_start: tuple[Mapping[str, Any], ...] = (), refresh_interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        base: EngineConfig,
+        *,
+        store: RegistryStore | None = None,
+        load_enabled_at_start: bool = False,
+        drain_timeout_s: float = 600.0,
+        first_start: tuple[Mapping[str, Any], ...] = (),
+        refresh_interval_s: float | None = None,
+    ) -> None:
         self.base = base  # server-wide engine settings; a spec overrides its own part
         self.store = store
         self.load_enabled_at_start = load_enabled_at_start
@@ -103,8 +117,9 @@ class ModelPool:
         return next((s for s in self.loaded() if s.kind == "chat"), None)
 
     # ---- start and stop ----------------------------------------------------------------------
-    def add_loaded(self, engine=None, *, embedder=None, spec: ModelSpec | None = None,
-                   owned: bool = False) -> ServedModel:
+    def add_loaded(
+        self, engine=None, *, embedder=None, spec: ModelSpec | None = None, owned: bool = False
+    ) -> ServedModel:
         """A chat engine or an embedding model someone else loaded (`tokenmill serve --model`, tests);
         registered on start() unless the registry has it. The spec defaults to what the engine says."""
         if spec is None:
@@ -112,8 +127,9 @@ class ModelPool:
                 raise ValueError("an embedding model needs its spec")
             spec = preloaded_spec(engine)
         self.specs.setdefault(spec.name, spec)
-        served = self.served[spec.name] = ServedModel(self.specs[spec.name], engine=engine, embedder=embedder,
-                                                      owned=owned)
+        served = self.served[spec.name] = ServedModel(
+            self.specs[spec.name], engine=engine, embedder=embedder, owned=owned
+        )
         return served
 
     async def start(self) -> None:
@@ -161,8 +177,11 @@ class ModelPool:
         if self.store is None:
             return
         stored = {spec.name: spec for spec in await run_in_threadpool(self.store.all)}
-        switched_off = [name for name, served in self.served.items()
-                        if served.state == LOADED and (name not in stored or not stored[name].enabled)]
+        switched_off = [
+            name
+            for name, served in self.served.items()
+            if served.state == LOADED and (name not in stored or not stored[name].enabled)
+        ]
         for name, served in self.served.items():
             stored.setdefault(name, served.spec)  # until it is unloaded
             served.spec = stored[name]
@@ -183,14 +202,16 @@ class ModelPool:
         facts = await self._inspect(fields.get("kind") or "chat", str(fields.get("path")))
         async with self._changes:
             await self.refresh()
-            spec = await run_in_threadpool(new_spec, fields, base=self.base, others=list(self.specs.values()),
-                                           facts=facts)
+            spec = await run_in_threadpool(
+                new_spec, fields, base=self.base, others=list(self.specs.values()), facts=facts
+            )
             if self.store is not None:
                 try:
                     spec = await run_in_threadpool(self.store.insert, spec=spec)
                 except IntegrityError:  # another replica registered the name in between
-                    raise RegistryError(f"{spec.name!r} is already a registered model.", param="name",
-                                        code="conflict") from None
+                    raise RegistryError(
+                        f"{spec.name!r} is already a registered model.", param="name", code="conflict"
+                    ) from None
             self.specs[spec.name] = spec
             self._tell_costs()
         if load:
@@ -204,8 +225,9 @@ class ModelPool:
         async with self._changes:
             await self.refresh()
             spec = self._known(name)
-            updated = await run_in_threadpool(changed_spec, spec, changes, base=self.base,
-                                              others=list(self.specs.values()), facts=facts)
+            updated = await run_in_threadpool(
+                changed_spec, spec, changes, base=self.base, others=list(self.specs.values()), facts=facts
+            )
             if self.store is not None:
                 updated = await run_in_threadpool(self.store.replace, name=name, spec=updated)
             self.specs[name] = updated
@@ -243,8 +265,7 @@ class ModelPool:
     async def load(self, name: str) -> ServedModel:
         spec = self._known(name)
         if not spec.enabled:
-            raise RegistryError(f"model {name!r} is disabled; enable it first.", param="enabled",
-                                code="model_disabled")
+            raise RegistryError(f"model {name!r} is disabled; enable it first.", param="enabled", code="model_disabled")
         draining = self._draining.get(name)
         if draining is not None:  # load after unload: the old engine goes first
             await asyncio.shield(draining)
@@ -278,8 +299,11 @@ class ModelPool:
         try:
             return await asyncio.wait_for(run_in_threadpool(inspect_source, kind, source), self.inspect_timeout_s)
         except TimeoutError:
-            raise RegistryError(f"reading the model at {source!r} took longer than {self.inspect_timeout_s:g}s.",
-                                param="path", code="model_source_timeout") from None
+            raise RegistryError(
+                f"reading the model at {source!r} took longer than {self.inspect_timeout_s:g}s.",
+                param="path",
+                code="model_source_timeout",
+            ) from None
 
     def _tell_costs(self) -> None:
         """Models with their own hardware cost per hour, to the real-cost meter (only changes: the meter
@@ -310,8 +334,9 @@ class ModelPool:
         try:
             loaded = await run_in_threadpool(start_serving, spec, self.base)
         except Exception as error:
-            raise RegistryError(f"could not load {spec.name!r}: {type(error).__name__}: {error}",
-                                param="path", code="model_load_failed") from error
+            raise RegistryError(
+                f"could not load {spec.name!r}: {type(error).__name__}: {error}", param="path", code="model_load_failed"
+            ) from error
         served = ServedModel(self.specs.get(spec.name, spec), **loaded)
         self.served[spec.name] = served
         log.info("loaded %s in %.1fs", spec.name, time.monotonic() - started)
@@ -322,8 +347,12 @@ class ModelPool:
         while served.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if served.in_flight > 0:
-            log.warning("%s: %d requests still running after %.0fs; stopping anyway", served.name,
-                        served.in_flight, self.drain_timeout_s)
+            log.warning(
+                "%s: %d requests still running after %.0fs; stopping anyway",
+                served.name,
+                served.in_flight,
+                self.drain_timeout_s,
+            )
         await run_in_threadpool(served.shutdown)
         if self.served.get(served.name) is served:
             del self.served[served.name]

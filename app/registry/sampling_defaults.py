@@ -3,6 +3,7 @@ OpenAI's (temperature 1.0 is too hot for a small model). They come from the chec
 generation_config.json, or a GGUF's general.sampling.* metadata), from the model card for the embedded
 model, or from the admin; they are checked here with the engine's own limits, so a default can never
 make a request fail."""
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,37 @@ log = logging.getLogger("tokenmill.registry")
 
 FIELD = "sampling_defaults"  # the admin API's field; errors name `sampling_defaults.<key>`
 # The request fields a model may give a default for (chat, completions and responses share them).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                         "frequency_penalty", "max_tokens")
+SAMPLING_DEFAULT_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+)
 WHOLE_NUMBER_KEYS = frozenset({"top_k", "max_tokens"})
 # SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". Its GGUF carries no sampling metadata.
 EMBEDDED_CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 # generation_config.json's names (transformers' GenerationConfig) -> ours. do_sample is not read: like
 # vLLM, an explicit temperature is what counts.
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 # llama.cpp's GGUF keys (gguf.Keys.General.SAMPLING_*) -> ours.
-GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
-                      "general.sampling.penalty_repeat": "repetition_penalty"}
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 MAX_GENERATION_CONFIG_BYTES = 1 * 2**20  # a real one is a few hundred bytes
 
 
@@ -45,8 +64,10 @@ def check_sampling_defaults(values: Mapping[str, Any]) -> dict[str, float | int]
     for key, value in values.items():
         param = f"{FIELD}.{key}"
         if key not in SAMPLING_DEFAULT_KEYS:
-            raise RegistryError(f"{param}: unknown sampling field {key!r}; a default may be set for "
-                                f"{list(SAMPLING_DEFAULT_KEYS)}.", param=param)
+            raise RegistryError(
+                f"{param}: unknown sampling field {key!r}; a default may be set for {list(SAMPLING_DEFAULT_KEYS)}.",
+                param=param,
+            )
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if key in WHOLE_NUMBER_KEYS and not (number and isinstance(value, int)):
             raise RegistryError(f"{param} must be a whole number, got {value!r}.", param=param)
@@ -87,16 +108,19 @@ def folder_sampling_defaults(folder: Path) -> dict[str, float | int]:
         return {}
     if not isinstance(config, dict):
         return {}
-    return _usable({ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items() if theirs in config},
-                   f"{folder}/generation_config.json")
+    return _usable(
+        {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items() if theirs in config},
+        f"{folder}/generation_config.json",
+    )
 
 
 def gguf_sampling_defaults(header: Mapping[str, Any], where: Path) -> dict[str, float | int]:
     """The general.sampling.* metadata of a GGUF header, where its converter recorded them. They are
     float32s: 0.7 reads back as 0.699999988, so each is given to float32's precision (7 digits)."""
     found = {ours: header[theirs] for theirs, ours in GGUF_SAMPLING_KEYS.items() if theirs in header}
-    return _usable({key: float(f"{value:.7g}") if isinstance(value, float) else value
-                    for key, value in found.items()}, str(where))
+    return _usable(
+        {key: float(f"{value:.7g}") if isinstance(value, float) else value for key, value in found.items()}, str(where)
+    )
 
 
 def _usable(found: dict[str, Any], where: str) -> dict[str, float | int]:

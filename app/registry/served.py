@@ -1,5 +1,6 @@
 """A model that is loaded in this process: its engine (chat) or encoder (embedding), its own latency
 metrics, and how many requests are using it, so that unloading can wait for them (drain)."""
+
 from __future__ import annotations
 
 from app.observability.metrics import ModelMetrics

@@ -1,4 +1,5 @@
 """One registered model as the rest of the app sees it: a frozen snapshot of its registry row."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +16,18 @@ KINDS = ("chat", "embedding")
 DTYPES = ("float32", "bfloat16")
 DEFAULT_SOURCE = "default"  # the embedded model of the kind, found in its wheel at load time
 # What a registry row may set per model; the rest of EngineConfig is the server's (data_dir, threads).
-ENGINE_SETTINGS = ("block_size", "num_kv_blocks", "kv_cache_memory_gb", "num_cpu_blocks", "max_num_seqs",
-                   "max_num_batched_tokens", "max_waiting", "preemption_mode", "enable_prefix_caching",
-                   "quantization")
+ENGINE_SETTINGS = (
+    "block_size",
+    "num_kv_blocks",
+    "kv_cache_memory_gb",
+    "num_cpu_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_waiting",
+    "preemption_mode",
+    "enable_prefix_caching",
+    "quantization",
+)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
@@ -54,14 +64,22 @@ class ModelSpec:
 
     def engine_config(self, base: EngineConfig) -> EngineConfig:
         """The server's engine settings, with this model's weights, name and overrides."""
-        return dataclasses.replace(base, model=self.source, served_model_name=self.name, dtype=self.dtype,
-                                   max_model_len=self.max_model_len, **self.engine_settings)
+        return dataclasses.replace(
+            base,
+            model=self.source,
+            served_model_name=self.name,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            **self.engine_settings,
+        )
 
 
 def check_name(name: str, *, param: str) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise RegistryError(f"{param} must be 1-128 letters, digits or ._:/@+- and start with a letter or digit; "
-                            f"got {name!r}.", param=param)
+        raise RegistryError(
+            f"{param} must be 1-128 letters, digits or ._:/@+- and start with a letter or digit; got {name!r}.",
+            param=param,
+        )
     return name
 
 
@@ -69,12 +87,12 @@ def check_engine_settings(settings: dict[str, Any], base: EngineConfig) -> dict[
     """Known fields only, and values EngineConfig accepts."""
     unknown = sorted(set(settings) - set(ENGINE_SETTINGS))
     if unknown:
-        raise RegistryError(f"unknown engine settings {unknown}; known: {list(ENGINE_SETTINGS)}.",
-                            param="engine_settings")
+        raise RegistryError(
+            f"unknown engine settings {unknown}; known: {list(ENGINE_SETTINGS)}.", param="engine_settings"
+        )
     for name, value in settings.items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise RegistryError(f"engine setting {name} must be a finite number, got {value}.",
-                                param="engine_settings")
+            raise RegistryError(f"engine setting {name} must be a finite number, got {value}.", param="engine_settings")
     try:
         dataclasses.replace(base, **settings)
     except (TypeError, ValueError) as error:
@@ -82,12 +100,19 @@ def check_engine_settings(settings: dict[str, Any], base: EngineConfig) -> dict[
     return dict(settings)
 
 
-def price_of(input_per_1m: float | None, cached_input_per_1m: float | None, output_per_1m: float | None,
-             batch_input_per_1m: float | None = None, batch_output_per_1m: float | None = None) -> ModelPrice | None:
+def price_of(
+    input_per_1m: float | None,
+    cached_input_per_1m: float | None,
+    output_per_1m: float | None,
+    batch_input_per_1m: float | None = None,
+    batch_output_per_1m: float | None = None,
+) -> ModelPrice | None:
     """A price sheet from its columns; cached input costs full input price unless set, batch lines half
     the interactive prices unless set."""
-    if all(price is None for price in (input_per_1m, cached_input_per_1m, output_per_1m, batch_input_per_1m,
-                                       batch_output_per_1m)):
+    if all(
+        price is None
+        for price in (input_per_1m, cached_input_per_1m, output_per_1m, batch_input_per_1m, batch_output_per_1m)
+    ):
         return None
     input_price = input_per_1m or 0.0
     cached = input_price if cached_input_per_1m is None else cached_input_per_1m

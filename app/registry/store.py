@@ -1,5 +1,6 @@
 """Registry rows <-> ModelSpecs. Keyword-only, blocking (run off the event loop); each call is its own
 transaction, so a refused change leaves the table as it was."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,25 +12,47 @@ from app.gateway.crud import utcnow
 from app.registry.spec import ModelSpec, price_of
 from app.tables import RegisteredModel
 
-PRICE_COLUMNS = ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m",
-                 "price_batch_input_per_1m", "price_batch_output_per_1m")
+PRICE_COLUMNS = (
+    "price_input_per_1m",
+    "price_cached_input_per_1m",
+    "price_output_per_1m",
+    "price_batch_input_per_1m",
+    "price_batch_output_per_1m",
+)
 
 
 def spec_of(row: RegisteredModel) -> ModelSpec:
     return ModelSpec(
-        name=row.name, kind=row.kind, source=row.source, architecture=row.architecture, dtype=row.dtype,
-        max_model_len=row.max_model_len, engine_settings=dict(row.engine_settings or {}),
-        aliases=tuple(row.aliases or ()), price=price_of(*(getattr(row, c) for c in PRICE_COLUMNS)),
-        enabled=row.enabled, hardware_cost_per_hour=row.hardware_cost_per_hour,
-        sampling_defaults=dict(row.sampling_defaults or {}), created_at=row.created_at, updated_at=row.updated_at)
+        name=row.name,
+        kind=row.kind,
+        source=row.source,
+        architecture=row.architecture,
+        dtype=row.dtype,
+        max_model_len=row.max_model_len,
+        engine_settings=dict(row.engine_settings or {}),
+        aliases=tuple(row.aliases or ()),
+        price=price_of(*(getattr(row, c) for c in PRICE_COLUMNS)),
+        enabled=row.enabled,
+        hardware_cost_per_hour=row.hardware_cost_per_hour,
+        sampling_defaults=dict(row.sampling_defaults or {}),
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
 
 
 def columns_of(spec: ModelSpec) -> dict[str, Any]:
     price = spec.price
     return {
-        "name": spec.name, "kind": spec.kind, "source": spec.source, "architecture": spec.architecture,
-        "dtype": spec.dtype, "max_model_len": spec.max_model_len, "engine_settings": dict(spec.engine_settings),
-        "aliases": list(spec.aliases), "enabled": spec.enabled, "hardware_cost_per_hour": spec.hardware_cost_per_hour,
+        "name": spec.name,
+        "kind": spec.kind,
+        "source": spec.source,
+        "architecture": spec.architecture,
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+        "engine_settings": dict(spec.engine_settings),
+        "aliases": list(spec.aliases),
+        "enabled": spec.enabled,
+        "hardware_cost_per_hour": spec.hardware_cost_per_hour,
         "sampling_defaults": dict(spec.sampling_defaults),
         "price_input_per_1m": None if price is None else price.input_per_1m,
         "price_cached_input_per_1m": None if price is None else price.cached_input_per_1m,

@@ -5,6 +5,7 @@ The ingress sends a `ForwardedRequest` (plain data, pickled by Ray); the replica
 `ResponseStart` first, then the body's chunks as bytes. When the consumer stops early (the client went
 away), the app sees `http.disconnect`, so a streamed generation is aborted as it would be behind uvicorn.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,15 +35,26 @@ class ResponseStart:
 
 def http_scope(request: ForwardedRequest) -> dict:
     return {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": request.method, "scheme": request.scheme, "path": request.path,
-        "raw_path": request.path.encode(), "query_string": request.query_string, "root_path": "",
-        "headers": request.headers, "client": request.client, "server": None,
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": request.scheme,
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": request.query_string,
+        "root_path": "",
+        "headers": request.headers,
+        "client": request.client,
+        "server": None,
     }
 
 
-async def run_asgi(app, request: ForwardedRequest,  # app: any ASGI app
-                   extra_headers: list[tuple[bytes, bytes]] = ()) -> AsyncIterator[ResponseStart | bytes]:
+async def run_asgi(
+    app,
+    request: ForwardedRequest,  # app: any ASGI app
+    extra_headers: list[tuple[bytes, bytes]] = (),
+) -> AsyncIterator[ResponseStart | bytes]:
     messages: asyncio.Queue = asyncio.Queue()
     disconnected = asyncio.Event()
     body_sent = False

@@ -7,6 +7,7 @@ other replicas come and go. The preferred replica is skipped when it is overload
 least-loaded replica by more than `imbalance` requests; then the least-loaded one wins.
 Pure functions: app.scaleout.ray_serve calls them from its Ray Serve request router; tests call them directly.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -59,6 +60,7 @@ def prefix_key(text: str | None, prefix_chars: int = PREFIX_CHARS) -> str | None
 
 def rendezvous_order(key: str, replica_ids: Sequence[Hashable]) -> list:
     """Replica ids, the key's favourite first. Same key and set: same order, in every process."""
+
     def score(replica_id: Hashable) -> bytes:
         return hashlib.blake2b(f"{key}|{replica_id}".encode(), digest_size=8).digest()
 

@@ -40,11 +40,15 @@ REPLICA_HEADER = "x-tokenmill-replica"  # which replica answered: for operators,
 DRAIN_TIMEOUT_S = 60.0  # a stopping replica finishes its requests for this long, then it is killed
 ATTEMPTS = 3  # tries for a request whose replica dies before answering
 SCRAPE_TIMEOUT_S = 10.0  # the ingress's /metrics waits this long for each replica's
-ROUTERS = {"prefix": "app.scaleout.ray_serve.PrefixAwareRouter", "round-robin": "app.scaleout.ray_serve.RoundRobinRouter"}
+ROUTERS = {
+    "prefix": "app.scaleout.ray_serve.PrefixAwareRouter",
+    "round-robin": "app.scaleout.ray_serve.RoundRobinRouter",
+}
 FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "HF_", "TRANSFORMERS_")
 
 
 # ---- request routers (they run in the ingress, beside its handle to the replicas) ----
+
 
 def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:
     if pending_request is None or not pending_request.args:
@@ -62,6 +66,7 @@ class RoutedReplicas:
     """The replicas the routers in this process (the ingress's) know of, by unique id: the ingress's
     /metrics asks each of them. Kept by the routers, since only they hear from Serve when replicas come
     and go; replaced whole, never mutated, as routers and the ingress may run on different threads."""
+
     ids: frozenset[str] = frozenset()
 
 
@@ -73,8 +78,9 @@ def routed_replica_ids() -> frozenset[str]:
     return ray_serve.RoutedReplicas.ids
 
 
-def _targeted_rank(candidate_replicas: list[RunningReplica],
-                   pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+def _targeted_rank(
+    candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+) -> list[list[RunningReplica]] | None:
     """For a request meant for one replica: that replica alone (none while it is not a candidate, and
     the ingress gives up on it after SCRAPE_TIMEOUT_S). None for every other request."""
     request = _forwarded(pending_request)
@@ -99,13 +105,15 @@ class PrefixAwareRouter(_RemembersReplicas):
     def initialize_state(self, imbalance: int = IMBALANCE, **_: object) -> None:
         self.imbalance = imbalance
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if (targeted := _targeted_rank(candidate_replicas, pending_request)) is not None:
             return targeted
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        loads = {unique_id: self.replica_queue_len_cache.get(replica.replica_id)
-                 for unique_id, replica in by_id.items()}
+        loads = {
+            unique_id: self.replica_queue_len_cache.get(replica.replica_id) for unique_id, replica in by_id.items()
+        }
         ranks = rank_replicas(_prefix_key_of(pending_request), loads, self.imbalance)
         return [[by_id[unique_id] for unique_id in rank] for rank in ranks]
 
@@ -116,18 +124,20 @@ class RoundRobinRouter(_RemembersReplicas):
     def initialize_state(self, **_: object) -> None:
         self.turns = itertools.count()
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if (targeted := _targeted_rank(candidate_replicas, pending_request)) is not None:
             return targeted
         if not candidate_replicas:
             return []
         ordered = sorted(candidate_replicas, key=lambda replica: replica.replica_id.unique_id)
         first = next(self.turns) % len(ordered)
-        return [[ordered[first]], ordered[first + 1:] + ordered[:first]]
+        return [[ordered[first]], ordered[first + 1 :] + ordered[:first]]
 
 
 # ---- the replica: one tokenmill server ----
+
 
 class TokenmillReplica:
     async def __init__(self, settings: Settings) -> None:
@@ -138,8 +148,7 @@ class TokenmillReplica:
         # (app.gateway.wiring.prepare_store): replicas don't migrate.
         settings = dataclasses.replace(settings, instance_id=self.replica_id)
         # Loading the model blocks for seconds: off this replica's event loop.
-        self.app, self.engine = await asyncio.to_thread(build_server, settings, migrated=True,
-                                                        replica=self.replica_id)
+        self.app, self.engine = await asyncio.to_thread(build_server, settings, migrated=True, replica=self.replica_id)
         self.identity = [(REPLICA_HEADER.encode(), self.replica_id.encode())]
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them
@@ -163,14 +172,20 @@ METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 def _shutting_down() -> Response:
-    error = OpenAIError(503, "The server is shutting down; try again.", type="server_error", code="shutting_down",
-                        headers={"Retry-After": "2"})
+    error = OpenAIError(
+        503,
+        "The server is shutting down; try again.",
+        type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": "2"},
+    )
     return error.response()
 
 
 def _replica_lost() -> Response:
-    error = OpenAIError(503, "No replica could take the request; try again.", type="server_error",
-                        code="replica_unavailable")
+    error = OpenAIError(
+        503, "No replica could take the request; try again.", type="server_error", code="replica_unavailable"
+    )
     return error.response()
 
 
@@ -208,10 +223,15 @@ class Ingress:
             return await self._metrics_of_every_replica(request.headers.get("accept"))
         body = await request.body()
         forwarded = ForwardedRequest(
-            method=request.method, path=request.url.path, query_string=request.scope.get("query_string", b""),
-            headers=list(request.scope["headers"]), body=body, client=request.scope.get("client"),
+            method=request.method,
+            path=request.url.path,
+            query_string=request.scope.get("query_string", b""),
+            headers=list(request.scope["headers"]),
+            body=body,
+            client=request.scope.get("client"),
             prefix_key=prefix_key(routing_text(request.url.path, body), self.prefix_chars),
-            scheme=request.url.scheme)
+            scheme=request.url.scheme,
+        )
         for _ in range(ATTEMPTS):
             stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
             try:
@@ -238,9 +258,15 @@ class Ingress:
 
     async def _scrape(self, replica: str | None) -> tuple[str, str]:
         """(the replica that answered, its /metrics in OpenMetrics: the format that loses nothing)."""
-        forwarded = ForwardedRequest(method="GET", path="/metrics", query_string=b"",
-                                     headers=[(b"accept", OPENMETRICS_ACCEPT.encode())], body=b"", client=None,
-                                     replica=replica)
+        forwarded = ForwardedRequest(
+            method="GET",
+            path="/metrics",
+            query_string=b"",
+            headers=[(b"accept", OPENMETRICS_ACCEPT.encode())],
+            body=b"",
+            client=None,
+            replica=replica,
+        )
         stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
         start = await stream.__anext__()
         body = b"".join([chunk async for chunk in stream])
@@ -265,6 +291,7 @@ IngressDeployment = serve.deployment(serve.ingress(ingress_api)(Ingress), name="
 
 # ---- the application ----
 
+
 def drain_and_shutdown(app_name: str = "tokenmill", timeout_s: float = DRAIN_TIMEOUT_S) -> int:
     """Stop taking requests, let those in flight finish (up to `timeout_s`), then shut Serve down: its own
     shutdown stops the HTTP proxy at once, cutting streams short. Returns the requests cut short."""
@@ -284,9 +311,16 @@ def forwarded_env() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
 
 
-def build_application(settings: Settings, *, router: str = "prefix", initial_replicas: int | None = None,
-                      replica_cpus: float = 1.0, prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE,
-                      app_name_suffix: str = "") -> serve.Application:
+def build_application(
+    settings: Settings,
+    *,
+    router: str = "prefix",
+    initial_replicas: int | None = None,
+    replica_cpus: float = 1.0,
+    prefix_chars: int = PREFIX_CHARS,
+    imbalance: int = IMBALANCE,
+    app_name_suffix: str = "",
+) -> serve.Application:
     """The Ingress bound to the TokenmillReplica deployment, with autoscaling between the settings'
     min_replicas and max_replicas (a fixed count when they are equal)."""
     if router not in ROUTERS:
@@ -295,24 +329,35 @@ def build_application(settings: Settings, *, router: str = "prefix", initial_rep
     if settings.min_replicas == settings.max_replicas:
         scaling = {"num_replicas": settings.min_replicas}
     else:
-        scaling = {"autoscaling_config": {
-            "min_replicas": settings.min_replicas, "max_replicas": settings.max_replicas,
-            "initial_replicas": initial_replicas or settings.min_replicas,
-            "target_ongoing_requests": max(1, max_ongoing // 2)}}
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": settings.min_replicas,
+                "max_replicas": settings.max_replicas,
+                "initial_replicas": initial_replicas or settings.min_replicas,
+                "target_ongoing_requests": max(1, max_ongoing // 2),
+            }
+        }
     router_kwargs = {"imbalance": imbalance} if router == "prefix" else {}
     # The classes stay undecorated module names, so Ray pickles them by reference (by value, their
     # methods would not see this module's other functions).
-    replica = serve.deployment(TokenmillReplica).options(
-        name="TokenmillReplica" + app_name_suffix,
-        max_ongoing_requests=max_ongoing,
-        graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
-        graceful_shutdown_wait_loop_s=0.5,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
-                                                  request_router_kwargs=router_kwargs),
-        ray_actor_options={"num_cpus": replica_cpus, "runtime_env": {"env_vars": forwarded_env()}},
-        **scaling,
-    ).bind(settings)
+    replica = (
+        serve.deployment(TokenmillReplica)
+        .options(
+            name="TokenmillReplica" + app_name_suffix,
+            max_ongoing_requests=max_ongoing,
+            graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
+            graceful_shutdown_wait_loop_s=0.5,
+            request_router_config=RequestRouterConfig(
+                request_router_class=ROUTERS[router], request_router_kwargs=router_kwargs
+            ),
+            ray_actor_options={"num_cpus": replica_cpus, "runtime_env": {"env_vars": forwarded_env()}},
+            **scaling,
+        )
+        .bind(settings)
+    )
     return IngressDeployment.options(
-        name="Ingress" + app_name_suffix, num_replicas=1, max_ongoing_requests=10_000,
+        name="Ingress" + app_name_suffix,
+        num_replicas=1,
+        max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0},  # it only forwards: leave the cores to the engines
     ).bind(replica, prefix_chars)

@@ -1,5 +1,6 @@
 """One tokenmill server as an ASGI app: its engine (--model), the registry's pool and the gateway.
 `tokenmill serve` runs it under uvicorn; each Ray Serve replica (app.scaleout.ray_serve) holds one."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +11,7 @@ import app.offline  # noqa: F401 - Ray Serve replicas start here, not in app.cli
 from app.settings import Settings
 
 
-def build_server(settings: Settings, *, migrated: bool = False,
-                 replica: str | None = None) -> tuple[FastAPI, object]:
+def build_server(settings: Settings, *, migrated: bool = False, replica: str | None = None) -> tuple[FastAPI, object]:
     """The app and its engine (an engine.async_engine.AsyncEngine the caller shuts down after the app's
     lifespan has ended). migrated: the caller ran app.gateway.wiring.prepare_store on this database, so
     the gateway doesn't migrate again. `replica` labels the app's /metrics series (the Ray Serve replica id)."""
@@ -27,8 +27,13 @@ def build_server(settings: Settings, *, migrated: bool = False,
     try:
         gateway = gateway_from_settings(settings, migrated=migrated)
         # --model is served as before; every other enabled model of the registry loads in the background.
-        pool = ModelPool(settings.engine, store=RegistryStore(gateway.sessions), load_enabled_at_start=True,
-                         first_start=embedded_defaults(), refresh_interval_s=15.0)
+        pool = ModelPool(
+            settings.engine,
+            store=RegistryStore(gateway.sessions),
+            load_enabled_at_start=True,
+            first_start=embedded_defaults(),
+            refresh_interval_s=15.0,
+        )
         return create_app(settings, engine, gateway=gateway, pool=pool, replica=replica), engine
     except BaseException:
         engine.shutdown()

@@ -1,4 +1,5 @@
 """Reading a JSON request body: content type, a size cap, then strict validation; never a 500 or a hang."""
+
 from __future__ import annotations
 
 from typing import TypeVar
@@ -21,8 +22,9 @@ def _check_content_type(request: Request) -> None:
         return  # clients that send JSON without saying so
     media_type = content_type.split(";", 1)[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
-        raise OpenAIError(415, f"Unsupported content type {media_type!r}: send application/json.",
-                          code="unsupported_media_type")
+        raise OpenAIError(
+            415, f"Unsupported content type {media_type!r}: send application/json.", code="unsupported_media_type"
+        )
 
 
 async def read_body(request: Request, model: type[BodyModel], max_bytes: int) -> BodyModel:

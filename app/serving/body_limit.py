@@ -9,6 +9,7 @@ stays at most one cap, whatever a client sends.
 
 A path may have a cap of its own (`path_caps`): POST /v1/files takes uploads far larger than any JSON
 body, and only there."""
+
 from __future__ import annotations
 
 from fastapi import HTTPException

@@ -1,5 +1,6 @@
 """The server context a request runs in: the settings, the model pool and the gateway; and one request's
 view of the model it names (`ModelContext`), held in flight until release()."""
+
 from __future__ import annotations
 
 import weakref
@@ -42,13 +43,22 @@ class ServerContext:
         until release()."""
         served = self.models.resolve(requested_model)
         if kind is not None and served.kind != kind:
-            raise invalid_request(f"`{requested_model}` is a model of kind {served.kind}; this endpoint needs kind "
-                                  f"{kind}.", param="model", code="wrong_model_kind")
+            raise invalid_request(
+                f"`{requested_model}` is a model of kind {served.kind}; this endpoint needs kind {kind}.",
+                param="model",
+                code="wrong_model_kind",
+            )
         served.acquire()
         return ModelContext(self.settings, self.gateway, served, self.cost_meter)
 
-    async def with_model(self, requested_model: str, handle: Callable[[ModelContext], Awaitable[Response]], *,
-                         principal: Principal, kind: str | None = None) -> Response:
+    async def with_model(
+        self,
+        requested_model: str,
+        handle: Callable[[ModelContext], Awaitable[Response]],
+        *,
+        principal: Principal,
+        kind: str | None = None,
+    ) -> Response:
         """handle(context) for the model a request names; the model counts it in flight until the
         response is complete (a streamed one: until its tracker finishes). The caller's access comes
         first: a model the key may not use is a 404 naming only what was asked for, before its kind,
@@ -71,6 +81,7 @@ class ServerContext:
 class ModelContext:
     """One request's view of the server: its model's engine, metrics and token texts. release() once
     the request is over (RequestTracker.finish does), so an unload can drain."""
+
     settings: Settings
     gateway: Gateway
     served: ServedModel
@@ -103,8 +114,11 @@ class ModelContext:
         """The model's sampling defaults, read per request (an admin's change applies to the next one); a
         default max_tokens must fit the context and the KV pool, or the engine refuses it."""
         pool_tokens = self.engine.stats().kv_blocks_total * self.engine.config.block_size
-        return ModelSampling(min(self.engine.max_model_len, pool_tokens), self.settings.max_tokens_cap,
-                             sampling_defaults(self.served.spec, self.settings))
+        return ModelSampling(
+            min(self.engine.max_model_len, pool_tokens),
+            self.settings.max_tokens_cap,
+            sampling_defaults(self.served.spec, self.settings),
+        )
 
     def access_name(self, principal: Principal, requested: str) -> str:
         """What the gateway checks access against: the name the caller used if its key lists it (an

@@ -4,6 +4,7 @@ Concurrent requests never run their own torch threads side by side on the same c
 they leave waiting are run together: 32 one-text requests cost about one 32-text batch, not 32 forward
 passes (on 2 cores a batch of 64 short texts took a tenth of the time of 64 single ones). A request
 queues one batch at a time, so a small one waits behind one batch of a big one, not all of it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -71,5 +72,5 @@ class EncoderQueue:
                 continue
             start = 0
             for job in batch:
-                job.result.set_result(vectors[start:start + len(job.token_ids)])
+                job.result.set_result(vectors[start : start + len(job.token_ids)])
                 start += len(job.token_ids)

@@ -1,4 +1,5 @@
 """From request to prompt token ids: the model's chat template for chat, plain encoding for completions."""
+
 from __future__ import annotations
 
 from app.errors import invalid_request
@@ -6,8 +7,10 @@ from app.serving.schemas import ChatMessage, Prompt
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    conversation = [{"role": "system" if message.role == "developer" else message.role,
-                     "content": message.content or ""} for message in messages]
+    conversation = [
+        {"role": "system" if message.role == "developer" else message.role, "content": message.content or ""}
+        for message in messages
+    ]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # templates raise on conversations they refuse (e.g. roles out of turn)

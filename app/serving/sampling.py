@@ -1,6 +1,7 @@
 """OpenAI request fields -> the engine's SamplingParams, with bad values reported under the OpenAI name.
 Every route that runs the engine (chat, completions, responses) builds its SamplingParams here, so each
 one applies the model's own sampling defaults the same way: to the fields the request leaves out."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -17,14 +18,22 @@ if TYPE_CHECKING:
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions API's default
 # The fields a model's defaults fill in; max_tokens too, but each API defaults that in its own way.
-DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+DEFAULTABLE_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass(frozen=True)
 class ModelSampling:
     """What the model a request runs on brings to its SamplingParams: the room for tokens, and the
     model's own defaults (app.registry.sampling_defaults) for the fields the request leaves out."""
+
     max_model_len: int
     max_tokens_cap: int
     defaults: Mapping[str, float | int] = field(default_factory=dict)
@@ -58,8 +67,9 @@ def chat_sampling_params(body: ChatCompletionRequest, prompt_len: int, model: Mo
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if max_tokens is None:
         max_tokens = model.default_max_tokens(prompt_len)
-    return _sampling_params(body, model, max_tokens, logprobs,
-                            names={"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
+    return _sampling_params(
+        body, model, max_tokens, logprobs, names={"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
+    )
 
 
 def completion_sampling_params(body: CompletionRequest, prompt_len: int, model: ModelSampling) -> SamplingParams:
@@ -73,16 +83,22 @@ def defaulted(body: SamplingFields, defaults: Mapping[str, float | int]) -> dict
     """The request's sampling fields, each one it did not set (left out, or null) taken from the model's
     defaults. A value the request sets wins, even one equal to OpenAI's default (temperature 1.0)."""
     given = body.model_fields_set
-    return {name: getattr(body, name) if name in given and getattr(body, name) is not None else defaults.get(name)
-            for name in DEFAULTABLE_FIELDS}
+    return {
+        name: getattr(body, name) if name in given and getattr(body, name) is not None else defaults.get(name)
+        for name in DEFAULTABLE_FIELDS
+    }
 
 
-def _sampling_params(body: SamplingFields, model: ModelSampling, max_tokens: int, logprobs: int | None,
-                     names: dict[str, str]) -> SamplingParams:
+def _sampling_params(
+    body: SamplingFields, model: ModelSampling, max_tokens: int, logprobs: int | None, names: dict[str, str]
+) -> SamplingParams:
     max_tokens_param = names.get("max_tokens", "max_tokens")
     if isinstance(max_tokens, int) and max_tokens > model.max_tokens_cap:
-        raise invalid_request(f"{max_tokens_param} is too large: {max_tokens}. This server allows at most "
-                              f"{model.max_tokens_cap} completion tokens.", param=max_tokens_param)
+        raise invalid_request(
+            f"{max_tokens_param} is too large: {max_tokens}. This server allows at most "
+            f"{model.max_tokens_cap} completion tokens.",
+            param=max_tokens_param,
+        )
     try:
         logit_bias = {int(token): bias for token, bias in (body.logit_bias or {}).items()}
     except ValueError:
@@ -90,9 +106,16 @@ def _sampling_params(body: SamplingFields, model: ModelSampling, max_tokens: int
     if any(token < 0 for token in logit_bias):  # a negative id would index the vocabulary from its end
         raise invalid_request("logit_bias keys must be non-negative token ids.", param="logit_bias")
     fields = dict(
-        n=body.n, max_tokens=max_tokens, **defaulted(body, model.defaults), logit_bias=logit_bias,
-        seed=body.seed, stop=body.stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens, logprobs=logprobs,
+        n=body.n,
+        max_tokens=max_tokens,
+        **defaulted(body, model.defaults),
+        logit_bias=logit_bias,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
     )
     try:
         return SamplingParams(**{name: value for name, value in fields.items() if value is not None})

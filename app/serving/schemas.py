@@ -1,4 +1,5 @@
 """Request bodies of the OpenAI routes. Strict types (no "0.5" for a number), unknown fields ignored."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -26,6 +27,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
 
 class SamplingFields(Body):
     """What chat and completions share: OpenAI's sampling fields plus the engine's extras."""
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -112,6 +114,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _prompts(cls, value: Any) -> list[Prompt]:
         """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+
         def is_ids(item: Any) -> bool:
             return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
 

@@ -1,5 +1,6 @@
 """Server-sent events: chunk encoding, the [DONE] terminator, errors after the headers went out, and
 several engine streams merged into one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,12 +48,17 @@ class TrackedStreamingResponse(StreamingResponse):
 
 
 def sse_response(events: AsyncIterator[str], headers: dict[str, str], tracker: RequestTracker) -> StreamingResponse:
-    return TrackedStreamingResponse(events, tracker, media_type="text/event-stream",
-                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+    return TrackedStreamingResponse(
+        events,
+        tracker,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+    )
 
 
-async def finished_stream(tracker: RequestTracker, events: AsyncIterator[str], *, prompt_param: str,
-                          max_tokens_param: str) -> AsyncIterator[str]:
+async def finished_stream(
+    tracker: RequestTracker, events: AsyncIterator[str], *, prompt_param: str, max_tokens_param: str
+) -> AsyncIterator[str]:
     """Ends every stream with [DONE], turns late failures into an error event (the status line is already
     sent), and reports the request once. A client that goes away cancels us: that is an abort."""
     status = "aborted"

@@ -1,4 +1,5 @@
 """Token strings and raw bytes for logprobs, the way OpenAI shows them (" the", not "Ġthe")."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,9 @@ from engine.outputs import TokenLogprob
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: every byte maps to a printable character."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for byte in range(256):

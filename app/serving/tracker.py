@@ -1,4 +1,5 @@
 """One HTTP request's engine work: latencies for /metrics, token counts for usage, abort on early exit."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +41,7 @@ def rejection_error(error: EngineRejected, *, prompt_param: str, max_tokens_para
 @dataclass
 class Choice:
     """The text, tokens and logprobs one sequence has produced so far."""
+
     text_parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -131,11 +133,21 @@ class RequestTracker:
             metrics.request_finished(reason)
         ttft = None if self.first_token_at is None else self.first_token_at - self.started_at
         record = UsageRecord(
-            request_id=self.request_id, team_id=self.principal.team_id, key_id=self.principal.key_id,
-            model=self.context.model_name, endpoint=self.endpoint, prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens, latency_seconds=latency,
-            time_to_first_token_seconds=ttft, status=status, finished_at=time.time(), price=self.context.price,
-            batch=self.principal.batch)
+            request_id=self.request_id,
+            team_id=self.principal.team_id,
+            key_id=self.principal.key_id,
+            model=self.context.model_name,
+            endpoint=self.endpoint,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+            latency_seconds=latency,
+            time_to_first_token_seconds=ttft,
+            status=status,
+            finished_at=time.time(),
+            price=self.context.price,
+            batch=self.principal.batch,
+        )
         self.context.release()
         if self.context.cost_meter is not None:  # real cost: what the hardware hour produced
             self.context.cost_meter.record(self.completion_tokens, self.context.model_name)
@@ -148,16 +160,22 @@ class RequestTracker:
         return "aborted" if "abort" in self.finish_reasons else "ok"
 
 
-def check_fits(context: ModelContext, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str,
-               max_tokens_param: str) -> None:
+def check_fits(
+    context: ModelContext, prompt_ids: list[int], params: SamplingParams, *, prompt_param: str, max_tokens_param: str
+) -> None:
     try:
         context.engine.check_request(prompt_ids, params)
     except EngineRejected as error:
         raise rejection_error(error, prompt_param=prompt_param, max_tokens_param=max_tokens_param) from None
 
 
-async def engine_outputs(context: ModelContext, tracker: RequestTracker, engine_request_id: str,
-                         prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+async def engine_outputs(
+    context: ModelContext,
+    tracker: RequestTracker,
+    engine_request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+) -> AsyncIterator[RequestOutput]:
     """The engine's outputs for one request; stopping early (disconnect, error) aborts it in the engine."""
     finished = False
     try:
@@ -185,6 +203,7 @@ async def engine_outputs(context: ModelContext, tracker: RequestTracker, engine_
 @asynccontextmanager
 async def abort_on_disconnect(request: Request, abort: Callable[[], None]):
     """For responses sent in one piece: the body is read, so the next ASGI message is the disconnect."""
+
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass

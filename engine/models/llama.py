@@ -3,6 +3,7 @@
 Plain PyTorch, gpt-fast style: q/k/v and gate/up are fused at load time; the hot ops go through
 `kernels`, which picks Triton on a GPU and native kernels (or the torch references) on the CPU.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -99,8 +100,7 @@ LAYER_FORMATS: dict[str, Format] = {"int8": "int8", "int4": "int4"}
 HEAD_FORMATS: dict[str, tuple[Format, int | None]] = {"int8": ("int8", None), "int4": ("int8", 32)}
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                quantization: str) -> LinearLayer:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quantization: str) -> LinearLayer:
     """The layer's linear: oneDNN on `dtype` weights, or packed int8/int4 (quantized from the weights as read,
     before any cast, so float32 checkpoints lose nothing to bf16 on the way)."""
     if quantization == "none":
@@ -109,8 +109,14 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
 
 
 class LlamaLayer:
-    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], prefix: str,
-                 dtype: torch.dtype | None = None, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        shape: LlamaShape,
+        weights: dict[str, torch.Tensor],
+        prefix: str,
+        dtype: torch.dtype | None = None,
+        quantization: str = "none",
+    ) -> None:
         self.shape = shape
         dtype = dtype or weights[f"{prefix}input_layernorm.weight"].dtype
         q, k, v = (weights[f"{prefix}self_attn.{name}_proj.weight"] for name in "qkv")
@@ -140,12 +146,23 @@ class LlamaLayer:
         split = meta.num_decode_tokens
         parts = []
         if split:
-            parts.append(kernels.paged_attention_decode(
-                q[:split], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale))
+            parts.append(
+                kernels.paged_attention_decode(
+                    q[:split], key_cache, value_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+                )
+            )
         if meta.num_prefills:
-            parts.append(kernels.paged_attention_prefill(
-                q[split:], key_cache, value_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                meta.prefill_context_lens, self.scale))
+            parts.append(
+                kernels.paged_attention_prefill(
+                    q[split:],
+                    key_cache,
+                    value_cache,
+                    meta.prefill_block_tables,
+                    meta.prefill_query_start_loc,
+                    meta.prefill_context_lens,
+                    self.scale,
+                )
+            )
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -161,14 +178,21 @@ class LlamaForCausalLM:
     tied embedding then lives only in the head's packed form, its rows dequantized on lookup.
     """
 
-    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], cos_sin: torch.Tensor,
-                 dtype: torch.dtype | None = None, quantization: str = "none") -> None:
+    def __init__(
+        self,
+        shape: LlamaShape,
+        weights: dict[str, torch.Tensor],
+        cos_sin: torch.Tensor,
+        dtype: torch.dtype | None = None,
+        quantization: str = "none",
+    ) -> None:
         self.shape = shape
         self.dtype = dtype or weights["model.embed_tokens.weight"].dtype
         self.quantization = quantization
         embed = weights["model.embed_tokens.weight"]
-        self.layers = [LlamaLayer(shape, weights, f"model.layers.{i}.", self.dtype, quantization)
-                       for i in range(shape.num_layers)]
+        self.layers = [
+            LlamaLayer(shape, weights, f"model.layers.{i}.", self.dtype, quantization) for i in range(shape.num_layers)
+        ]
         self.final_norm = weights["model.norm.weight"].to(self.dtype)
         head = weights.get("lm_head.weight")
         tied = shape.tie_word_embeddings or head is None
@@ -186,6 +210,7 @@ class LlamaForCausalLM:
 
     def weight_nbytes(self) -> int:
         """Bytes of the linears, logits head and embedding as held in memory (a tied embedding once)."""
+
         def linear_bytes(linear: LinearLayer) -> int:
             if isinstance(linear, PackedLinear):
                 return linear.weight.nbytes()
@@ -193,8 +218,11 @@ class LlamaForCausalLM:
             assert stored is not None
             return linear.out_features * linear.in_features * stored.element_size()
 
-        total = sum(linear_bytes(linear) for layer in self.layers
-                    for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+        total = sum(
+            linear_bytes(linear)
+            for layer in self.layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        )
         total += linear_bytes(self.lm_head)
         head_is_embedding = self.shape.tie_word_embeddings and isinstance(self.lm_head, Linear)
         if self.embed is not None and not head_is_embedding:

@@ -4,6 +4,7 @@ Revision ID: 0001_gateway
 Revises:
 Create Date: 2026-11-29
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa
@@ -40,8 +41,12 @@ def upgrade() -> None:
         sa.Column("deleted_at", sa.DateTime(), nullable=True),
     )
     op.create_index(
-        "uq_teams_live_name", "teams", ["name"], unique=True,
-        sqlite_where=sa.text("deleted_at IS NULL"), postgresql_where=sa.text("deleted_at IS NULL"),
+        "uq_teams_live_name",
+        "teams",
+        ["name"],
+        unique=True,
+        sqlite_where=sa.text("deleted_at IS NULL"),
+        postgresql_where=sa.text("deleted_at IS NULL"),
     )
     op.create_table(
         "api_keys",
@@ -88,8 +93,10 @@ def upgrade() -> None:
         sa.Column("key_id", sa.Integer(), primary_key=True),
         sa.Column("model", sa.String(128), primary_key=True),
         sa.Column("team_id", sa.Integer(), nullable=False),
-        *[sa.Column(name, sa.BigInteger(), nullable=False) for name in (
-            "requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nano_usd")],
+        *[
+            sa.Column(name, sa.BigInteger(), nullable=False)
+            for name in ("requests", "errors", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nano_usd")
+        ],
     )
     op.create_index("ix_usage_daily_team_day", "usage_daily", ["team_id", "day"])
     op.create_index("ix_usage_daily_key_day", "usage_daily", ["key_id", "day"])

@@ -4,6 +4,7 @@ Revision ID: 0002_models
 Revises: 0001_gateway
 Create Date: 2026-11-29
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

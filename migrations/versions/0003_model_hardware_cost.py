@@ -4,6 +4,7 @@ Revision ID: 0003_model_hardware_cost
 Revises: 0002_models
 Create Date: 2026-11-29
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

@@ -4,6 +4,7 @@ Revision ID: 0004_usage_replica
 Revises: 0003_model_hardware_cost
 Create Date: 2026-11-29
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

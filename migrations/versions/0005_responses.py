@@ -4,6 +4,7 @@ Revision ID: 0005_responses
 Revises: 0004_usage_replica
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa
@@ -36,8 +37,9 @@ def upgrade() -> None:
         sa.Column("position", sa.Integer, nullable=False),
         sa.Column("item", sa.JSON, nullable=False),
     )
-    op.create_index("uq_response_input_items_position", "response_input_items", ["response_id", "position"],
-                    unique=True)
+    op.create_index(
+        "uq_response_input_items_position", "response_input_items", ["response_id", "position"], unique=True
+    )
 
 
 def downgrade() -> None:

@@ -4,6 +4,7 @@ Revision ID: 0006_admin_sessions
 Revises: 0005_responses
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

@@ -4,6 +4,7 @@ Revision ID: 0007_fair_share
 Revises: 0006_admin_sessions
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

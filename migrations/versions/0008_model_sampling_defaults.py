@@ -7,6 +7,7 @@ Revision ID: 0008_model_sampling_defaults
 Revises: 0007_fair_share
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa
@@ -21,17 +22,23 @@ depends_on = None
 EMBEDDED_CHAT_SOURCE = "default"
 EMBEDDED_CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
-models = sa.table("models", sa.column("kind", sa.String()), sa.column("source", sa.String()),
-                  sa.column("sampling_defaults", sa.JSON()))
+models = sa.table(
+    "models",
+    sa.column("kind", sa.String()),
+    sa.column("source", sa.String()),
+    sa.column("sampling_defaults", sa.JSON()),
+)
 
 
 def upgrade() -> None:
     with op.batch_alter_table("models") as batch:
         batch.add_column(sa.Column("sampling_defaults", sa.JSON(), nullable=True))
     op.execute(models.update().values(sampling_defaults={}))
-    op.execute(models.update()
-               .where(models.c.kind == "chat", models.c.source == EMBEDDED_CHAT_SOURCE)
-               .values(sampling_defaults=EMBEDDED_CHAT_DEFAULTS))
+    op.execute(
+        models.update()
+        .where(models.c.kind == "chat", models.c.source == EMBEDDED_CHAT_SOURCE)
+        .values(sampling_defaults=EMBEDDED_CHAT_DEFAULTS)
+    )
     with op.batch_alter_table("models") as batch:
         batch.alter_column("sampling_defaults", existing_type=sa.JSON(), nullable=False)
 

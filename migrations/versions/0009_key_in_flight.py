@@ -4,6 +4,7 @@ Revision ID: 0009_key_in_flight
 Revises: 0008_model_sampling_defaults
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

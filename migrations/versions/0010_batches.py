@@ -4,6 +4,7 @@ Revision ID: 0010_batches
 Revises: 0009_key_in_flight
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa
@@ -44,9 +45,18 @@ def upgrade() -> None:
         sa.Column("errors", sa.JSON, nullable=True),
         sa.Column("created_at", sa.DateTime, nullable=False),
         sa.Column("expires_at", sa.DateTime, nullable=False),
-        *(sa.Column(name, sa.DateTime, nullable=True) for name in (
-            "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-            "cancelled_at")),
+        *(
+            sa.Column(name, sa.DateTime, nullable=True)
+            for name in (
+                "in_progress_at",
+                "finalizing_at",
+                "completed_at",
+                "failed_at",
+                "expired_at",
+                "cancelling_at",
+                "cancelled_at",
+            )
+        ),
     )
     op.create_index("ix_batches_team_created", "batches", ["team_id", "created_at"])
     op.create_index("ix_batches_status", "batches", ["status"])

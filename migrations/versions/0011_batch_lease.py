@@ -5,6 +5,7 @@ Revision ID: 0011_batch_lease
 Revises: 0010_batches
 Create Date: 2026-12-01
 """
+
 from __future__ import annotations
 
 import sqlalchemy as sa

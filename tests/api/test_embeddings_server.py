@@ -1,5 +1,6 @@
 """POST /v1/embeddings on a real server (uvicorn in a thread) through the official openai client: both
 encodings, order, token-id input, OpenAI-shaped errors, and usage metered into the gateway's rows."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ def serve_embedder(app, embedder) -> None:
     from app.registry.served import ServedModel
     from app.registry.spec import ModelSpec
 
-    spec = ModelSpec(name=embedder.name, kind="embedding", source="default", architecture="bert",
-                     max_model_len=embedder.max_input_tokens)
+    spec = ModelSpec(
+        name=embedder.name,
+        kind="embedding",
+        source="default",
+        architecture="bert",
+        max_model_len=embedder.max_input_tokens,
+    )
     pool = app.state.context.models
     pool.specs[spec.name] = spec
     pool.served[spec.name] = ServedModel(spec, embedder=embedder, owned=False)
@@ -121,20 +127,23 @@ def test_other_dimensions_are_refused_clearly(server):
     assert caught.value.body["param"] == "dimensions" and "384" in caught.value.body["message"]
 
 
-@pytest.mark.parametrize("body, param, code", [
-    ({"input": ""}, "input", None),
-    ({"input": []}, "input", None),
-    ({"input": ["fine", ""]}, "input", None),
-    ({"input": [[]]}, "input", None),
-    ({"input": ["x"] * 2049}, "input", None),
-    ({"input": "long " * 300}, "input", "context_length_exceeded"),
-    ({"input": [[101, 40_000_000, 102]]}, "input", None),
-    ({"input": [[101, -1, 102]]}, "input", None),
-    ({"input": [1.5]}, "input", None),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
-    ({"input": "x", "dimensions": "384"}, "dimensions", None),
-    ({}, "input", None),
-])
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"input": ""}, "input", None),
+        ({"input": []}, "input", None),
+        ({"input": ["fine", ""]}, "input", None),
+        ({"input": [[]]}, "input", None),
+        ({"input": ["x"] * 2049}, "input", None),
+        ({"input": "long " * 300}, "input", "context_length_exceeded"),
+        ({"input": [[101, 40_000_000, 102]]}, "input", None),
+        ({"input": [[101, -1, 102]]}, "input", None),
+        ({"input": [1.5]}, "input", None),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
+        ({"input": "x", "dimensions": "384"}, "dimensions", None),
+        ({}, "input", None),
+    ],
+)
 def test_bad_input_gets_an_openai_shaped_400(server, body, param, code):
     url, _ = server
     response = post(url, {"model": MODEL, **body})
@@ -209,8 +218,9 @@ def test_embeddings_are_metered_into_a_usage_row(metered_server, gateway):
 
 def test_an_over_long_input_is_a_rejected_row_without_tokens(metered_server, gateway):
     url, key = metered_server
-    response = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "long " * 300},
-                          headers=bearer(key["key"]))
+    response = httpx.post(
+        f"{url}/v1/embeddings", json={"model": MODEL, "input": "long " * 300}, headers=bearer(key["key"])
+    )
     assert response.status_code == 400
     [row] = usage_rows(gateway)
     assert (row.status, row.prompt_tokens) == ("rejected", 0)

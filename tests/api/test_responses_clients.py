@@ -1,5 +1,6 @@
 """Real clients of the Responses API, unchanged, against the real server and the embedded model: the
 OpenAI Agents SDK (a function tool, tool_choice="required") and Codex CLI (`codex exec`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -35,10 +36,13 @@ def test_agents_sdk_runs_a_function_tool(smollm2):
     with running_server(smollm2) as server:
         client = AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         agent = agents.Agent(
-            name="weather", instructions="Answer questions about the weather with the tool.", tools=[get_weather],
+            name="weather",
+            instructions="Answer questions about the weather with the tool.",
+            tools=[get_weather],
             model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
             model_settings=agents.ModelSettings(tool_choice="required", temperature=0),
-            tool_use_behavior="stop_on_first_tool")
+            tool_use_behavior="stop_on_first_tool",
+        )
 
         async def run_both():
             whole = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
@@ -96,25 +100,40 @@ wire_api = "responses"
 def test_codex_cli_exec_gets_an_answer(smollm2, tmp_path):
     codex = codex_binary()
     if codex is None:
-        pytest.skip("Codex CLI is not installed: .ci/run installs @openai/codex@0.169.0 with npm when npm exists "
-                    f"(into {CODEX_CACHE.parent.parent.parent}), or set TOKENMILL_CODEX")
+        pytest.skip(
+            "Codex CLI is not installed: .ci/run installs @openai/codex@0.169.0 with npm when npm exists "
+            f"(into {CODEX_CACHE.parent.parent.parent}), or set TOKENMILL_CODEX"
+        )
     home, work = tmp_path / "codex-home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
     instructions = home / "instructions.md"
     instructions.write_text("You are a helpful assistant. Answer in one short sentence, without tools.\n")
     # Codex sends no temperature: the server's default makes the answer greedy, so the test is repeatable.
-    with running_server(smollm2, engine_config=EngineConfig(dtype="float32", num_kv_blocks=1024),
-                        default_temperature=0.0) as server:
-        (home / "config.toml").write_text(CODEX_CONFIG.format(
-            model=MODEL, instructions=instructions, context=server.engine.max_model_len, base_url=server.base_url))
+    with running_server(
+        smollm2, engine_config=EngineConfig(dtype="float32", num_kv_blocks=1024), default_temperature=0.0
+    ) as server:
+        (home / "config.toml").write_text(
+            CODEX_CONFIG.format(
+                model=MODEL, instructions=instructions, context=server.engine.max_model_len, base_url=server.base_url
+            )
+        )
         env = {**os.environ, "CODEX_HOME": str(home), "TOKENMILL_API_KEY": "unused", "NO_COLOR": "1"}
-        finished = subprocess.run([codex, "exec", "--skip-git-repo-check", "What is the capital of France?"],
-                                  cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=300)
+        finished = subprocess.run(
+            [codex, "exec", "--skip-git-repo-check", "What is the capital of France?"],
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     transcript = finished.stdout + finished.stderr
     assert finished.returncode == 0, transcript
     assert "Paris" in finished.stdout, transcript  # the agent's last message, greedy
     lines = transcript.lower().splitlines()
-    assert not [line for line in lines if line.startswith("error") or "reconnecting" in line
-                or "stream error" in line or "retrying" in line], transcript
+    assert not [
+        line
+        for line in lines
+        if line.startswith("error") or "reconnecting" in line or "stream error" in line or "retrying" in line
+    ], transcript

@@ -1,4 +1,5 @@
 """Chat completions and models through the official openai client, sync and async, real model."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,27 +57,32 @@ def test_content_as_text_parts_equals_plain_string(client):
 
 
 def test_system_and_assistant_turns_are_templated(server, client):
-    messages = [{"role": "system", "content": "You answer in one word."},
-                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=5)
-    expected_prompt = server.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                  tokenize=False)
-    assert response.usage.prompt_tokens == len(server.engine.tokenizer.encode(expected_prompt,
-                                                                             add_special_tokens=False))
+    expected_prompt = server.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert response.usage.prompt_tokens == len(
+        server.engine.tokenizer.encode(expected_prompt, add_special_tokens=False)
+    )
 
 
 def test_greedy_chat_equals_the_engine_called_directly(server, client):
     messages = [{"role": "user", "content": "Write one sentence about rivers."}]
     response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
     tokenizer = server.engine.tokenizer
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                              add_special_tokens=False)
+    prompt = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
 
     async def engine_text() -> str:
         parts = []
-        async for output in server.engine.generate("direct-greedy", prompt, SamplingParams(temperature=0,
-                                                                                           max_tokens=24)):
+        async for output in server.engine.generate(
+            "direct-greedy", prompt, SamplingParams(temperature=0, max_tokens=24)
+        ):
             parts.extend(delta.text for delta in output.deltas)
         return "".join(parts)
 
@@ -84,8 +90,9 @@ def test_greedy_chat_equals_the_engine_called_directly(server, client):
 
 
 def test_stream_sends_role_first_then_text_then_usage(client):
-    stream = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
@@ -102,9 +109,14 @@ def test_async_stream_matches_the_whole_response(server, client):
 
     async def streamed():
         async with server.async_client() as aclient:
-            stream = await aclient.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0,
-                                                           max_tokens=20, stream=True,
-                                                           stream_options={"include_usage": True})
+            stream = await aclient.chat.completions.create(
+                model=MODEL,
+                messages=CAPITAL,
+                temperature=0,
+                max_tokens=20,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = [chunk async for chunk in stream]
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
 
@@ -123,8 +135,7 @@ def test_n_gives_that_many_choices_and_counts_all_tokens(client):
 
 
 def test_stop_string_cuts_the_text(client):
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20,
-                                              stop=[" is"])
+    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20, stop=[" is"])
     assert response.choices[0].message.content == "The capital of France"
     assert response.choices[0].finish_reason == "stop"
 
@@ -141,8 +152,11 @@ def test_same_seed_same_sampled_text(client):
     story = [{"role": "user", "content": "Tell me a story about a cat."}]
 
     def sample(seed: int) -> str:
-        return client.chat.completions.create(model=MODEL, messages=story, temperature=1.0, seed=seed,
-                                              max_tokens=24).choices[0].message.content
+        return (
+            client.chat.completions.create(model=MODEL, messages=story, temperature=1.0, seed=seed, max_tokens=24)
+            .choices[0]
+            .message.content
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -150,8 +164,9 @@ def test_same_seed_same_sampled_text(client):
 
 
 def test_logprobs_match_the_tokens(client):
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20,
-                                              logprobs=True, top_logprobs=3)
+    response = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20, logprobs=True, top_logprobs=3
+    )
     choice = response.choices[0]
     entries = choice.logprobs.content
     assert "".join(entry.token for entry in entries) == choice.message.content
@@ -162,13 +177,15 @@ def test_logprobs_match_the_tokens(client):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the best one
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
-        assert [top.logprob for top in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
-                                                                     reverse=True)
+        assert [top.logprob for top in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
 
 
 def test_streamed_logprobs_cover_the_streamed_text(client):
-    stream = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20,
-                                            logprobs=True, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=20, logprobs=True, stream=True
+    )
     text, tokens = "", ""
     for chunk in stream:
         if chunk.choices and chunk.choices[0].logprobs:
@@ -186,28 +203,39 @@ def test_no_logprobs_unless_asked(client):
 def test_engine_extras_and_unknown_fields_pass_through(client):
     greedy = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=8)
     top_k_one = client.chat.completions.create(
-        model=MODEL, messages=CAPITAL, temperature=1.0, max_tokens=8, user="someone",
-        extra_body={"top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0, "some_future_field": {"x": 1}})
+        model=MODEL,
+        messages=CAPITAL,
+        temperature=1.0,
+        max_tokens=8,
+        user="someone",
+        extra_body={"top_k": 1, "min_p": 0.0, "repetition_penalty": 1.0, "some_future_field": {"x": 1}},
+    )
     assert top_k_one.choices[0].message.content == greedy.choices[0].message.content
-    forced = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=12,
-                                            extra_body={"ignore_eos": True, "min_tokens": 12})
+    forced = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=12, extra_body={"ignore_eos": True, "min_tokens": 12}
+    )
     assert forced.usage.completion_tokens == 12 and forced.choices[0].finish_reason == "length"
 
 
 def test_logit_bias_bans_a_token(server, client):
     paris = server.engine.tokenizer.encode(" Paris")
     assert len(paris) == 1
-    response = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_tokens=12,
-                                              logit_bias={str(paris[0]): -100})
+    response = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL, temperature=0, max_tokens=12, logit_bias={str(paris[0]): -100}
+    )
     assert "Paris" not in response.choices[0].message.content
 
 
 def test_repeated_long_system_prompt_hits_the_prefix_cache(client):
     system = "You are a meticulous librarian who catalogues rare maps. " * 30
+
     def ask(question: str):
         return client.chat.completions.create(
-            model=MODEL, max_tokens=2, temperature=0,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}])
+            model=MODEL,
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
 
     first = ask("Which map is the oldest?")
     second = ask("Which map is the largest?")
@@ -221,11 +249,19 @@ def test_sixteen_concurrent_streams_all_finish_with_their_usage(server):
 
     async def one(aclient, index: int):
         messages = [{"role": "user", "content": f"Give me fact number {index} about the sea."}]
-        stream = await aclient.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=index,
-                                                       stream=True, stream_options={"include_usage": True})
+        stream = await aclient.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            seed=index,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [chunk async for chunk in stream]
-        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                                tokenize=False), add_special_tokens=False)
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
         return chunks, len(prompt)
 
     async def all_of_them():

@@ -1,4 +1,5 @@
 """Legacy completions through the official openai client: text, lists, token ids, echo, logprobs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,9 @@ def client(server):
 
 
 def test_text_prompt_with_default_length(server, client):
-    response = client.completions.create(model=MODEL, prompt="The sky is", temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt="The sky is", temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = response.choices[0]
     assert response.object == "text_completion"
     assert choice.finish_reason == "length"
@@ -41,8 +43,9 @@ def test_token_id_prompt_equals_its_text(server, client):
 
 def test_list_of_prompts_gives_n_choices_each_in_order(client):
     prompts = ["The sky is", "Water is"]
-    singles = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=5).choices[0].text
-               for p in prompts]
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=5).choices[0].text for p in prompts
+    ]
     response = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=5, n=2)
     assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
     assert [choice.text for choice in response.choices] == [singles[0], singles[0], singles[1], singles[1]]
@@ -58,16 +61,16 @@ def test_stop_and_length_finish_reasons(client):
     plain = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12)
     text = plain.choices[0].text
     cut = text.index(",", 1)
-    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12,
-                                        stop=",")
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12, stop=",")
     assert stopped.choices[0].text == text[:cut]
     assert stopped.choices[0].finish_reason == "stop"
     assert plain.choices[0].finish_reason == "length"
 
 
 def test_logprobs_line_up_with_the_text(client):
-    response = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                         max_tokens=6, logprobs=2)
+    response = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=6, logprobs=2
+    )
     choice = response.choices[0]
     logprobs = choice.logprobs
     assert "".join(logprobs.tokens) == choice.text
@@ -80,8 +83,16 @@ def test_logprobs_line_up_with_the_text(client):
 
 def test_stream_with_usage_equals_the_whole_response(client):
     whole = client.completions.create(model=MODEL, prompt="The sky is", temperature=0, max_tokens=8)
-    chunks = list(client.completions.create(model=MODEL, prompt="The sky is", temperature=0, max_tokens=8,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The sky is",
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
@@ -89,9 +100,15 @@ def test_stream_with_usage_equals_the_whole_response(client):
 def test_async_streams_of_several_prompts_are_merged(server):
     async def run():
         async with server.async_client() as aclient:
-            stream = await aclient.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4,
-                                                      temperature=0, echo=True, stream=True,
-                                                      stream_options={"include_usage": True})
+            stream = await aclient.completions.create(
+                model=MODEL,
+                prompt=["The sky is", "Water is"],
+                max_tokens=4,
+                temperature=0,
+                echo=True,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             return [chunk async for chunk in stream]
 
     chunks = asyncio.run(run())

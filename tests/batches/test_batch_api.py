@@ -1,6 +1,7 @@
 """The Files and Batch APIs through the official openai client, over the real gateway (SQLite and
 PostgreSQL) and the fake engine: upload -> create -> poll -> download, malformed lines, team isolation,
 cancel, expiry, restart, limits and metering."""
+
 from __future__ import annotations
 
 import io
@@ -20,13 +21,18 @@ from tests.support.gateway import FAKE_MODEL, FakeEngine, chat_body, usage_rows
 def test_upload_create_poll_download(make_gateway, tmp_path):
     with serving(make_gateway(), tmp_path) as http:
         client = team_client(http)
-        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([line("a"), line("b", max_tokens=2)]))),
-                                       purpose="batch")
+        uploaded = client.files.create(
+            file=("in.jsonl", io.BytesIO(jsonl([line("a"), line("b", max_tokens=2)]))), purpose="batch"
+        )
         assert isinstance(uploaded, FileObject) and uploaded.purpose == "batch" and uploaded.bytes > 0
         assert [f.id for f in client.files.list()] == [uploaded.id]
         assert client.files.retrieve(uploaded.id).filename == "in.jsonl"
-        created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                        completion_window="24h", metadata={"job": "nightly"})
+        created = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"job": "nightly"},
+        )
         assert created.status in ("validating", "in_progress") and created.request_counts.total == 2
         batch = wait_for(client, created.id)
         assert batch.status == "completed", batch
@@ -47,10 +53,15 @@ def test_upload_create_poll_download(make_gateway, tmp_path):
 def test_malformed_lines_go_to_the_error_file_and_the_rest_run(make_gateway, tmp_path):
     with serving(make_gateway(), tmp_path) as http:
         client = team_client(http)
-        lines = [line("good"), b"{not json", {"custom_id": "no-body", "method": "POST", "url": "/v1/chat/completions"},
-                 line("wrong-url", url="/v1/embeddings"), line("good"),  # a custom_id used twice
-                 {**line("bad-body"), "body": {"model": FAKE_MODEL, "messages": "not a list"}},
-                 {**line("no-model"), "body": chat_body(model="no-such-model")}]
+        lines = [
+            line("good"),
+            b"{not json",
+            {"custom_id": "no-body", "method": "POST", "url": "/v1/chat/completions"},
+            line("wrong-url", url="/v1/embeddings"),
+            line("good"),  # a custom_id used twice
+            {**line("bad-body"), "body": {"model": FAKE_MODEL, "messages": "not a list"}},
+            {**line("no-model"), "body": chat_body(model="no-such-model")},
+        ]
         batch = wait_for(client, submit(client, lines).id)
         assert batch.status == "completed"
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (7, 1, 6)
@@ -69,13 +80,16 @@ def test_each_team_sees_only_its_own_files_and_batches(make_gateway, tmp_path):
     with serving(make_gateway(), tmp_path) as http:
         alpha, beta = team_client(http, "alpha"), team_client(http, "beta")
         batch = wait_for(alpha, submit(alpha, [line("a")]).id)
-        for attempt in (lambda: beta.files.retrieve(batch.input_file_id),
-                        lambda: beta.files.content(batch.output_file_id),
-                        lambda: beta.files.delete(batch.input_file_id),
-                        lambda: beta.batches.retrieve(batch.id),
-                        lambda: beta.batches.cancel(batch.id),
-                        lambda: beta.batches.create(input_file_id=batch.input_file_id,
-                                                    endpoint="/v1/chat/completions", completion_window="24h")):
+        for attempt in (
+            lambda: beta.files.retrieve(batch.input_file_id),
+            lambda: beta.files.content(batch.output_file_id),
+            lambda: beta.files.delete(batch.input_file_id),
+            lambda: beta.batches.retrieve(batch.id),
+            lambda: beta.batches.cancel(batch.id),
+            lambda: beta.batches.create(
+                input_file_id=batch.input_file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            ),
+        ):
             with pytest.raises(openai.NotFoundError):
                 attempt()
         assert list(beta.files.list()) == [] and list(beta.batches.list()) == []
@@ -95,7 +109,9 @@ def test_cancel_mid_way_stops_feeding_and_writes_the_partial_output(make_gateway
         done = [o["custom_id"] for o in download(client, batch.output_file_id)]
         skipped = download(client, batch.error_file_id)
         assert 2 <= len(done) < 12
-        assert sorted(done + [e["custom_id"] for e in skipped], key=lambda c: int(c[1:])) == [f"r{i}" for i in range(12)]
+        assert sorted(done + [e["custom_id"] for e in skipped], key=lambda c: int(c[1:])) == [
+            f"r{i}" for i in range(12)
+        ]
         assert {e["error"]["code"] for e in skipped} == {"batch_cancelled"}
         assert len(engine.tenancies) == len(done)  # nothing past the cancel reached the engine
         with pytest.raises(openai.ConflictError):
@@ -148,10 +164,16 @@ def test_limits_are_clear_400s(make_gateway, tmp_path):
         with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):
             client.batches.create(input_file_id=note.id, endpoint="/v1/chat/completions", completion_window="24h")
         with pytest.raises(openai.BadRequestError, match="endpoint"):
-            client.batches.create(input_file_id=note.id, endpoint="/v1/moderations",  # type: ignore[arg-type]
-                                  completion_window="24h")
-        too_big = http.post("/v1/files", content=b"x" * 200_000, headers={
-            "Authorization": f"Bearer {client.api_key}", "Content-Type": "multipart/form-data; boundary=x"})
+            client.batches.create(
+                input_file_id=note.id,
+                endpoint="/v1/moderations",  # type: ignore[arg-type]
+                completion_window="24h",
+            )
+        too_big = http.post(
+            "/v1/files",
+            content=b"x" * 200_000,
+            headers={"Authorization": f"Bearer {client.api_key}", "Content-Type": "multipart/form-data; boundary=x"},
+        )
         assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
 
 
@@ -195,8 +217,10 @@ def test_a_responses_batch_runs_through_the_responses_route(make_gateway, tmp_pa
 
 def test_two_replicas_on_one_database_never_run_a_line_twice(make_gateway, tmp_path):
     engines = [FakeEngine(token_delay_s=0.05), FakeEngine(token_delay_s=0.05)]
-    with serving(make_gateway(), tmp_path, engines[0], batch_max_in_flight=2) as first, \
-            serving(make_gateway(), tmp_path, engines[1], batch_max_in_flight=2) as second:
+    with (
+        serving(make_gateway(), tmp_path, engines[0], batch_max_in_flight=2) as first,
+        serving(make_gateway(), tmp_path, engines[1], batch_max_in_flight=2) as second,
+    ):
         client = team_client(first)
         created = [submit(client, [line(f"b{b}-r{i}", max_tokens=5) for i in range(6)]) for b in range(2)]
         second.get("/v1/models")  # both runners are up and polling the same table

@@ -1,5 +1,6 @@
 """A batch on the real model, through the official client: every line's output equals the direct greedy
 request with the same body, for chat completions and completions."""
+
 from __future__ import annotations
 
 import io
@@ -15,15 +16,21 @@ from tests.support.server import MODEL, running_server
 pytestmark = pytest.mark.real_model
 
 CHAT_BODIES = [
-    {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8,
-     "temperature": 0},
+    {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    },
     {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6, "temperature": 0},
 ]
 COMPLETION_BODIES = [{"model": MODEL, "prompt": "The sky is", "max_tokens": 6, "temperature": 0}]
 
 
 def run_batch(client, endpoint: str, bodies: list[dict]) -> dict[str, dict]:
-    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": endpoint, "body": body} for i, body in enumerate(bodies)]
+    lines = [
+        {"custom_id": f"line-{i}", "method": "POST", "url": endpoint, "body": body} for i, body in enumerate(bodies)
+    ]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")

@@ -1,4 +1,5 @@
 """`tokenmill batches list|show|cancel` against the database a running server uses."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """`tokenmill teams|keys|usage` against the same database the server uses, on both back ends."""
+
 from __future__ import annotations
 
 import time

@@ -1,5 +1,6 @@
 """`tokenmill serve` migrates the database once per start: before the model loads (so a bad --api-key or an
 unreachable database fails fast), and never again when the gateway starts."""
+
 from __future__ import annotations
 
 import httpx
@@ -30,9 +31,15 @@ def test_serve_runs_the_migrations_once_per_start(tmp_path, monkeypatch):
 
     for module in ("app.gateway.wiring", "app.gateway.service"):
         monkeypatch.setattr(f"{module}.migrate", counted_migrate)
-    monkeypatch.setattr("app.scaleout.replica_app.build_server", lambda settings, migrated=False: (
-        create_app(settings, engine := StoppableFakeEngine(),
-                   gateway=gateway_from_settings(settings, migrated=migrated)), engine))
+    monkeypatch.setattr(
+        "app.scaleout.replica_app.build_server",
+        lambda settings, migrated=False: (
+            create_app(
+                settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings, migrated=migrated)
+            ),
+            engine,
+        ),
+    )
     answers = []
 
     def run(application, **options) -> None:  # as uvicorn.run is called
@@ -44,7 +51,21 @@ def test_serve_runs_the_migrations_once_per_start(tmp_path, monkeypatch):
     database = f"sqlite:///{tmp_path / 'tokenmill.db'}"
     for _ in range(2):  # a first start (tables created, admin key made) and a second one
         runs.clear()
-        assert main(["serve", "--data-dir", str(tmp_path), "--database-url", database, "--log-level", "warning",
-                     "--api-key", "sk-chosen-by-the-operator-0123456789"]) == 0
+        assert (
+            main(
+                [
+                    "serve",
+                    "--data-dir",
+                    str(tmp_path),
+                    "--database-url",
+                    database,
+                    "--log-level",
+                    "warning",
+                    "--api-key",
+                    "sk-chosen-by-the-operator-0123456789",
+                ]
+            )
+            == 0
+        )
         assert runs == [database]
     assert answers == [200, 200]

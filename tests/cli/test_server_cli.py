@@ -1,5 +1,6 @@
 """`tokenmill serve` as a user runs it: a real process on a port, found through its printed URL, with a
 key made by `tokenmill keys create` against the same database."""
+
 from __future__ import annotations
 
 import re
@@ -57,10 +58,28 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
     port = free_port()
     configured_key = "sk-chosen-by-the-operator-0123456789"
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--num-kv-blocks", "128",
-         "--data-dir", str(smollm2.folder.parents[1]),  # where the converted weights are cached already
-         *database, "--log-level", "warning", "--api-key", configured_key],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "128",
+            "--data-dir",
+            str(smollm2.folder.parents[1]),  # where the converted weights are cached already
+            *database,
+            "--log-level",
+            "warning",
+            "--api-key",
+            configured_key,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         said = process.stdout.readline()
         assert "--api-key added as a key of team 'default'" in said and configured_key not in said
@@ -75,15 +94,18 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
         for name in embedded:
             assert wait_until_loaded(port, name, key)
             assert len(client.embeddings.create(model=name, input="Hi").data[0].embedding) == 384
-        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                               max_tokens=3)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert reply.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-nope", max_retries=0).models.list()
         # The --api-key works like any key made by the CLI, and is metered under team "default".
         chosen = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=configured_key, max_retries=0)
-        assert chosen.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                              max_tokens=2).usage.completion_tokens >= 1
+        assert (
+            chosen.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            ).usage.completion_tokens
+            >= 1
+        )
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0

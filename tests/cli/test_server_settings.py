@@ -1,4 +1,5 @@
 """Settings come from flags, then TOKENMILL_* variables, then defaults; bad ones name the flag."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,13 +22,38 @@ def test_defaults_serve_locally_with_sqlite_in_the_data_folder():
 
 
 def test_engine_flags_reach_the_engine_config():
-    settings = parse(["--model", "/models/x.gguf", "--dtype", "bfloat16", "--block-size", "32",
-                      "--num-kv-blocks", "100", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                      "--preemption-mode", "swap", "--no-prefix-caching", "--max-waiting", "5",
-                      "--kv-cache-memory-gb", "0.5", "--data-dir", "/tmp/tm"])
+    settings = parse(
+        [
+            "--model",
+            "/models/x.gguf",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "32",
+            "--num-kv-blocks",
+            "100",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--preemption-mode",
+            "swap",
+            "--no-prefix-caching",
+            "--max-waiting",
+            "5",
+            "--kv-cache-memory-gb",
+            "0.5",
+            "--data-dir",
+            "/tmp/tm",
+        ]
+    )
     engine = settings.engine
-    assert (engine.model, engine.dtype, engine.block_size, engine.num_kv_blocks) == ("/models/x.gguf", "bfloat16",
-                                                                                     32, 100)
+    assert (engine.model, engine.dtype, engine.block_size, engine.num_kv_blocks) == (
+        "/models/x.gguf",
+        "bfloat16",
+        32,
+        100,
+    )
     assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_waiting) == (8, 512, 5)
     assert engine.preemption_mode == "swap" and engine.enable_prefix_caching is False
     assert engine.kv_cache_memory_gb == 0.5 and engine.data_dir == "/tmp/tm"
@@ -35,8 +61,13 @@ def test_engine_flags_reach_the_engine_config():
 
 
 def test_environment_fills_what_flags_leave_out():
-    env = {"TOKENMILL_PORT": "9000", "TOKENMILL_MAX_NUM_SEQS": "4", "TOKENMILL_NO_PREFIX_CACHING": "true",
-           "TOKENMILL_API_KEY": "sk-x", "DATABASE_URL": "postgresql://db/tokenmill"}
+    env = {
+        "TOKENMILL_PORT": "9000",
+        "TOKENMILL_MAX_NUM_SEQS": "4",
+        "TOKENMILL_NO_PREFIX_CACHING": "true",
+        "TOKENMILL_API_KEY": "sk-x",
+        "DATABASE_URL": "postgresql://db/tokenmill",
+    }
     settings = parse(["--max-num-seqs", "2"], env)
     assert settings.port == 9000
     assert settings.engine.max_num_seqs == 2  # the flag wins
@@ -51,13 +82,16 @@ def test_settings_are_frozen():
         settings.port = 1  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(("argv", "env", "named"), [
-    ([], {"TOKENMILL_PORT": "eighty"}, "TOKENMILL_PORT"),
-    ([], {"TOKENMILL_PREEMPTION_MODE": "teleport"}, "TOKENMILL_PREEMPTION_MODE"),
-    (["--block-size", "7"], {}, "block_size"),
-    (["--max-num-seqs", "0"], {}, "max_num_seqs"),
-    (["--port", "70000"], {}, "port"),
-])
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        ([], {"TOKENMILL_PORT": "eighty"}, "TOKENMILL_PORT"),
+        ([], {"TOKENMILL_PREEMPTION_MODE": "teleport"}, "TOKENMILL_PREEMPTION_MODE"),
+        (["--block-size", "7"], {}, "block_size"),
+        (["--max-num-seqs", "0"], {}, "max_num_seqs"),
+        (["--port", "70000"], {}, "port"),
+    ],
+)
 def test_bad_settings_are_refused_by_name(argv, env, named):
     with pytest.raises(SettingsError, match=named):
         parse(argv, env)

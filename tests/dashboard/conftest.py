@@ -1,4 +1,5 @@
 """The dashboard tests' app: the real gateway on SQLite over the fake engine, with a client."""
+
 from __future__ import annotations
 
 import pytest

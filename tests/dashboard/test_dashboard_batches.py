@@ -1,5 +1,6 @@
 """The Batches page: every team's batches with their progress, a team filter, and a cancel button that
 the running batch obeys."""
+
 from __future__ import annotations
 
 from tests.support.batches import line, serving, submit, team_client, wait_for

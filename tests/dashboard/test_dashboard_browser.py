@@ -4,6 +4,7 @@ openai client, watch the overview's counters and the usage table move, revoke th
 stream a reply in the playground; and no request ever leaves localhost.
 
 Skips when Chromium or Playwright is missing, unless CI is set: then they are required."""
+
 from __future__ import annotations
 
 import os
@@ -25,11 +26,22 @@ from tests.support.server import MODEL, running_server
 pytestmark = pytest.mark.real_model
 
 CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-default-apps", "--disable-extensions", "--metrics-recording-only",
-                  "--no-default-browser-check", "--disable-domain-reliability",
-                  "--disable-client-side-phishing-detection"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--metrics-recording-only",
+    "--no-default-browser-check",
+    "--disable-domain-reliability",
+    "--disable-client-side-phishing-detection",
+]
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 TIMEOUT_MS = 60_000  # two shared cores: a real model's reply can take a while
 
@@ -93,8 +105,11 @@ class Visit:
 
     def outside_requests(self) -> list[str]:
         local = urlparse(self.server.url).netloc
-        return [url for url in self.urls if urlparse(url).scheme not in ("data", "blob", "about")
-                and urlparse(url).netloc != local]
+        return [
+            url
+            for url in self.urls
+            if urlparse(url).scheme not in ("data", "blob", "about") and urlparse(url).netloc != local
+        ]
 
 
 @pytest.fixture
@@ -114,7 +129,9 @@ def wait_for_number(page, selector: str, at_least: int) -> None:
     page.wait_for_function(
         "([selector, n]) => { const node = document.querySelector(selector);"
         " return node && Number(node.textContent.replace(/[^0-9]/g, '')) >= n; }",
-        arg=[selector, at_least], timeout=15_000)
+        arg=[selector, at_least],
+        timeout=15_000,
+    )
 
 
 def test_the_dashboard_needs_a_login_and_logout_ends_it(visit):
@@ -156,8 +173,9 @@ def test_team_key_api_call_overview_usage_and_revocation(visit, server):
     counter = f'[data-model="{MODEL}"] [data-field="generation_tokens_total"]'
     page.wait_for_selector(counter)
     before = number_in(page, counter)
-    reply = server.client(api_key=key).chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=12,
-                                                              temperature=0)
+    reply = server.client(api_key=key).chat.completions.create(
+        model=MODEL, messages=CAPITAL, max_tokens=12, temperature=0
+    )
     completion_tokens = reply.usage.completion_tokens
     assert "Paris" in reply.choices[0].message.content
     wait_for_number(page, counter, before + completion_tokens)
@@ -183,8 +201,12 @@ def test_team_key_api_call_overview_usage_and_revocation(visit, server):
 def test_the_playground_streams_a_reply_through_the_api(visit, server):
     page = visit.page
     streamed = []
-    page.on("response", lambda response: response.url.endswith("/v1/chat/completions")
-            and streamed.append(response.headers.get("content-type", "")))
+    page.on(
+        "response",
+        lambda response: (
+            response.url.endswith("/v1/chat/completions") and streamed.append(response.headers.get("content-type", ""))
+        ),
+    )
     visit.log_in()
     page.goto("/admin/playground")
     page.fill("textarea[name=message]", "What is the capital of France?")
@@ -199,8 +221,11 @@ def test_the_playground_streams_a_reply_through_the_api(visit, server):
 
     assert server.gateway.writer.flush(10)
     with server.gateway.sessions() as session:
-        rows = session.execute(select(UsageRow.completion_tokens, UsageRow.status).join(
-            Team, Team.id == UsageRow.team_id).where(Team.name == "playground")).all()
+        rows = session.execute(
+            select(UsageRow.completion_tokens, UsageRow.status)
+            .join(Team, Team.id == UsageRow.team_id)
+            .where(Team.name == "playground")
+        ).all()
     assert rows and rows[-1].completion_tokens > 0 and rows[-1].status == "ok"
 
 
@@ -211,12 +236,18 @@ def test_overview_under_load_screenshot(visit, server, tmp_path):
     page.goto("/admin/playground")  # its short-lived key is a metered team key
     api_key = page.evaluate(
         "async () => (await (await fetch('/admin/playground/key', {method: 'POST', headers:"
-        " {'x-csrf-token': document.querySelector('meta[name=csrf-token]').content}})).json()).key")
+        " {'x-csrf-token': document.querySelector('meta[name=csrf-token]').content}})).json()).key"
+    )
     client = server.client(api_key=api_key)
 
     def ask(index: int) -> None:
-        client.chat.completions.create(model=MODEL, max_tokens=64, temperature=0.7, seed=index, messages=[
-            {"role": "user", "content": f"Write a long story about cat number {index}."}])
+        client.chat.completions.create(
+            model=MODEL,
+            max_tokens=64,
+            temperature=0.7,
+            seed=index,
+            messages=[{"role": "user", "content": f"Write a long story about cat number {index}."}],
+        )
 
     page.goto("/admin")
     card = f'[data-model="{MODEL}"]'
@@ -228,7 +259,9 @@ def test_overview_under_load_screenshot(visit, server, tmp_path):
     page.wait_for_function(  # the overview shows the batch and its KV blocks while it runs
         "card => /^[1-9]/.test(document.querySelector(card + ' [data-field=running]').textContent)"
         " && document.querySelector(card + ' [data-field=kv_usage_now]').textContent !== '0%'",
-        arg=card, timeout=30_000)
+        arg=card,
+        timeout=30_000,
+    )
     page.wait_for_timeout(1500)
     tiles = page.inner_text(f"{card} .tiles")
     for label in ("Batch occupancy", "KV cache", "Prefix cache hits", "Time to first token", "Real cost / 1M out"):

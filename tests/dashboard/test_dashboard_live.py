@@ -1,5 +1,6 @@
 """The live sampler: occupancy and KV use averaged over engine steps, token rates, percentiles over the
 last minute, real cost per token (hardware cost over tokens produced), 15 minutes of history."""
+
 from __future__ import annotations
 
 from datetime import UTC, datetime
@@ -24,8 +25,9 @@ class FakeModel:
         self.itl = Histogram("itl", "", buckets=(0.01, 0.02, 0.05), registry=None)
 
     def source(self) -> ModelSource:
-        return ModelSource("m", self.stats.snapshot, lambda: HistogramCounts.of(self.ttft),
-                           lambda: HistogramCounts.of(self.itl))
+        return ModelSource(
+            "m", self.stats.snapshot, lambda: HistogramCounts.of(self.ttft), lambda: HistogramCounts.of(self.itl)
+        )
 
     def steps(self, count: int, *, seqs: int, tokens: int, kv_blocks: int) -> None:
         s = self.stats

@@ -1,5 +1,6 @@
 """Dashboard login: the admin key buys a signed, HttpOnly, SameSite, expiring session cookie; every
 page and data call needs it; every form carries a CSRF token; logout ends the session."""
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,12 @@ def test_login_form_has_the_admin_key_field_and_a_hidden_csrf_token(dashboard):
 
 
 def test_every_dashboard_route_needs_a_session(dashboard):
-    routes = [route for module in ROUTERS for route in module.router.routes
-              if isinstance(route, APIRoute) and route.path != "/admin/login"]
+    routes = [
+        route
+        for module in ROUTERS
+        for route in module.router.routes
+        if isinstance(route, APIRoute) and route.path != "/admin/login"
+    ]
     assert len(routes) >= 15
     for route in routes:
         path = re.sub(r"\{[^}]+\}", "1", route.path)
@@ -41,8 +46,11 @@ def test_every_dashboard_route_needs_a_session(dashboard):
 
 def test_the_admin_key_buys_a_signed_httponly_samesite_cookie_that_expires(dashboard):
     page = dashboard.client.get("/admin/login")
-    response = dashboard.client.post("/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text),
-                                                            "next": "/admin/usage"}, follow_redirects=False)
+    response = dashboard.client.post(
+        "/admin/login",
+        data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text), "next": "/admin/usage"},
+        follow_redirects=False,
+    )
     assert response.status_code == 303 and response.headers["location"] == "/admin/usage"
     cookie = next(c for c in response.headers.get_list("set-cookie") if c.startswith(SESSION_COOKIE + "="))
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/admin" in cookie
@@ -52,8 +60,11 @@ def test_the_admin_key_buys_a_signed_httponly_samesite_cookie_that_expires(dashb
 
 def test_a_wrong_admin_key_is_refused(dashboard):
     page = dashboard.client.get("/admin/login")
-    response = dashboard.client.post("/admin/login", data={"admin_key": "sk-admin-nope", "csrf_token":
-                                                            login_token(page.text)}, follow_redirects=False)
+    response = dashboard.client.post(
+        "/admin/login",
+        data={"admin_key": "sk-admin-nope", "csrf_token": login_token(page.text)},
+        follow_redirects=False,
+    )
     assert response.status_code == 401
     assert "not the admin key" in response.text
     assert SESSION_COOKIE not in dashboard.client.cookies
@@ -63,15 +74,17 @@ def test_a_team_key_is_not_the_admin_key(admin):
     key = admin.create_key(admin.create_team())
     admin.client.cookies.clear()
     page = admin.client.get("/admin/login")
-    response = admin.client.post("/admin/login", data={"admin_key": key, "csrf_token": login_token(page.text)},
-                                 follow_redirects=False)
+    response = admin.client.post(
+        "/admin/login", data={"admin_key": key, "csrf_token": login_token(page.text)}, follow_redirects=False
+    )
     assert response.status_code == 401
 
 
 def test_login_without_its_csrf_token_is_refused(dashboard):
     dashboard.client.get("/admin/login")
-    response = dashboard.client.post("/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": "forged"},
-                                     follow_redirects=False)
+    response = dashboard.client.post(
+        "/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": "forged"}, follow_redirects=False
+    )
     assert response.status_code == 403
     assert SESSION_COOKIE not in dashboard.client.cookies
 
@@ -79,8 +92,9 @@ def test_login_without_its_csrf_token_is_refused(dashboard):
 def test_forms_without_the_csrf_token_change_nothing(admin):
     response = admin.client.post("/admin/teams", data={"name": "sneaky"}, follow_redirects=False)
     assert response.status_code == 403
-    response = admin.client.post("/admin/teams", data={"name": "sneaky", "csrf_token": "x" * 43},
-                                 follow_redirects=False)
+    response = admin.client.post(
+        "/admin/teams", data={"name": "sneaky", "csrf_token": "x" * 43}, follow_redirects=False
+    )
     assert response.status_code == 403
     assert "sneaky" not in admin.client.get("/admin/teams").text
 
@@ -90,8 +104,9 @@ def test_a_csrf_token_belongs_to_its_session(admin):
     admin.client.cookies.clear()
     admin.log_in()
     assert admin.csrf != old_token
-    response = admin.client.post("/admin/teams", data={"name": "replayed", "csrf_token": old_token},
-                                 follow_redirects=False)
+    response = admin.client.post(
+        "/admin/teams", data={"name": "replayed", "csrf_token": old_token}, follow_redirects=False
+    )
     assert response.status_code == 403
 
 
@@ -103,8 +118,12 @@ def test_playground_key_needs_the_csrf_header(admin):
 def test_a_tampered_cookie_is_no_session(admin):
     value = admin.client.cookies.get(SESSION_COOKIE)
     session_id, expires, signature = value.split(".")
-    for forged in (f"{session_id}.{int(expires) + 3600}.{signature}", f"x{session_id}.{expires}.{signature}",
-                   f"{session_id}.{expires}.{signature[:-2]}AA", "garbage"):
+    for forged in (
+        f"{session_id}.{int(expires) + 3600}.{signature}",
+        f"x{session_id}.{expires}.{signature}",
+        f"{session_id}.{expires}.{signature[:-2]}AA",
+        "garbage",
+    ):
         admin.client.cookies.clear()
         admin.client.cookies.set(SESSION_COOKIE, forged, path="/admin")
         assert admin.client.get("/admin", follow_redirects=False).status_code == 303, forged
@@ -139,9 +158,11 @@ def test_logout_ends_the_session_even_for_a_copied_cookie(admin):
 def test_next_never_leaves_the_dashboard(dashboard):
     for target in ("//evil.example/x", "https://evil.example", "/v1/models", "/admin/login"):
         page = dashboard.client.get("/admin/login")
-        response = dashboard.client.post("/admin/login", data={"admin_key": ADMIN_KEY, "next": target,
-                                                                "csrf_token": login_token(page.text)},
-                                         follow_redirects=False)
+        response = dashboard.client.post(
+            "/admin/login",
+            data={"admin_key": ADMIN_KEY, "next": target, "csrf_token": login_token(page.text)},
+            follow_redirects=False,
+        )
         assert response.headers["location"] == "/admin", target
         dashboard.client.cookies.clear()
 

@@ -1,6 +1,7 @@
 """Dashboard pages over the real gateway (fake engine): teams and keys through forms, a key shown once
 that works on /v1 until revoked, usage table / chart / CSV, models, playground keys, and page speed
 with 100k usage rows and 10k keys."""
+
 from __future__ import annotations
 
 import csv
@@ -30,13 +31,26 @@ def test_a_new_team_gets_its_limits(admin):
 
 def test_editing_a_team_changes_and_clears_limits(admin):
     team_id = admin.create_team("alpha", rpm_limit="60")
-    response = admin.post(f"/admin/teams/{team_id}", name="alpha2", rpm_limit="", tpm_limit="1000",
-                          budget_period="day", allowed_models="a, b", blocked="on")
+    response = admin.post(
+        f"/admin/teams/{team_id}",
+        name="alpha2",
+        rpm_limit="",
+        tpm_limit="1000",
+        budget_period="day",
+        allowed_models="a, b",
+        blocked="on",
+    )
     assert response.status_code == 303
     with admin.gateway.sessions() as session:
         team = session.get(Team, team_id)
-        assert (team.name, team.rpm_limit, team.tpm_limit, team.budget_period, team.allowed_models, team.blocked) == \
-            ("alpha2", None, 1000, "day", ["a", "b"], True)
+        assert (team.name, team.rpm_limit, team.tpm_limit, team.budget_period, team.allowed_models, team.blocked) == (
+            "alpha2",
+            None,
+            1000,
+            "day",
+            ["a", "b"],
+            True,
+        )
 
 
 def test_a_bad_limit_is_shown_on_the_form(admin):
@@ -81,8 +95,9 @@ def test_editing_a_key_applies_at_once(admin):
     assert chat(admin.client, key).status_code == 200
     with admin.gateway.sessions() as session:
         key_id = session.scalar(select(ApiKey.id).where(ApiKey.team_id == team_id))
-    response = admin.post(f"/admin/keys/{key_id}", name="renamed", allowed_models="another-model",
-                          budget_period="month")
+    response = admin.post(
+        f"/admin/keys/{key_id}", name="renamed", allowed_models="another-model", budget_period="month"
+    )
     assert response.status_code == 303
     assert chat(admin.client, key).status_code == 404  # the model is no longer allowed for this key
     assert "renamed" in admin.client.get(f"/admin/keys/{key_id}").text
@@ -168,24 +183,48 @@ def test_the_overview_data_reports_the_fake_engine(admin):
 
 # ---- scale ----
 
+
 def fill(gateway, *, keys: int, usage_rows: int, days: int = 30) -> int:
     """10k keys in one team and 100k usage rows over `days` days, with their daily roll-ups."""
     rng = random.Random(0)
     now = datetime.now(UTC).replace(tzinfo=None)
     with gateway.engine.begin() as connection:
-        team_id = connection.execute(insert(Team).values(name="big", allowed_models=[], budget_period="month",
-                                                         blocked=False, created_at=now)).inserted_primary_key[0]
-        connection.execute(insert(ApiKey), [
-            {"team_id": team_id, "name": f"k{i}", "key_hash": f"{i:064x}", "key_prefix": f"sk-{i:08d}",
-             "allowed_models": [], "budget_period": "month", "created_at": now} for i in range(keys)])
+        team_id = connection.execute(
+            insert(Team).values(name="big", allowed_models=[], budget_period="month", blocked=False, created_at=now)
+        ).inserted_primary_key[0]
+        connection.execute(
+            insert(ApiKey),
+            [
+                {
+                    "team_id": team_id,
+                    "name": f"k{i}",
+                    "key_hash": f"{i:064x}",
+                    "key_prefix": f"sk-{i:08d}",
+                    "allowed_models": [],
+                    "budget_period": "month",
+                    "created_at": now,
+                }
+                for i in range(keys)
+            ],
+        )
         key_ids = connection.execute(select(ApiKey.id).where(ApiKey.team_id == team_id)).scalars().all()
         rows, daily = [], {}
         for _ in range(usage_rows):
             day = now.date() - timedelta(days=rng.randrange(days))
             when = datetime.combine(day, dt_time()) + timedelta(seconds=rng.randrange(86_400))
-            row = {"created_at": when, "team_id": team_id, "key_id": rng.choice(key_ids), "model": FAKE_MODEL,
-                   "prompt_tokens": 20, "cached_tokens": 0, "completion_tokens": 10, "latency_ms": 100,
-                   "ttft_ms": 10, "status": "ok", "cost_nano_usd": 1000}
+            row = {
+                "created_at": when,
+                "team_id": team_id,
+                "key_id": rng.choice(key_ids),
+                "model": FAKE_MODEL,
+                "prompt_tokens": 20,
+                "cached_tokens": 0,
+                "completion_tokens": 10,
+                "latency_ms": 100,
+                "ttft_ms": 10,
+                "status": "ok",
+                "cost_nano_usd": 1000,
+            }
             rows.append(row)
             sums = daily.setdefault((when.date(), row["key_id"]), [0, 0, 0, 0])
             sums[0] += 1
@@ -193,10 +232,24 @@ def fill(gateway, *, keys: int, usage_rows: int, days: int = 30) -> int:
             sums[2] += 10
             sums[3] += 1000
         connection.execute(insert(UsageRow), rows)
-        connection.execute(insert(UsageDaily), [
-            {"day": day, "key_id": key_id, "model": FAKE_MODEL, "team_id": team_id, "requests": n, "errors": 0,
-             "prompt_tokens": p, "cached_tokens": 0, "completion_tokens": c, "cost_nano_usd": cost}
-            for (day, key_id), (n, p, c, cost) in daily.items()])
+        connection.execute(
+            insert(UsageDaily),
+            [
+                {
+                    "day": day,
+                    "key_id": key_id,
+                    "model": FAKE_MODEL,
+                    "team_id": team_id,
+                    "requests": n,
+                    "errors": 0,
+                    "prompt_tokens": p,
+                    "cached_tokens": 0,
+                    "completion_tokens": c,
+                    "cost_nano_usd": cost,
+                }
+                for (day, key_id), (n, p, c, cost) in daily.items()
+            ],
+        )
     return team_id
 
 
@@ -212,11 +265,16 @@ def test_pages_stay_fast_with_100k_usage_rows_and_10k_keys(admin):
     today = datetime.now(UTC).date()
     since = today - timedelta(days=29)
     pages = [
-        "/admin/teams", f"/admin/teams/{team_id}", "/admin/keys", "/admin/keys?after=9000",
+        "/admin/teams",
+        f"/admin/teams/{team_id}",
+        "/admin/keys",
+        "/admin/keys?after=9000",
         f"/admin/usage?since={since}&until={today}&group=day",
         f"/admin/usage?since={since}&until={today}&group=key&group=model",
         f"/admin/usage?since={since}&until={today}&group=day&group=key&offset=100",
-        f"/admin/data/usage?since={since}&until={today}", "/admin/data/live", "/admin",
+        f"/admin/data/usage?since={since}&until={today}",
+        "/admin/data/live",
+        "/admin",
     ]
     slowest = {}
     for path in pages:
@@ -236,7 +294,10 @@ def test_a_team_s_share_weight_and_cache_group_are_edited_on_its_page(admin):
     page = admin.client.get(f"/admin/teams/{team_id}").text
     assert 'name="scheduling_weight" inputmode="decimal" value="1"' in page
     assert "In the engine now: 0 running, 0 waiting; 0 tokens served in the last minute." in page
-    assert admin.post(f"/admin/teams/{team_id}", name="alpha", scheduling_weight="3", cache_group="docs").status_code == 303
+    assert (
+        admin.post(f"/admin/teams/{team_id}", name="alpha", scheduling_weight="3", cache_group="docs").status_code
+        == 303
+    )
     with admin.gateway.sessions() as session:
         assert (session.get(Team, team_id).scheduling_weight, session.get(Team, team_id).cache_group) == (3.0, "docs")
     refused = admin.post(f"/admin/teams/{team_id}", name="alpha", scheduling_weight="0")

@@ -1,6 +1,7 @@
 """The Models page shows the registry (state, aliases, prices, sampling defaults) and its Load / Unload buttons act on the
 pool: unloading the served model makes /v1 answer 503 model_not_loaded; a model that cannot load says
 why."""
+
 from __future__ import annotations
 
 import time
@@ -16,9 +17,17 @@ def models_page(admin) -> str:
 
 
 def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):
-    response = admin.client.post("/admin/api/models", headers=admin_headers(), json={
-        "name": "tiny", "path": str(checkpoint(tmp_path / "tiny")), "aliases": ["gpt-4o-mini"],
-        "price_input_per_1m": 0.15, "price_output_per_1m": 0.6})
+    response = admin.client.post(
+        "/admin/api/models",
+        headers=admin_headers(),
+        json={
+            "name": "tiny",
+            "path": str(checkpoint(tmp_path / "tiny")),
+            "aliases": ["gpt-4o-mini"],
+            "price_input_per_1m": 0.15,
+            "price_output_per_1m": 0.6,
+        },
+    )
     assert response.status_code == 201, response.text
     page = models_page(admin)
     assert f'data-model="{FAKE_MODEL}" data-state="loaded"' in page
@@ -28,11 +37,17 @@ def test_the_models_page_shows_state_aliases_and_prices(admin, tmp_path):
 
 
 def test_the_models_page_shows_each_models_sampling_defaults(admin, tmp_path):
-    response = admin.client.post("/admin/api/models", headers=admin_headers(), json={
-        "name": "qwen-like", "path": str(with_generation_config(tmp_path / "qwen-like"))})
+    response = admin.client.post(
+        "/admin/api/models",
+        headers=admin_headers(),
+        json={"name": "qwen-like", "path": str(with_generation_config(tmp_path / "qwen-like"))},
+    )
     assert response.status_code == 201, response.text
     page = models_page(admin)
-    embedded, registered = page[page.index(f'data-model="{FAKE_MODEL}"'):], page[page.index('data-model="qwen-like"'):]
+    embedded, registered = (
+        page[page.index(f'data-model="{FAKE_MODEL}"') :],
+        page[page.index('data-model="qwen-like"') :],
+    )
     assert embedded.index("temperature 0.2 · top_p 0.9") < embedded.index("</section>")  # the model card's
     assert "temperature 0.6 · top_p 0.95 · top_k 20 · repetition_penalty 1.05 · max_tokens 256" in registered
 
@@ -52,8 +67,11 @@ def test_the_unload_button_stops_serving_the_model(admin):
 
 
 def test_a_model_that_cannot_load_says_why(admin, tmp_path):
-    admin.client.post("/admin/api/models", headers=admin_headers(),
-                      json={"name": "hollow", "path": str(checkpoint(tmp_path / "hollow"))})
+    admin.client.post(
+        "/admin/api/models",
+        headers=admin_headers(),
+        json={"name": "hollow", "path": str(checkpoint(tmp_path / "hollow"))},
+    )
     response = admin.post("/admin/models/hollow/load")
     assert response.status_code == 400 and "could not load" in response.text
     assert 'data-model="hollow" data-state="unloaded"' in models_page(admin)

@@ -1,4 +1,5 @@
 """The correctness oracle for the engine tests: the same weights through HF transformers."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,10 +25,13 @@ def hf_greedy(hf_smollm2):
         if key not in memo:
             with torch.inference_mode():
                 out = hf_smollm2.generate(
-                    torch.tensor([prompt_token_ids]), attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=hf_smollm2.config.eos_token_id,
+                    torch.tensor([prompt_token_ids]),
+                    attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=hf_smollm2.config.eos_token_id,
                 )
-            memo[key] = out[0, len(prompt_token_ids):].tolist()
+            memo[key] = out[0, len(prompt_token_ids) :].tolist()
         return memo[key]
 
     return generate

@@ -1,4 +1,5 @@
 """The async front: streaming deltas, abort, stats, and a failing request that fails alone."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,8 @@ def wait_idle(engine, timeout=10.0):
 def test_streamed_text_is_the_decoded_tokens(engine, smollm2):
     prompt = chat_prompt(smollm2.tokenizer, "What is the capital of France?")
     text, tokens, finish, outputs = asyncio.run(
-        collect(engine, "paris", prompt, SamplingParams(temperature=0.0, max_tokens=30)))
+        collect(engine, "paris", prompt, SamplingParams(temperature=0.0, max_tokens=30))
+    )
     assert "Paris" in text[0]
     assert text[0] == smollm2.tokenizer.decode(tokens[0], skip_special_tokens=True)
     assert finish[0] == "stop" and outputs[-1].finished
@@ -87,9 +89,12 @@ def test_concurrent_requests_all_finish_with_their_lengths(engine, smollm2):
     prompts = [chat_prompt(smollm2.tokenizer, f"Say the number {i}.") for i in range(12)]
 
     async def run():
-        return await asyncio.gather(*[
-            collect(engine, f"c{i}", p, SamplingParams(max_tokens=5 + i, ignore_eos=True, temperature=0.7, seed=i))
-            for i, p in enumerate(prompts)])
+        return await asyncio.gather(
+            *[
+                collect(engine, f"c{i}", p, SamplingParams(max_tokens=5 + i, ignore_eos=True, temperature=0.7, seed=i))
+                for i, p in enumerate(prompts)
+            ]
+        )
 
     results = asyncio.run(run())
     for i, (_, tokens, finish, _) in enumerate(results):
@@ -120,6 +125,7 @@ def test_a_request_that_breaks_the_model_step_fails_alone(smollm2):
     engine.core.runner.forward = faulty_forward
     prompt = chat_prompt(smollm2.tokenizer, "Hello there")
     try:
+
         async def run():
             return await asyncio.gather(
                 collect(engine, "healthy", prompt, SamplingParams(temperature=0.0, max_tokens=8)),

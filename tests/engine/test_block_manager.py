@@ -1,4 +1,5 @@
 """Block-manager invariants under random operations (no model needed)."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -29,8 +30,11 @@ def new_request(number: int, tokens: list[int]) -> Request:
 
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["add", "grow", "free", "fork", "swap", "decode"]), st.integers(0, 7),
-              st.lists(st.integers(0, 5), min_size=1, max_size=13)),
+    st.tuples(
+        st.sampled_from(["add", "grow", "free", "fork", "swap", "decode"]),
+        st.integers(0, 7),
+        st.lists(st.integers(0, 5), min_size=1, max_size=13),
+    ),
     max_size=60,
 )
 

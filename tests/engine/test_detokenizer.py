@@ -1,4 +1,5 @@
 """Streaming detokenization with SmolLM2's real tokenizer: what a client reading the stream sees."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,7 +51,7 @@ def cut_at_first_stop(text: str, stops) -> str:
     for end in range(1, len(text) + 1):
         ending = [stop for stop in stops if text[:end].endswith(stop)]
         if ending:
-            return text[:end - max(len(stop) for stop in ending)]
+            return text[: end - max(len(stop) for stop in ending)]
     return text
 
 
@@ -161,7 +162,7 @@ def test_streamed_unicode_text_equals_its_full_decode_without_replacement_charac
 @given(output=normal_tokens, data=st.data())
 def test_streamed_text_equals_the_full_decode_cut_at_the_first_stop(tokenizer, output, data):
     full = tokenizer.decode(output)
-    substring = st.builds(lambda a, n: full[a:a + n], st.integers(0, len(full)), st.integers(1, 6))
+    substring = st.builds(lambda a, n: full[a : a + n], st.integers(0, len(full)), st.integers(1, 6))
     stops = tuple(s for s in data.draw(st.lists(substring | st.text(min_size=1, max_size=3), max_size=4)) if s)
     detokenizer, texts, hits = stream(tokenizer, output, stop=stops)
     streamed = "".join(texts) + ("" if any(hits) else detokenizer.flush())

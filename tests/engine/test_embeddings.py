@@ -1,5 +1,6 @@
 """engine/embeddings.py against sentence-transformers, the reference for what an embedding model's
 folder means (pooling, normalisation, truncation at max_seq_length)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -92,13 +93,20 @@ def test_empty_token_list_is_refused(minilm):
 
 # ---- other folders: plain HF encoders and other pooling configs, on a tiny random BERT ----
 
+
 @pytest.fixture(scope="module")
 def tiny_bert_dir(tmp_path_factory):
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     folder = tmp_path_factory.mktemp("tiny-bert")
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     BertModel(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(default_embedding_model_path()).save_pretrained(folder)
@@ -107,15 +115,18 @@ def tiny_bert_dir(tmp_path_factory):
 
 def sentence_transformers_folder(base, target, pooling_mode, *, normalize: bool, max_seq_length: int = 48):
     shutil.copytree(base, target)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
     if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (target / "modules.json").write_text(json.dumps(modules))
     (target / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     (target / "1_Pooling").mkdir()
-    (target / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 32,
-                                                                   "pooling_mode": pooling_mode}))
+    (target / "1_Pooling" / "config.json").write_text(
+        json.dumps({"embedding_dimension": 32, "pooling_mode": pooling_mode})
+    )
     return target
 
 
@@ -135,8 +146,9 @@ def test_a_plain_hf_folder_is_mean_pooled_without_normalisation(tiny_bert_dir):
     assert model.max_input_tokens == 64  # the position table, then
 
 
-@pytest.mark.parametrize("pooling_mode", ["cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken",
-                                          ["cls", "mean"]])
+@pytest.mark.parametrize(
+    "pooling_mode", ["cls", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken", ["cls", "mean"]]
+)
 def test_pooling_configs_match_sentence_transformers(tiny_bert_dir, tmp_path, pooling_mode):
     folder = sentence_transformers_folder(tiny_bert_dir, tmp_path / "st", pooling_mode, normalize=True)
     model = assert_matches_sentence_transformers(folder, TEXTS)
@@ -146,8 +158,9 @@ def test_pooling_configs_match_sentence_transformers(tiny_bert_dir, tmp_path, po
 
 def test_legacy_pooling_keys_are_read(tiny_bert_dir, tmp_path):
     folder = sentence_transformers_folder(tiny_bert_dir, tmp_path / "st", "mean", normalize=False)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
-                                                                   "pooling_mode_cls_token": True}))
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 32, "pooling_mode_cls_token": True})
+    )
     assert EmbeddingModel.load(folder).pipeline.pooling_modes == ("cls",)
 
 

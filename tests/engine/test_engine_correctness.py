@@ -1,4 +1,5 @@
 """Greedy output equals HF transformers `generate`, token for token, whatever the engine did on the way."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,9 @@ def test_default_batching_matches_hf(smollm2, prompts, hf_greedy):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_output_exact(smollm2, prompts, hf_greedy, mode):
     longest = max(len(p) for p in prompts) + MAX_NEW
-    engine = make_engine(smollm2, num_kv_blocks=-(-longest // 16) + 6, preemption_mode=mode,
-                         enable_prefix_caching=False)
+    engine = make_engine(
+        smollm2, num_kv_blocks=-(-longest // 16) + 6, preemption_mode=mode, enable_prefix_caching=False
+    )
     results = run_to_completion(engine, prompts, GREEDY)
     counters = engine.scheduler.counters
     assert (counters.preemptions_swap if mode == "swap" else counters.preemptions_recompute) > 0
@@ -61,7 +63,9 @@ def test_shared_prefix_hits_cache_and_matches_hf(smollm2, hf_greedy):
     engine = make_engine(smollm2, num_kv_blocks=256)
     first = run_to_completion(engine, prompts[:1], GREEDY)  # warms the cache with the shared system prompt
     results = run_to_completion(engine, prompts, GREEDY)
-    assert engine.scheduler.counters.prefix_cache_hits >= 7 * 16 * (len(chat_prompt(smollm2.tokenizer, "", LONG_SYSTEM)) // 16 - 1)
+    assert engine.scheduler.counters.prefix_cache_hits >= 7 * 16 * (
+        len(chat_prompt(smollm2.tokenizer, "", LONG_SYSTEM)) // 16 - 1
+    )
     assert_matches_hf(first, prompts[:1], hf_greedy)
     assert_matches_hf(results, prompts, hf_greedy)
     assert_all_blocks_free(engine)

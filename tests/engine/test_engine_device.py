@@ -1,5 +1,6 @@
 """The engine on a device: device resolution, the token-major KV layout the GPU kernels read, and the
 padding of CUDA-graph decode replays. All of it runs on the CPU; the CUDA-only tests skip without a GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -111,15 +112,28 @@ def hf_greedy(folder, prompt, max_new):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, pad_token_id=2, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=2,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_token_major_reference_path_matches_the_default_and_hf(tiny, tiny_llama_dir, reference_kernels, mode):
-    settings = {"device": "cpu", "block_size": 8, "num_kv_blocks": 12, "max_num_seqs": 4,
-                "max_num_batched_tokens": 24, "preemption_mode": mode, "enable_prefix_caching": False}
+    settings = {
+        "device": "cpu",
+        "block_size": 8,
+        "num_kv_blocks": 12,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 24,
+        "preemption_mode": mode,
+        "enable_prefix_caching": False,
+    }
     token_major = run_to_completion(LLMEngine(EngineConfig(kv_layout="token_major", **settings), tiny), PROMPTS, GREEDY)
     kernels.force_reference(False)
     default = run_to_completion(LLMEngine(EngineConfig(**settings), tiny), PROMPTS, GREEDY)
@@ -145,8 +159,13 @@ def decode_batch(tables: list[list[int]], lens: list[int], block_size: int) -> D
     table = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int32)
     positions = [n - 1 for n in lens]
     slots = [row[p // block_size] * block_size + p % block_size for row, p in zip(tables, positions)]
-    return DecodeInputs(torch.arange(3, 3 + len(lens)), torch.tensor(positions), torch.tensor(slots),
-                        table, torch.tensor(lens, dtype=torch.int32))
+    return DecodeInputs(
+        torch.arange(3, 3 + len(lens)),
+        torch.tensor(positions),
+        torch.tensor(slots),
+        table,
+        torch.tensor(lens, dtype=torch.int32),
+    )
 
 
 def test_padding_rows_live_in_the_dummy_block_only():
@@ -171,8 +190,10 @@ def test_a_batch_that_does_not_fit_is_refused():
 def test_padded_forward_leaves_real_blocks_and_rows_as_unpadded(tiny, reference_kernels):
     shape, block_size, dummy = tiny.shape, 4, 6
     torch.manual_seed(0)
-    caches = [tuple(torch.randn(dummy + 1, block_size, shape.num_kv_heads, shape.head_dim) for _ in "kv")
-              for _ in range(shape.num_layers)]
+    caches = [
+        tuple(torch.randn(dummy + 1, block_size, shape.num_kv_heads, shape.head_dim) for _ in "kv")
+        for _ in range(shape.num_layers)
+    ]
     padded_caches = [(k.clone(), v.clone()) for k, v in caches]
     initial = [(k.clone(), v.clone()) for k, v in caches]
     real = decode_batch([[2, 0], [5], [1, 3]], [6, 3, 8], block_size)
@@ -199,7 +220,9 @@ def test_graph_replay_path_on_the_cpu_matches_eager(tiny, monkeypatch, layout):
     assert engine.runner.kv_caches[0][0].shape[0] == 25
     replays = []
     run = engine.runner.graphs.run
-    monkeypatch.setattr(engine.runner.graphs, "run", lambda inputs: replays.append(len(inputs.token_ids)) or run(inputs))
+    monkeypatch.setattr(
+        engine.runner.graphs, "run", lambda inputs: replays.append(len(inputs.token_ids)) or run(inputs)
+    )
     assert run_to_completion(engine, PROMPTS, GREEDY) == eager
     assert set(replays) - {1, 2, 4, 8}  # batches of other sizes were padded
 
@@ -209,11 +232,13 @@ def test_graph_replay_path_on_the_cpu_matches_eager(tiny, monkeypatch, layout):
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_cuda_engine_matches_cpu_greedy(tiny_llama_dir, tiny, enforce_eager):
     gpu = load_model(EngineConfig(model=str(tiny_llama_dir), device="cuda"))
-    engine = LLMEngine(EngineConfig(device="cuda", block_size=16, num_kv_blocks=32, max_num_seqs=8,
-                                    enforce_eager=enforce_eager), gpu)
+    engine = LLMEngine(
+        EngineConfig(device="cuda", block_size=16, num_kv_blocks=32, max_num_seqs=8, enforce_eager=enforce_eager), gpu
+    )
     assert (engine.runner.graphs is None) == enforce_eager
-    cpu = run_to_completion(LLMEngine(EngineConfig(device="cpu", num_kv_blocks=32, max_num_seqs=8), tiny),
-                            PROMPTS, GREEDY)
+    cpu = run_to_completion(
+        LLMEngine(EngineConfig(device="cpu", num_kv_blocks=32, max_num_seqs=8), tiny), PROMPTS, GREEDY
+    )
     assert run_to_completion(engine, PROMPTS, GREEDY) == cpu
 
 
@@ -232,10 +257,26 @@ def test_gpu_bench_end_to_end_runs_at_toy_size_on_the_cpu(monkeypatch, tmp_path)
 
     from bench import gpu_e2e
 
-    toy = {"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 1e4}
-    for name, value in {"DEVICE": "cpu", "SMOLLM2_SHAPE": toy, "LLAMA_1B_SHAPE": toy, "CONCURRENCY": (1, 3),
-                        "PROMPT_RANGE": (4, 12), "OUTPUT_TOKENS": 6, "CHECK_PROMPTS": 2, "CHECK_TOKENS": 5}.items():
+    toy = {
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rope_theta": 1e4,
+    }
+    for name, value in {
+        "DEVICE": "cpu",
+        "SMOLLM2_SHAPE": toy,
+        "LLAMA_1B_SHAPE": toy,
+        "CONCURRENCY": (1, 3),
+        "PROMPT_RANGE": (4, 12),
+        "OUTPUT_TOKENS": 6,
+        "CHECK_PROMPTS": 2,
+        "CHECK_TOKENS": 5,
+    }.items():
         monkeypatch.setattr(gpu_e2e, name, value)
     monkeypatch.setattr(gpu_e2e, "smollm2", lambda dtype, folder: (None, "random (toy)"))
     report = gpu_e2e.run_end_to_end(tmp_path)

@@ -1,4 +1,5 @@
 """The constrained-decoding hook: a guide's mask binds every sampling setting, and `done` stops."""
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,15 @@ def test_guided_sequences_use_only_allowed_tokens_and_stop_when_done(smollm2):
     factory = DigitsFactory(digits, smollm2.shape.vocab_size, length=5)
     engine = make_engine(smollm2, num_kv_blocks=64)
     prompt = chat_prompt(tokenizer, "Write a poem about cats.")
-    params = SamplingParams(n=3, temperature=1.5, top_p=0.95, seed=3, max_tokens=50,
-                            logit_bias={tokenizer.convert_tokens_to_ids("Cats"): 100.0}, guide_factory=factory)
+    params = SamplingParams(
+        n=3,
+        temperature=1.5,
+        top_p=0.95,
+        seed=3,
+        max_tokens=50,
+        logit_bias={tokenizer.convert_tokens_to_ids("Cats"): 100.0},
+        guide_factory=factory,
+    )
     results = run_to_completion(engine, [prompt], params)
     assert len(factory.made) == 3  # one guide per sequence
     for tokens in results["r0"].values():

@@ -1,5 +1,6 @@
 """The engine with --quantization int8 / int4: right answers, batch-independent greedy output, blocks all
 freed, and int4 weights under 40% of bf16's memory."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ from kernels.qlinear import native_available
 from tests.support import MODEL_CACHE
 from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
 
-pytestmark = pytest.mark.skipif(not native_available(torch.zeros(1, 2)),
-                                reason="no C++ compiler: the native kernels can't be built here")
+pytestmark = pytest.mark.skipif(
+    not native_available(torch.zeros(1, 2)), reason="no C++ compiler: the native kernels can't be built here"
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 

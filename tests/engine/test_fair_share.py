@@ -1,4 +1,5 @@
 """Fair share between teams in the engine: cache isolation, the service bound, work conservation, exact output."""
+
 from __future__ import annotations
 
 from itertools import combinations
@@ -69,9 +70,14 @@ def test_teams_in_one_cache_group_or_the_global_scope_share_prefixes(tiny):
 def service_bound(config: EngineConfig, longest_prompt: int, weight_g: float, weight_f: float = 1.0) -> float:
     """U_fg from engine/scheduler.py, the most team g may lead team f by while both have requests queued:
     prompt_weight * P / w_f + (prompt_weight * P + (m + 1) * output_weight * S) / w_g."""
-    return (config.fair_prompt_weight * longest_prompt / weight_f
-            + (config.fair_prompt_weight * longest_prompt
-               + (config.fair_min_run_steps + 1) * config.fair_output_weight * config.max_num_seqs) / weight_g)
+    return (
+        config.fair_prompt_weight * longest_prompt / weight_f
+        + (
+            config.fair_prompt_weight * longest_prompt
+            + (config.fair_min_run_steps + 1) * config.fair_output_weight * config.max_num_seqs
+        )
+        / weight_g
+    )
 
 
 def fits_now(scheduler: Scheduler, request: Request, budget_left: int) -> bool:
@@ -102,42 +108,61 @@ def watch_work_conservation(engine: LLMEngine) -> None:
     scheduler.schedule = checked  # type: ignore[method-assign]
 
 
-workloads = st.fixed_dictionaries({
-    # per team: (weight, [(prompt length, max tokens)...])
-    "teams": st.lists(st.tuples(st.sampled_from([1.0, 2.0]),
-                                st.lists(st.tuples(st.integers(1, 30), st.integers(1, 14)), min_size=3, max_size=8)),
-                      min_size=2, max_size=3),
-    "max_num_seqs": st.integers(1, 5),
-    "max_num_batched_tokens": st.sampled_from([16, 32, 64]),
-    "extra_blocks": st.integers(0, 12),
-    "preemption_mode": st.sampled_from(["recompute", "swap"]),
-    "fair_min_run_steps": st.integers(1, 4),
-    "interleave": st.booleans(),  # submit team by team, or round robin
-})
+workloads = st.fixed_dictionaries(
+    {
+        # per team: (weight, [(prompt length, max tokens)...])
+        "teams": st.lists(
+            st.tuples(
+                st.sampled_from([1.0, 2.0]),
+                st.lists(st.tuples(st.integers(1, 30), st.integers(1, 14)), min_size=3, max_size=8),
+            ),
+            min_size=2,
+            max_size=3,
+        ),
+        "max_num_seqs": st.integers(1, 5),
+        "max_num_batched_tokens": st.sampled_from([16, 32, 64]),
+        "extra_blocks": st.integers(0, 12),
+        "preemption_mode": st.sampled_from(["recompute", "swap"]),
+        "fair_min_run_steps": st.integers(1, 4),
+        "interleave": st.booleans(),  # submit team by team, or round robin
+    }
+)
 
 
 @given(workload=workloads)
-@settings(max_examples=30, deadline=None, report_multiple_bugs=False, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30,
+    deadline=None,
+    report_multiple_bugs=False,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 def test_backlogged_teams_stay_within_the_bound_with_exact_output_and_no_idle_seat(tiny, workload):
     workload = dict(workload)
     teams = workload.pop("teams")
     interleave = workload.pop("interleave")
     extra = workload.pop("extra_blocks")
-    jobs = [(f"t{team}", weight, number, length, max_tokens)
-            for team, (weight, requests) in enumerate(teams) for number, (length, max_tokens) in enumerate(requests)]
+    jobs = [
+        (f"t{team}", weight, number, length, max_tokens)
+        for team, (weight, requests) in enumerate(teams)
+        for number, (length, max_tokens) in enumerate(requests)
+    ]
     if interleave:
         jobs.sort(key=lambda job: (job[2], job[0]))
     longest = max(length + max_tokens for *_, length, max_tokens in jobs)
-    config = EngineConfig(block_size=8, num_kv_blocks=-(-longest // 8) + 1 + extra, enable_prefix_caching=False,
-                          **workload)
+    config = EngineConfig(
+        block_size=8, num_kv_blocks=-(-longest // 8) + 1 + extra, enable_prefix_caching=False, **workload
+    )
     engine = LLMEngine(config, tiny)
     watch_work_conservation(engine)
     prompts = {}
     for team, weight, number, length, max_tokens in jobs:
         prompts[f"{team}-{number}"] = (prompt_of(hash(team) % 50 + number, length), max_tokens)
-        engine.add_request(f"{team}-{number}", prompts[f"{team}-{number}"][0],
-                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                           Tenancy(team=team, weight=weight))
+        engine.add_request(
+            f"{team}-{number}",
+            prompts[f"{team}-{number}"][0],
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            Tenancy(team=team, weight=weight),
+        )
     weights = {team: weight for team, weight, *_ in jobs}
     longest_prompt = max(length for *_, length, _ in jobs)
     backlogged_throughout = set(weights)
@@ -159,8 +184,9 @@ def test_backlogged_teams_stay_within_the_bound_with_exact_output_and_no_idle_se
 
     reference = LLMEngine(EngineConfig(num_kv_blocks=256, scheduling="fcfs", enable_prefix_caching=False), tiny)
     for request_id, (prompt, max_tokens) in prompts.items():
-        reference.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                                 ignore_eos=True))
+        reference.add_request(
+            request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        )
     expected: dict[str, list[int]] = {}
     drain(reference, expected)
     assert outputs == {request_id: expected[f"{request_id}/0"] for request_id in prompts}
@@ -184,8 +210,7 @@ def largest_gap_while_backlogged(engine: LLMEngine, teams: tuple[str, str]) -> f
 
 @pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
 def test_a_flooding_team_starves_another_only_under_fcfs(tiny, scheduling):
-    config = EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=2, scheduling=scheduling,
-                          fair_min_run_steps=2)
+    config = EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=2, scheduling=scheduling, fair_min_run_steps=2)
     engine = LLMEngine(config, tiny)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for number in range(12):
@@ -246,8 +271,12 @@ def test_a_lower_priority_value_runs_first_and_fcfs_holds_within_a_team(tiny):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_output_equals_hf_under_fair_preemption(smollm2, hf_greedy, mode):
-    engine = LLMEngine(EngineConfig(num_kv_blocks=256, max_num_seqs=3, fair_min_run_steps=2, preemption_mode=mode,
-                                    enable_prefix_caching=False), smollm2)
+    engine = LLMEngine(
+        EngineConfig(
+            num_kv_blocks=256, max_num_seqs=3, fair_min_run_steps=2, preemption_mode=mode, enable_prefix_caching=False
+        ),
+        smollm2,
+    )
     prompts = {f"q{number}": chat_prompt(smollm2.tokenizer, question) for number, question in enumerate(QUESTIONS)}
     params = SamplingParams(temperature=0.0, max_tokens=16)
     names = list(prompts)

@@ -1,4 +1,5 @@
 """The sampler: what a user of temperature, top-k/p, penalties, seeds and logprobs would notice."""
+
 from __future__ import annotations
 
 import math
@@ -123,7 +124,8 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
 def test_presence_and_frequency_penalties_subtract_per_repeat():
     logits = torch.zeros(1, VOCAB)
     processed = apply_logit_processors(
-        logits, [state(prompt=[9], output=[4, 4, 4, 6], presence_penalty=0.5, frequency_penalty=0.25)])
+        logits, [state(prompt=[9], output=[4, 4, 4, 6], presence_penalty=0.5, frequency_penalty=0.25)]
+    )
     assert processed[0, 4].item() == pytest.approx(-(0.5 + 3 * 0.25))
     assert processed[0, 6].item() == pytest.approx(-(0.5 + 0.25))
     assert processed[0, 9].item() == 0.0  # prompt tokens are not penalised by presence/frequency
@@ -132,8 +134,9 @@ def test_presence_and_frequency_penalties_subtract_per_repeat():
 def test_frequency_penalty_lowers_how_often_a_repeated_token_is_sampled():
     logits = torch.zeros(4000, 4)
     plain = torch.tensor(sample(logits, [state(temperature=1.0, seed=i) for i in range(4000)]))
-    penalised = torch.tensor(sample(logits, [state(temperature=1.0, seed=i, output=[0] * 3, frequency_penalty=0.5)
-                                             for i in range(4000)]))
+    penalised = torch.tensor(
+        sample(logits, [state(temperature=1.0, seed=i, output=[0] * 3, frequency_penalty=0.5) for i in range(4000)])
+    )
     assert (penalised == 0).float().mean() < 0.6 * (plain == 0).float().mean()
 
 
@@ -198,12 +201,17 @@ def test_same_seed_gives_the_same_tokens_over_many_steps_whatever_the_batch():
     steps = [random_logits(1, seed=step, scale=1.0)[0] for step in range(40)]
     alone = state(temperature=1.0, seed=1234)
     batched = state(temperature=1.0, seed=1234)
-    neighbours = [state(temperature=0.8, seed=7), state(temperature=1.0), state(temperature=0.0), state(temperature=1.2)]
+    neighbours = [
+        state(temperature=0.8, seed=7),
+        state(temperature=1.0),
+        state(temperature=0.0),
+        state(temperature=1.2),
+    ]
     tokens_alone, tokens_batched = [], []
     for step, row in enumerate(steps):
         tokens_alone.append(sample(row.unsqueeze(0), [alone])[0])
         # The seeded row moves around the batch and the batch changes size.
-        batch = neighbours[: step % 4] + [batched] + neighbours[step % 4:][: step % 3]
+        batch = neighbours[: step % 4] + [batched] + neighbours[step % 4 :][: step % 3]
         logits = torch.stack([row if s is batched else random_logits(1, seed=1000 + step)[0] for s in batch])
         tokens_batched.append(sample(logits, batch)[next(i for i, s in enumerate(batch) if s is batched)])
     assert tokens_alone == tokens_batched
@@ -217,8 +225,10 @@ def test_different_seeds_give_different_tokens():
 
 def test_logprobs_top_is_sorted_and_the_chosen_logprob_is_the_raw_one():
     logits = random_logits(2)
-    out = Sampler()(logits, [state(temperature=1.0, logprobs=5, presence_penalty=2.0, output=[3]),
-                             state(temperature=0.0, logprobs=5)])
+    out = Sampler()(
+        logits,
+        [state(temperature=1.0, logprobs=5, presence_penalty=2.0, output=[3]), state(temperature=0.0, logprobs=5)],
+    )
     raw = logits.log_softmax(dim=-1)
     for row, logprob in enumerate(out.logprobs):
         assert logprob.token_id == out.token_ids[row]

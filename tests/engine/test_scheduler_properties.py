@@ -1,4 +1,5 @@
 """Scheduler invariants on a tiny random Llama: budgets hold, blocks balance, outputs don't depend on batching."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,16 +26,19 @@ request_specs = st.lists(
         st.booleans(),  # starts with the shared prefix
         st.one_of(st.none(), st.integers(1, 6)),  # abort after this many steps
     ),
-    min_size=1, max_size=6,
+    min_size=1,
+    max_size=6,
 )
-engine_settings = st.fixed_dictionaries({
-    "block_size": st.sampled_from([8, 16]),
-    "extra_blocks": st.integers(0, 6),
-    "max_num_seqs": st.integers(2, 6),
-    "max_num_batched_tokens": st.sampled_from([16, 24, 64]),
-    "preemption_mode": st.sampled_from(["recompute", "swap"]),
-    "enable_prefix_caching": st.booleans(),
-})
+engine_settings = st.fixed_dictionaries(
+    {
+        "block_size": st.sampled_from([8, 16]),
+        "extra_blocks": st.integers(0, 6),
+        "max_num_seqs": st.integers(2, 6),
+        "max_num_batched_tokens": st.sampled_from([16, 24, 64]),
+        "preemption_mode": st.sampled_from(["recompute", "swap"]),
+        "enable_prefix_caching": st.booleans(),
+    }
+)
 SHARED = [7 + (i * 31) % 900 for i in range(24)]
 
 

@@ -1,5 +1,6 @@
 """End to end with the real model: the openai client against the real server and the real gateway,
 and `tokenmill serve` itself (migrations at start-up, the admin key written once, SIGTERM flush)."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def team_key(url: str, **limits) -> dict:
-    team = httpx.post(f"{url}/admin/api/teams", json={"name": f"team-{time.monotonic_ns()}"},
-                      headers=admin_headers()).json()
+    team = httpx.post(
+        f"{url}/admin/api/teams", json={"name": f"team-{time.monotonic_ns()}"}, headers=admin_headers()
+    ).json()
     return httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"], **limits}, headers=admin_headers()).json()
 
 
@@ -38,14 +40,21 @@ def test_openai_client_usage_is_metered_exactly(smollm2, make_gateway):
         client = server.client(api_key=key["key"])
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
-        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         streamed_usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
         time.sleep(0.2)
         rows = usage_rows(gateway)
     assert [(r.prompt_tokens, r.completion_tokens, r.status, r.model) for r in rows] == [
         (whole.usage.prompt_tokens, whole.usage.completion_tokens, "ok", MODEL),
-        (streamed_usage.prompt_tokens, streamed_usage.completion_tokens, "ok", MODEL)]
+        (streamed_usage.prompt_tokens, streamed_usage.completion_tokens, "ok", MODEL),
+    ]
 
 
 def test_openai_client_sees_auth_and_rate_limit_errors(smollm2, make_gateway):
@@ -73,9 +82,25 @@ def start_serve(tmp_path: Path, database_url: str, env_extra: dict | None = None
         env.pop(name, None)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--data-dir", str(MODEL_CACHE),
-             "--num-kv-blocks", "256", "--log-level", "warning"], cwd=ROOT, env=env, stdout=log,
-            stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(MODEL_CACHE),
+                "--num-kv-blocks",
+                "256",
+                "--log-level",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -99,21 +124,29 @@ def test_tokenmill_serve_migrates_writes_the_admin_key_once_and_flushes_on_sigte
         [where] = re.findall(r"it is in (\S+) \(readable by this user only\)", said)
         admin_key = Path(where).read_text().strip()
         Path(where).unlink()  # as the operator is told to
-        team = httpx.post(f"{url}/admin/api/teams", json={"name": "serve"},
-                          headers={"Authorization": f"Bearer {admin_key}"}).json()
-        key = httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]},
-                         headers={"Authorization": f"Bearer {admin_key}"}).json()["key"]
+        team = httpx.post(
+            f"{url}/admin/api/teams", json={"name": "serve"}, headers={"Authorization": f"Bearer {admin_key}"}
+        ).json()
+        key = httpx.post(
+            f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers={"Authorization": f"Bearer {admin_key}"}
+        ).json()["key"]
         finished: list[int] = []  # completion tokens of streams that ended with their usage chunk
         cut: list[int] = []  # content chunks of streams the shutdown's grace period cut short
         started = [threading.Event() for _ in range(4)]
 
         def stream(event: threading.Event) -> None:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to fifty."}], "max_tokens": 16,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Count to fifty."}],
+                "max_tokens": 16,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             chunks = 0
             try:
-                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=bearer(key),
-                                  timeout=120) as r:
+                with httpx.stream(
+                    "POST", f"{url}/v1/chat/completions", json=body, headers=bearer(key), timeout=120
+                ) as r:
                     for line in r.iter_lines():
                         event.set()
                         if '"usage":{' in line:

@@ -5,6 +5,7 @@ The tiny random Llama stands in for the real model: the flood is 160 requests of
 SmolLM2 would take minutes to serve on 2 cores. 8 seats, so most of the flood queues, and the flood lasts
 thousands of steps: with 32 seats a quiet machine served it all in ~4 s, before the fcfs probe gave up.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,12 @@ def team_key(url: str, name: str) -> tuple[str, str]:
 async def team_metrics(client: httpx.AsyncClient) -> dict[tuple[str, str], float]:
     """(metric, team) -> value, for the per-team series of /metrics."""
     text = (await client.get("/metrics", headers=admin_headers())).text
-    return {(sample.name, sample.labels["team"]): sample.value for family in parse_text(text)
-            if family.name.startswith("tokenmill:team_") for sample in family.samples}
+    return {
+        (sample.name, sample.labels["team"]): sample.value
+        for family in parse_text(text)
+        if family.name.startswith("tokenmill:team_")
+        for sample in family.samples
+    }
 
 
 async def time_to_first_token(client: httpx.AsyncClient, model: str, key: str) -> float:
@@ -60,8 +65,9 @@ async def time_to_first_token(client: httpx.AsyncClient, model: str, key: str) -
     return first
 
 
-async def flood_and_probe(url: str, model: str, flood_key: str,
-                          quiet_key: str) -> tuple[float, list[float], float, dict[tuple[str, str], float], int]:
+async def flood_and_probe(
+    url: str, model: str, flood_key: str, quiet_key: str
+) -> tuple[float, list[float], float, dict[tuple[str, str], float], int]:
     """(quiet team's solo TTFT, its TTFTs during the flood (inf: gave up), seconds flooded, team metrics then,
     flood requests finished by then)."""
     rng = random.Random(7)
@@ -70,8 +76,12 @@ async def flood_and_probe(url: str, model: str, flood_key: str,
         solo = min([await time_to_first_token(client, model, quiet_key) for _ in range(3)])
 
         async def flood_request(number: int) -> None:
-            body = {"model": model, "prompt": f"Request {number}: write a long story", "ignore_eos": True,
-                    "max_tokens": rng.randint(64, 224)}
+            body = {
+                "model": model,
+                "prompt": f"Request {number}: write a long story",
+                "ignore_eos": True,
+                "max_tokens": rng.randint(64, 224),
+            }
             response = await client.post("/v1/completions", json=body, headers=bearer(flood_key))
             assert response.status_code == 200, response.text
 
@@ -101,11 +111,14 @@ def test_a_flood_from_one_team_delays_another_only_under_fcfs(tiny, make_gateway
     config = EngineConfig(model="tiny", num_kv_blocks=1024, max_num_seqs=8, scheduling=scheduling)
     with running_server(tiny, engine_config=config, gateway=make_gateway()) as server:
         (flood_team, flood_key), (quiet_team, quiet_key) = team_key(server.url, "flood"), team_key(server.url, "quiet")
-        solo, probes, flood_s, metrics, finished = asyncio.run(flood_and_probe(server.url, server.engine.model_name,
-                                                                     flood_key, quiet_key))
+        solo, probes, flood_s, metrics, finished = asyncio.run(
+            flood_and_probe(server.url, server.engine.model_name, flood_key, quiet_key)
+        )
     allowed = max(3 * solo, solo + 2.0)
-    print(f"{scheduling}: solo TTFT {solo:.3f}s, during the flood {[round(p, 3) for p in probes]}, "
-          f"flooded {flood_s:.1f}s, allowed {allowed:.2f}s")
+    print(
+        f"{scheduling}: solo TTFT {solo:.3f}s, during the flood {[round(p, 3) for p in probes]}, "
+        f"flooded {flood_s:.1f}s, allowed {allowed:.2f}s"
+    )
     # /metrics shows who holds the engine: the flood fills the seats and the queue, and was served most
     assert metrics[("tokenmill:team_requests_waiting", flood_team)] > 0
     assert metrics[("tokenmill:team_requests_running", flood_team)] > 0

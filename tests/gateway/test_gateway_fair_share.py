@@ -1,5 +1,6 @@
 """Teams share the engine fairly: what the gateway tells the engine about each request's team, and the
 prefix cache that no team shares with another unless an admin says so (through the HTTP API)."""
+
 from __future__ import annotations
 
 import httpx
@@ -9,8 +10,10 @@ from fastapi.testclient import TestClient
 from tests.support.gateway import FakeEngine, admin_headers, bearer, build_app, chat_body, create_key, create_team
 from tests.support.server import MODEL, running_server
 
-SYSTEM = ("You are the support assistant of a company that sells bicycles, helmets and spare parts. Answer "
-          "briefly, politely and precisely; when you do not know, say so and suggest contacting the shop. ") * 3
+SYSTEM = (
+    "You are the support assistant of a company that sells bicycles, helmets and spare parts. Answer "
+    "briefly, politely and precisely; when you do not know, say so and suggest contacting the shop. "
+) * 3
 
 
 def test_the_engine_learns_team_weight_capped_priority_and_a_per_team_cache_salt(make_gateway):
@@ -41,15 +44,26 @@ def test_team_share_settings_are_validated_and_shown(make_gateway):
         for body in ({"scheduling_weight": 0}, {"scheduling_weight": None}, {"cache_group": "has space"}):
             response = client.patch(f"/admin/api/teams/{team['id']}", json=body, headers=admin_headers())
             assert response.status_code == 400, body
-        response = client.patch(f"/admin/api/teams/{team['id']}", json={"scheduling_weight": 2.5,
-                                                                       "cache_group": "g1"}, headers=admin_headers())
+        response = client.patch(
+            f"/admin/api/teams/{team['id']}",
+            json={"scheduling_weight": 2.5, "cache_group": "g1"},
+            headers=admin_headers(),
+        )
         assert (response.json()["scheduling_weight"], response.json()["cache_group"]) == (2.5, "g1")
 
 
 def cached_tokens(url: str, key: str, question: str) -> int:
-    response = httpx.post(f"{url}/v1/chat/completions", headers=bearer(key), timeout=60, json={
-        "model": MODEL, "max_tokens": 1, "temperature": 0,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+    response = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=bearer(key),
+        timeout=60,
+        json={
+            "model": MODEL,
+            "max_tokens": 1,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        },
+    )
     assert response.status_code == 200, response.text
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -58,17 +72,22 @@ def cached_tokens(url: str, key: str, question: str) -> int:
 def test_a_long_system_prompt_is_cached_for_its_team_only(smollm2, make_gateway):
     with running_server(smollm2, gateway=make_gateway()) as server:
         url = server.url
-        teams = [httpx.post(f"{url}/admin/api/teams", json={"name": name}, headers=admin_headers()).json()
-                 for name in ("red", "blue", "green", "yellow")]
-        keys = [httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
-                for team in teams]
+        teams = [
+            httpx.post(f"{url}/admin/api/teams", json={"name": name}, headers=admin_headers()).json()
+            for name in ("red", "blue", "green", "yellow")
+        ]
+        keys = [
+            httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
+            for team in teams
+        ]
         red, blue, green, yellow = keys
         assert cached_tokens(url, red, "Do you sell helmets?") == 0
         assert cached_tokens(url, red, "Where is the shop?") > 100
         assert cached_tokens(url, blue, "Where is the shop?") == 0  # red's blocks are not blue's
         for team in teams[2:]:
-            response = httpx.patch(f"{url}/admin/api/teams/{team['id']}", json={"cache_group": "partners"},
-                                   headers=admin_headers())
+            response = httpx.patch(
+                f"{url}/admin/api/teams/{team['id']}", json={"cache_group": "partners"}, headers=admin_headers()
+            )
             assert response.status_code == 200
         assert cached_tokens(url, green, "Do you repair bikes?") == 0
         assert cached_tokens(url, yellow, "Do you repair bikes?") > 100  # one cache group shares

@@ -2,6 +2,7 @@
 tokens, and that priced) fits what its key and team have left after the reservations of requests in
 flight; the actual cost settles when it ends. Each way of overspending that used to work is tried
 here, on SQLite and on PostgreSQL, and for tpm across two replicas sharing Redis."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,15 +30,21 @@ PROMPT = prompt_tokens_of("say hello")  # 6 tokens under the fake chat template
 
 def team_and_key(url: str, **limits) -> str:
     team = httpx.post(f"{url}/admin/api/teams", json={"name": "spender"}, headers=admin_headers()).json()
-    return httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"], **limits},
-                      headers=admin_headers()).json()["key"]
+    return httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"], **limits}, headers=admin_headers()).json()[
+        "key"
+    ]
 
 
-async def send_together(urls: list[str], key: str, bodies: list[dict], path: str = "/v1/chat/completions"
-                        ) -> list[httpx.Response]:
+async def send_together(
+    urls: list[str], key: str, bodies: list[dict], path: str = "/v1/chat/completions"
+) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=60) as client:
-        return await asyncio.gather(*(client.post(f"{urls[i % len(urls)]}{path}", json=body, headers=bearer(key))
-                                      for i, body in enumerate(bodies)))
+        return await asyncio.gather(
+            *(
+                client.post(f"{urls[i % len(urls)]}{path}", json=body, headers=bearer(key))
+                for i, body in enumerate(bodies)
+            )
+        )
 
 
 @pytest.mark.parametrize("replicas", ["one", "two_with_redis"])

@@ -1,4 +1,5 @@
 """Key lifecycle through the real /v1 routes (fake engine): create, use, revoke, expire; team isolation."""
+
 from __future__ import annotations
 
 import time
@@ -118,8 +119,9 @@ def test_a_model_outside_the_keys_list_is_refused_and_hidden(make_gateway):
         assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
         assert client.get("/v1/models", headers=bearer(limited["key"])).json()["data"] == []
         assert client.get(f"/v1/models/{FAKE_MODEL}", headers=bearer(limited["key"])).status_code == 404
-        assert [m["id"] for m in client.get("/v1/models", headers=bearer(open_key["key"])).json()["data"]] \
-            == [FAKE_MODEL]
+        assert [m["id"] for m in client.get("/v1/models", headers=bearer(open_key["key"])).json()["data"]] == [
+            FAKE_MODEL
+        ]
 
 
 def test_a_teams_model_list_binds_all_its_keys(make_gateway):
@@ -142,8 +144,9 @@ def test_team_key_reads_its_own_usage_and_nothing_of_other_teams(make_gateway):
         gateway.writer.flush()
         own = client.get("/v1/usage", params={"group_by": "team"}, headers=bearer(key_a["key"])).json()
         assert [(row["team_id"], row["completion_tokens"]) for row in own["data"]] == [(team_a["id"], 3)]
-        asked_for_b = client.get("/v1/usage", params={"team_id": team_b["id"], "group_by": "team"},
-                                 headers=bearer(key_a["key"])).json()
+        asked_for_b = client.get(
+            "/v1/usage", params={"team_id": team_b["id"], "group_by": "team"}, headers=bearer(key_a["key"])
+        ).json()
         assert [row["team_id"] for row in asked_for_b["data"]] == [team_a["id"]]
         other_key = client.get("/v1/usage", params={"key_id": key_b["id"]}, headers=bearer(key_a["key"]))
         assert other_key.status_code == 404
@@ -165,9 +168,15 @@ def test_admin_and_usage_routes_are_in_the_openapi_schema(make_gateway):
     with client_for(gateway) as client:
         schema = client.app.openapi()
     paths = schema["paths"]
-    for path, methods in {"/admin/api/teams": {"get", "post"}, "/admin/api/teams/{team_id}": {"get", "patch", "delete"},
-                          "/admin/api/keys": {"get", "post"}, "/admin/api/keys/{key_id}": {"get", "patch", "delete"},
-                          "/admin/api/usage": {"get"}, "/admin/api/usage.csv": {"get"}, "/v1/usage": {"get"}}.items():
+    for path, methods in {
+        "/admin/api/teams": {"get", "post"},
+        "/admin/api/teams/{team_id}": {"get", "patch", "delete"},
+        "/admin/api/keys": {"get", "post"},
+        "/admin/api/keys/{key_id}": {"get", "patch", "delete"},
+        "/admin/api/usage": {"get"},
+        "/admin/api/usage.csv": {"get"},
+        "/v1/usage": {"get"},
+    }.items():
         assert methods <= set(paths[path]), path
     created = schema["components"]["schemas"]["KeyCreated"]["properties"]
     assert "key" in created and "key_hash" not in created
@@ -182,8 +191,13 @@ def test_admin_errors_are_in_openai_shape(make_gateway):
         duplicate = client.post("/admin/api/teams", json={"name": "dup"}, headers=admin_headers())
         no_team = client.post("/admin/api/keys", json={"team_id": 999}, headers=admin_headers())
         bad_group = client.get("/admin/api/usage", params={"group_by": "colour"}, headers=admin_headers())
-    assert (missing.status_code, invalid.status_code, duplicate.status_code, no_team.status_code,
-            bad_group.status_code) == (404, 400, 409, 404, 400)
+    assert (
+        missing.status_code,
+        invalid.status_code,
+        duplicate.status_code,
+        no_team.status_code,
+        bad_group.status_code,
+    ) == (404, 400, 409, 404, 400)
     for response in (missing, invalid, duplicate, no_team, bad_group):
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 

@@ -1,5 +1,6 @@
 """rpm / tpm limits (429 + x-ratelimit-* headers, recovery after the window), budgets
 (insufficient_quota), on both databases; counters in process and in the real local Redis."""
+
 from __future__ import annotations
 
 import asyncio
@@ -94,8 +95,9 @@ def test_headers_are_on_streamed_responses_too(make_gateway):
     gateway = make_gateway()
     with TestClient(build_app(gateway)) as client:
         key = create_key(client, create_team(client)["id"], rpm_limit=100, tpm_limit=100_000)
-        with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True),
-                           headers=bearer(key["key"])) as response:
+        with client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(stream=True), headers=bearer(key["key"])
+        ) as response:
             assert response.status_code == 200
             assert response.headers["x-ratelimit-remaining-requests"] == "99"
             assert response.headers["x-ratelimit-limit-tokens"] == "100000"
@@ -154,6 +156,7 @@ def test_duration_format_follows_openai():
 
 
 # ---- counters: in process and in Redis ----
+
 
 def limiter_pair(kind: str, redis_url_value: str | None, clock: FakeClock):
     """Two limiters as two replicas would have them: sharing Redis, or each on its own process memory."""
@@ -238,8 +241,10 @@ def test_finished_requests_tokens_reach_redis_together(redis_url):
 
     async def scenario() -> tuple[list, bool, bool]:
         prefix = redis_prefix()
-        a, b = (RateLimiter(RedisCounters(redis_url, prefix=prefix), window_s=10, token_flush_s=0.02, clock=clock)
-                for _ in range(2))
+        a, b = (
+            RateLimiter(RedisCounters(redis_url, prefix=prefix), window_s=10, token_flush_s=0.02, clock=clock)
+            for _ in range(2)
+        )
         scopes = [Scope("key:5", rpm=None, tpm=100), Scope("team:5", rpm=None, tpm=1000)]
         sent = []
         send = a.counters.add_tokens
@@ -301,8 +306,11 @@ def test_budget_spends_in_use_are_read_again_in_one_round(make_gateway):
         (key, _), (idle, _) = crud.create_key(session, team=team), crud.create_key(session, team=team)
         team_id, key_id, idle_id = team.id, key.id, idle.id
     tracker = BudgetTracker(gateway.sessions, cache_ttl_s=2.0)
-    scopes = [BudgetScope("key", key_id, 1.0, "day"), BudgetScope("team", team_id, 1.0, "month"),
-              BudgetScope("key", idle_id, 1.0, "day")]
+    scopes = [
+        BudgetScope("key", key_id, 1.0, "day"),
+        BudgetScope("team", team_id, 1.0, "month"),
+        BudgetScope("key", idle_id, 1.0, "day"),
+    ]
     assert [tracker.spent_nano_usd(s) for s in scopes] == [0, 0, 0]
     now = datetime.now(UTC).replace(tzinfo=None)
     write_batch(gateway.engine, [UsageEvent(now, team_id, key_id, "fake-model", 1, 0, 1, 5, None, "ok", 700)])

@@ -1,5 +1,6 @@
 """Migrations: from empty to head on both back ends, idempotent, down and up again, the schema they make
 is the models' schema, concurrent start-ups are safe, and they run from an installed package."""
+
 from __future__ import annotations
 
 import shutil
@@ -16,8 +17,21 @@ from app.db import current_revision, make_engine, migrate
 from app.tables import Base
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"teams", "api_keys", "admin_credentials", "admin_sessions", "usage", "usage_daily", "models", "responses",
-          "response_input_items", "files", "batches", "batch_lines", "alembic_version"}
+TABLES = {
+    "teams",
+    "api_keys",
+    "admin_credentials",
+    "admin_sessions",
+    "usage",
+    "usage_daily",
+    "models",
+    "responses",
+    "response_input_items",
+    "files",
+    "batches",
+    "batch_lines",
+    "alembic_version",
+}
 
 
 def drop_everything(engine) -> None:
@@ -86,19 +100,41 @@ def test_migrations_run_from_an_installed_package(tmp_path):
     for name in ("app", "engine", "kernels", "migrations"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", source)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "wheel"),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
     [wheel] = (tmp_path / "wheel").glob("tokenmill-*.whl")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"),
-                    str(wheel)], check=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"), str(wheel)],
+        check=True,
+        cwd=tmp_path,
+    )
     script = (
         "import app.db, migrations, sys\n"
         "assert app.db.__file__.startswith(sys.argv[1]), app.db.__file__\n"
         "engine = app.db.make_engine('sqlite:///' + sys.argv[2])\n"
         "app.db.migrate(engine)\n"
-        "print(app.db.current_revision(engine))\n")
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "site"), str(tmp_path / "x.db")],
-                            cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
-                            capture_output=True, text=True)
+        "print(app.db.current_revision(engine))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "site"), str(tmp_path / "x.db")],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "0011_batch_lease"

@@ -1,6 +1,7 @@
 """SIGTERM while requests are in flight loses no usage row: a real server process, rows only written
 at shutdown (the flush interval is an hour), requests that finish in the grace period and requests
 cut by it."""
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_server(database_url: str, tmp_path: Path, *, delay: float, grace: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "TOKENMILL_DATABASE_URL": database_url, "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
-           "TOKENMILL_DATA_DIR": str(tmp_path), "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "3600"}
+    env = {
+        **os.environ,
+        "TOKENMILL_DATABASE_URL": database_url,
+        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
+        "TOKENMILL_DATA_DIR": str(tmp_path),
+        "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "3600",
+    }
     env.pop("TOKENMILL_REDIS_URL", None)
     log = open(tmp_path / "server.log", "w")  # the child writes to it until it exits
-    process = subprocess.Popen([sys.executable, "-m", "tests.support.gateway_fake_server", str(port), str(delay), str(grace)],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.gateway_fake_server", str(port), str(delay), str(grace)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -63,23 +75,30 @@ def stream_tokens(url: str, key: str, max_tokens: int, results: list, started: t
 def whole(url: str, key: str, max_tokens: int, results: list, started: threading.Event) -> None:
     started.set()  # can't be seen from here: the caller waits a little longer instead
     try:
-        response = httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=max_tokens),
-                              headers=bearer(key), timeout=60)
+        response = httpx.post(
+            url + "/v1/chat/completions", json=chat_body(max_tokens=max_tokens), headers=bearer(key), timeout=60
+        )
         results.append((max_tokens, response.json()["usage"]))
     except (httpx.HTTPError, ValueError):  # cut by the shutdown
         results.append((0, None))
 
 
-def run_scenario(database_url: str, tmp_path: Path, *, delay: float, grace: float, max_tokens: int,
-                 streams_only: bool = False):
+def run_scenario(
+    database_url: str, tmp_path: Path, *, delay: float, grace: float, max_tokens: int, streams_only: bool = False
+):
     process, url = start_server(database_url, tmp_path, delay=delay, grace=grace)
     try:
         team = httpx.post(url + "/admin/api/teams", json={"name": "t"}, headers=admin_headers()).json()
         key = httpx.post(url + "/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
         results: list = []
         started = [threading.Event() for _ in range(12)]
-        threads = [threading.Thread(target=stream_tokens if i % 2 or streams_only else whole,
-                                    args=(url, key, max_tokens, results, started[i])) for i in range(12)]
+        threads = [
+            threading.Thread(
+                target=stream_tokens if i % 2 or streams_only else whole,
+                args=(url, key, max_tokens, results, started[i]),
+            )
+            for i in range(12)
+        ]
         for thread in threads:
             thread.start()
         assert all(event.wait(30) for event in started)

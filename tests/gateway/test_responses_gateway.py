@@ -1,5 +1,6 @@
 """Stored responses with the real gateway, on SQLite and PostgreSQL: owned by the team whose key made
 them, metered like chat, nothing stored for a refused request, expired rows pruned."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,10 @@ def team_key(url: str, name: str) -> dict:
 
 def stored_counts(gateway) -> tuple[int, int]:
     with gateway.sessions() as session:
-        return (session.scalar(select(func.count()).select_from(StoredResponse)),
-                session.scalar(select(func.count()).select_from(StoredResponseItem)))
+        return (
+            session.scalar(select(func.count()).select_from(StoredResponse)),
+            session.scalar(select(func.count()).select_from(StoredResponseItem)),
+        )
 
 
 @pytest.mark.real_model
@@ -49,14 +52,19 @@ def test_a_stored_response_is_its_teams_alone_and_metered_like_chat(smollm2, mak
     with running_server(smollm2, gateway=gateway) as server:
         alpha, beta = team_key(server.url, "alpha"), team_key(server.url, "beta")
         mine, theirs = server.client(api_key=alpha["key"]), server.client(api_key=beta["key"])
-        first = mine.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
-                                      max_output_tokens=12)
-        second = mine.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
-                                       temperature=0, max_output_tokens=12)
+        first = mine.responses.create(
+            model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=12
+        )
+        second = mine.responses.create(
+            model=MODEL, input="And of Italy?", previous_response_id=first.id, temperature=0, max_output_tokens=12
+        )
         assert second.usage.input_tokens_details.cached_tokens > 0
         assert stored_counts(gateway) == (2, 1 + 3)  # turn 2 holds turn 1's input and output, then its own
-        for attempt in (lambda: theirs.responses.retrieve(first.id), lambda: theirs.responses.delete(first.id),
-                        lambda: theirs.responses.input_items.list(first.id)):
+        for attempt in (
+            lambda: theirs.responses.retrieve(first.id),
+            lambda: theirs.responses.delete(first.id),
+            lambda: theirs.responses.input_items.list(first.id),
+        ):
             with pytest.raises(openai.NotFoundError):
                 attempt()
         with pytest.raises(openai.NotFoundError) as hidden:
@@ -64,10 +72,16 @@ def test_a_stored_response_is_its_teams_alone_and_metered_like_chat(smollm2, mak
         assert hidden.value.body["param"] == "previous_response_id"
         assert mine.responses.retrieve(first.id).output_text == first.output_text
         rows = usage_rows(gateway)
-    assert [(row.team_id, row.prompt_tokens, row.cached_tokens, row.completion_tokens, row.status)
-            for row in rows] == [
-        (alpha["team_id"], r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens,
-         "ok") for r in (first, second)]
+    assert [(row.team_id, row.prompt_tokens, row.cached_tokens, row.completion_tokens, row.status) for row in rows] == [
+        (
+            alpha["team_id"],
+            r.usage.input_tokens,
+            r.usage.input_tokens_details.cached_tokens,
+            r.usage.output_tokens,
+            "ok",
+        )
+        for r in (first, second)
+    ]
 
 
 @pytest.mark.real_model
@@ -75,19 +89,26 @@ def test_refused_requests_store_nothing(smollm2, make_gateway):
     gateway = make_gateway()
     with running_server(smollm2, gateway=gateway) as server:
         key = team_key(server.url, "alpha")["key"]
-        first = server.client(api_key=key).responses.create(model=MODEL, input="Hi!", temperature=0,
-                                                            max_output_tokens=4)
+        first = server.client(api_key=key).responses.create(
+            model=MODEL, input="Hi!", temperature=0, max_output_tokens=4
+        )
         before = stored_counts(gateway)
         bad_inputs = [
             {"input": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}]},
-            {"input": [{"type": "function_call_output", "call_id": "call_unknown", "output": "1"}],
-             "previous_response_id": first.id},
+            {
+                "input": [{"type": "function_call_output", "call_id": "call_unknown", "output": "1"}],
+                "previous_response_id": first.id,
+            },
             {"input": "hi", "previous_response_id": "resp_does_not_exist"},
             {"input": "hi " * 9000},  # longer than the context
             {"input": [{"type": "message", "role": "user"}]},
         ]
-        statuses = [httpx.post(f"{server.base_url}/responses", json={"model": MODEL, **body}, headers=bearer(key),
-                               timeout=60).status_code for body in bad_inputs]
+        statuses = [
+            httpx.post(
+                f"{server.base_url}/responses", json={"model": MODEL, **body}, headers=bearer(key), timeout=60
+            ).status_code
+            for body in bad_inputs
+        ]
         assert stored_counts(gateway) == before
     assert all(400 <= status < 500 for status in statuses), statuses
 
@@ -97,8 +118,13 @@ def test_expired_responses_are_pruned(database_url):
     migrate(engine)
     clock = FakeClock()
     store = SqlResponseStore(session_factory(engine), retention_s=3600, clock=clock)
-    item = {"id": "msg_1", "type": "message", "role": "user", "status": "completed",
-            "content": [{"type": "input_text", "text": "hi"}]}
+    item = {
+        "id": "msg_1",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": [{"type": "input_text", "text": "hi"}],
+    }
     store.save(7, {"id": "resp_old", "model": MODEL, "output": []}, [item])
     clock.advance(1800)
     store.save(7, {"id": "resp_new", "model": MODEL, "output": []}, [item])
@@ -124,12 +150,16 @@ class FailingEngine(FakeEngine):
 
 def stream_events(client: httpx.Client, key: str, stop_after_deltas: int | None = None, **body) -> list[dict]:
     events = []
-    with client.stream("POST", "/v1/responses", headers=bearer(key),
-                       json={"model": FAKE_MODEL, "input": "say hello", "stream": True, **body}) as response:
+    with client.stream(
+        "POST",
+        "/v1/responses",
+        headers=bearer(key),
+        json={"model": FAKE_MODEL, "input": "say hello", "stream": True, **body},
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: "):
-                events.append(json.loads(line[len("data: "):]))
+                events.append(json.loads(line[len("data: ") :]))
                 deltas = sum(event["type"] == "response.output_text.delta" for event in events)
                 if stop_after_deltas is not None and deltas == stop_after_deltas:
                     break  # closing the response drops the connection mid-stream
@@ -145,8 +175,7 @@ def wait_for_rows(gateway) -> list:
 
 def test_a_failing_engine_ends_the_stream_with_response_failed(make_gateway):
     gateway = make_gateway()
-    with serve_in_thread(build_app(gateway, FailingEngine())) as url, \
-            httpx.Client(base_url=url, timeout=30) as client:
+    with serve_in_thread(build_app(gateway, FailingEngine())) as url, httpx.Client(base_url=url, timeout=30) as client:
         key = create_key(client, create_team(client)["id"])["key"]
         events = stream_events(client, key)
         rows = wait_for_rows(gateway)
@@ -178,6 +207,7 @@ class AwayStore:
     def __getattr__(self, name: str):
         def unavailable(*args, **kwargs):
             raise OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+
         return unavailable
 
 

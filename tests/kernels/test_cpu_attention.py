@@ -1,4 +1,5 @@
 """The CPU fast paths of paged attention agree with the references, on awkward shapes."""
+
 from __future__ import annotations
 
 import pytest

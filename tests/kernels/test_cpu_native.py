@@ -1,4 +1,5 @@
 """The native CPU kernels (kernels/csrc) agree with the torch references, and their absence is harmless."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,10 @@ from kernels.store_kv import store_kv_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.bfloat16]
-pytestmark = pytest.mark.skipif(not native.silu_and_mul_available(torch.zeros(1, 2)),
-                                reason="no C++ compiler: the native kernels can't be built here")
+pytestmark = pytest.mark.skipif(
+    not native.silu_and_mul_available(torch.zeros(1, 2)),
+    reason="no C++ compiler: the native kernels can't be built here",
+)
 
 
 def cos_sin_table(head_dim: int, positions: int = 4096) -> torch.Tensor:
@@ -87,14 +90,17 @@ def test_store_kv_writes_the_same_slots_as_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [
-    (16, 3, 3, 64),  # SmolLM2-135M
-    (8, 2, 8, 64),  # the vectorised head_dim-64 path with other groups and block sizes
-    (32, 4, 1, 64),
-    (16, 1, 5, 64),  # a group size without a compiled specialisation
-    (16, 2, 8, 128),  # Llama-3-style GQA
-    (8, 4, 1, 80),  # multi-head attention, a head size without a compiled specialisation
-])
+@pytest.mark.parametrize(
+    "block_size,kv_heads,group,head_dim",
+    [
+        (16, 3, 3, 64),  # SmolLM2-135M
+        (8, 2, 8, 64),  # the vectorised head_dim-64 path with other groups and block sizes
+        (32, 4, 1, 64),
+        (16, 1, 5, 64),  # a group size without a compiled specialisation
+        (16, 2, 8, 128),  # Llama-3-style GQA
+        (8, 4, 1, 80),  # multi-head attention, a head size without a compiled specialisation
+    ],
+)
 def test_paged_decode_matches_reference(dtype, block_size, kv_heads, group, head_dim):
     g = torch.Generator().manual_seed(block_size + kv_heads + group + head_dim)
     num_blocks = 64
@@ -103,12 +109,12 @@ def test_paged_decode_matches_reference(dtype, block_size, kv_heads, group, head
     for target, source in zip(heads_major, token_major):
         target.copy_(source)
     lengths = torch.tensor([1, block_size, block_size + 1, 7 * block_size - 3, 3], dtype=torch.int32)
-    tables = torch.randperm(num_blocks, generator=g)[:5 * 7].view(5, 7).int()
+    tables = torch.randperm(num_blocks, generator=g)[: 5 * 7].view(5, 7).int()
     heads = kv_heads * group
     strided_heads = torch.randn(5, 2 * heads, head_dim, generator=g).to(dtype)[:, ::2]
     # As the model passes it: the query columns of the fused qkv output, rows strided past the keys and values.
     fused_qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
-    qkv_view = fused_qkv[:, :heads * head_dim].view(5, heads, head_dim)
+    qkv_view = fused_qkv[:, : heads * head_dim].view(5, heads, head_dim)
     scale = head_dim**-0.5
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     for query in (strided_heads, qkv_view):
@@ -170,8 +176,9 @@ def run_without_native(tmp_path: Path, environment: dict[str, str]) -> str:
         "print(native.decode_available(q, cache), tuple(out.shape))\n"
     )
     env = {**os.environ, "TOKENMILL_KERNEL_CACHE": str(tmp_path / "kernels"), **environment}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return done.stdout.strip()
 
 
@@ -203,7 +210,9 @@ def test_the_portable_level_follows_the_cpu_flags():
     v3 = "fpu sse2 avx avx2 fma bmi1 bmi2 f16c movbe"
     assert cpu_native.supported_targets(v3) == ["x86-64-v3"]
     assert cpu_native.supported_targets(v3 + " avx512f avx512bw avx512cd avx512dq avx512vl") == [
-        "x86-64-v4", "x86-64-v3"]
+        "x86-64-v4",
+        "x86-64-v3",
+    ]
     assert cpu_native.supported_targets("fp asimd") == []  # an ARM CPU: no prebuilt x86 library applies
 
 

@@ -3,6 +3,7 @@
 Without a GPU the kernels run in Triton's interpreter on CPU tensors, float32 only (its bf16
 arithmetic is broken) and small, since every program instance costs about half a millisecond.
 """
+
 import math
 import os
 import sys
@@ -14,8 +15,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # Triton reads TRITON_INTERPRET when it is first imported; `kernels` imports it only at a launch.
     if sys.modules.get("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
-                    allow_module_level=True)
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 was set; run with TRITON_INTERPRET=1",
+            allow_module_level=True,
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
@@ -68,12 +71,13 @@ def paged_cache(context_lens, block_size, kv_heads, head_dim, dtype, spare_block
     table = ids[torch.randint(0, num_blocks, (len(context_lens), width))]
     start = 0
     for seq, count in enumerate(needed):
-        table[seq, :count] = ids[start:start + count]
+        table[seq, :count] = ids[start : start + count]
         start += count
     return key_cache, value_cache, table.to(torch.int32).to(DEVICE)
 
 
 # --- store_kv ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,kv_heads,head_dim,tokens", [(16, 1, 64, 1), (32, 3, 128, 19), (16, 2, 64, 40)])
@@ -116,7 +120,7 @@ def test_paged_attention_decode_matches_reference(dtype, block_size, kv_heads, g
     key_cache, value_cache, table = paged_cache(context_lens, block_size, kv_heads, head_dim, dtype)
     query = randn(len(context_lens), kv_heads * group, head_dim, dtype=dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     expected = paged_attention_decode_reference(query, key_cache, value_cache, table, lens, scale)
     actual = paged_attention_decode_triton(query, key_cache, value_cache, table, lens, scale)
     torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
@@ -139,7 +143,7 @@ def test_paged_attention_prefill_matches_reference(dtype, block_size, kv_heads, 
     query = randn(sum(new_tokens), kv_heads * group, head_dim, dtype=dtype)
     query_start_loc = torch.tensor([0] + new_tokens, device=DEVICE).cumsum(0).to(torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     expected = paged_attention_prefill_reference(query, key_cache, value_cache, table, query_start_loc, lens, scale)
     actual = paged_attention_prefill_triton(query, key_cache, value_cache, table, query_start_loc, lens, scale)
     torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
@@ -156,6 +160,7 @@ def test_paged_attention_prefill_of_one_token_is_decode():
 
 
 # --- rms_norm, rotary, silu_and_mul -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden", [(1, 64), (7, 781), (3, 2048)])
@@ -175,7 +180,7 @@ def test_rms_norm_matches_reference(dtype, tokens, hidden, with_residual):
 def test_rotary_embedding_matches_reference(dtype, tokens, heads, kv_heads, head_dim):
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)  # q and k are views of it
     query = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    key = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     max_positions = 50
     cos_sin_cache = randn(max_positions, 2, head_dim)
     positions = torch.randint(0, max_positions, (tokens,), device=DEVICE)

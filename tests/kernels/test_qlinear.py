@@ -1,4 +1,5 @@
 """kernels/qlinear: packed bf16 / int8 / int4 linears for few rows agree with dequantize-then-matmul."""
+
 from __future__ import annotations
 
 import ctypes
@@ -21,8 +22,9 @@ from kernels.qlinear import (
     quantize_activations,
 )
 
-pytestmark = pytest.mark.skipif(not native_available(torch.zeros(1, 2)),
-                                reason="no C++ compiler: the native kernels can't be built here")
+pytestmark = pytest.mark.skipif(
+    not native_available(torch.zeros(1, 2)), reason="no C++ compiler: the native kernels can't be built here"
+)
 # (out_features, in_features): odd K, K below one group, N not a multiple of the 64-row tile, a real shape
 SHAPES = [(37, 75), (100, 33), (130, 161), (960, 576)]
 FORMATS = ["bf16", "int8", "int4"]
@@ -128,13 +130,28 @@ def _portable_kernel(tmp_path: Path, march: str) -> ctypes.CDLL:
 def _run(library: ctypes.CDLL, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     function = library.tokenmill_qlinear_f32
     function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int] + \
-        [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    function.argtypes = (
+        [ctypes.c_void_p, ctypes.c_void_p]
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_int]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    )
     out = torch.empty(x.shape[0], weight.out_features)
-    function(x.data_ptr(), out.data_ptr(), x.shape[0], weight.in_features, weight.out_features,
-             FORMAT_CODES[weight.format], weight.packed.data_ptr(),
-             None if weight.scales is None else weight.scales.data_ptr(),
-             None if weight.mins is None else weight.mins.data_ptr(), weight.group, None, 1)
+    function(
+        x.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        weight.in_features,
+        weight.out_features,
+        FORMAT_CODES[weight.format],
+        weight.packed.data_ptr(),
+        None if weight.scales is None else weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+        weight.group,
+        None,
+        1,
+    )
     return out
 
 

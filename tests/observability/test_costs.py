@@ -1,4 +1,5 @@
 """Real cost per token (app/observability/costs.py) on a synthetic clock: the hardware hour is fixed, tokens vary."""
+
 from __future__ import annotations
 
 import threading
@@ -19,8 +20,15 @@ class SyntheticClock:
         self.now += seconds
 
 
-def serve(meter: HardwareCostMeter, clock: SyntheticClock, *, concurrent_requests: int, seconds: int,
-          steps_per_second: int = 10, model: str = "m") -> None:
+def serve(
+    meter: HardwareCostMeter,
+    clock: SyntheticClock,
+    *,
+    concurrent_requests: int,
+    seconds: int,
+    steps_per_second: int = 10,
+    model: str = "m",
+) -> None:
     """A batched engine: every step makes one token per running request, and a step takes the same
     time whether one request runs or many (what batching buys on the same hardware)."""
     for _ in range(seconds * steps_per_second):

@@ -1,6 +1,7 @@
 """The model registry without engines: registrations are checked (path, architecture, names) before
 anything is written, a refused one leaves the registry as it was, and what is stored survives a restart;
 on SQLite and PostgreSQL."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,9 @@ BASE = EngineConfig(num_kv_blocks=64)
 def checkpoint(folder, model_type: str = "llama", weights: bool = True):
     """A folder that looks like a checkpoint to the registry (it reads config and file names only)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "max_position_embeddings": 512,
-                                                    "hidden_act": "silu"}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": model_type, "max_position_embeddings": 512, "hidden_act": "silu"})
+    )
     if weights:
         (folder / "model.safetensors").write_bytes(b"")
     return folder
@@ -46,12 +48,20 @@ def register(store: RegistryStore, **fields):
         pool = ModelPool(BASE, store=store)
         await pool.start()
         return await pool.register(fields)
+
     return run(go())
 
 
 def test_a_registration_is_stored_and_survives_a_restart(store, tmp_path):
-    spec = register(store, name="tiny", path=str(checkpoint(tmp_path / "tiny")), aliases=["gpt-4o-mini"],
-                    price_input_per_1m=0.15, price_output_per_1m=0.6, engine_settings={"max_num_seqs": 8})
+    spec = register(
+        store,
+        name="tiny",
+        path=str(checkpoint(tmp_path / "tiny")),
+        aliases=["gpt-4o-mini"],
+        price_input_per_1m=0.15,
+        price_output_per_1m=0.6,
+        engine_settings={"max_num_seqs": 8},
+    )
     assert (spec.architecture, spec.max_model_len, spec.aliases) == ("llama", 512, ("gpt-4o-mini",))
 
     async def restarted():
@@ -66,24 +76,30 @@ def test_a_registration_is_stored_and_survives_a_restart(store, tmp_path):
     assert pool.state("tiny") == "unloaded"
 
 
-@pytest.mark.parametrize(("fields", "code"), [
-    ({"path": "/no/such/folder"}, "model_source_not_found"),
-    ({"path": "relative/folder"}, "model_source_not_found"),
-    ({"path": "GPT2"}, "unsupported_model"),  # an architecture the engine does not run
-    ({"path": "NOWEIGHTS"}, "unsupported_model"),
-    ({"path": "TINY", "kind": "embedding"}, "unsupported_model"),  # a Llama is not an encoder
-    ({"path": "TINY", "engine_settings": {"warp_drive": True}}, "invalid_model"),
-    ({"path": "TINY", "engine_settings": {"max_num_seqs": 0}}, "invalid_model"),
-    ({"path": "TINY", "max_model_len": 4096}, "invalid_model"),  # beyond the checkpoint's 512 positions
-    ({"path": "TINY", "name": "bad name!"}, "invalid_model"),
-    ({"path": "TINY", "name": "existing"}, "conflict"),
-    ({"path": "TINY", "aliases": ["existing-alias"]}, "conflict"),
-])
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({"path": "/no/such/folder"}, "model_source_not_found"),
+        ({"path": "relative/folder"}, "model_source_not_found"),
+        ({"path": "GPT2"}, "unsupported_model"),  # an architecture the engine does not run
+        ({"path": "NOWEIGHTS"}, "unsupported_model"),
+        ({"path": "TINY", "kind": "embedding"}, "unsupported_model"),  # a Llama is not an encoder
+        ({"path": "TINY", "engine_settings": {"warp_drive": True}}, "invalid_model"),
+        ({"path": "TINY", "engine_settings": {"max_num_seqs": 0}}, "invalid_model"),
+        ({"path": "TINY", "max_model_len": 4096}, "invalid_model"),  # beyond the checkpoint's 512 positions
+        ({"path": "TINY", "name": "bad name!"}, "invalid_model"),
+        ({"path": "TINY", "name": "existing"}, "conflict"),
+        ({"path": "TINY", "aliases": ["existing-alias"]}, "conflict"),
+    ],
+)
 def test_a_refused_registration_says_why_and_leaves_the_registry_unchanged(store, tmp_path, fields, code):
     register(store, name="existing", path=str(checkpoint(tmp_path / "existing")), aliases=["existing-alias"])
     before = store.all()
-    paths = {"GPT2": checkpoint(tmp_path / "gpt2", "gpt2"), "NOWEIGHTS": checkpoint(tmp_path / "w", weights=False),
-             "TINY": checkpoint(tmp_path / "tiny")}
+    paths = {
+        "GPT2": checkpoint(tmp_path / "gpt2", "gpt2"),
+        "NOWEIGHTS": checkpoint(tmp_path / "w", weights=False),
+        "TINY": checkpoint(tmp_path / "tiny"),
+    }
     fields = {"name": "new-model", **fields}
     fields["path"] = str(paths.get(fields["path"], fields["path"]))
     with pytest.raises(RegistryError) as refused:
@@ -128,7 +144,12 @@ def test_changes_and_removal_are_stored(store, tmp_path):
 
     run(go())
     [tiny] = store.all()
-    assert (tiny.name, tiny.aliases, tiny.price.output_per_1m, tiny.price.input_per_1m) == ("tiny", ("a1", "a2"), 2.0, 0)
+    assert (tiny.name, tiny.aliases, tiny.price.output_per_1m, tiny.price.input_per_1m) == (
+        "tiny",
+        ("a1", "a2"),
+        2.0,
+        0,
+    )
 
 
 def test_a_replica_picks_up_aliases_and_a_disable_made_on_another(store):

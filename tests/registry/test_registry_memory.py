@@ -1,5 +1,6 @@
 """The registry's memory check reads a model's size from its headers (safetensors and GGUF alike, no
 tensor read) and refuses a load that would not fit, before it starts, with a 409 that says why."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,10 @@ def test_the_embedded_gguf_is_sized_from_its_tensor_index_as_its_conversion_is(s
     from_gguf = gguf_footprint(default_model_path())
     from_converted = safetensors_footprint(smollm2.folder)
     assert from_gguf.parameters == from_converted.parameters  # 134.5M, tied head counted once
-    assert (from_gguf.layers, from_gguf.kv_width) == (smollm2.shape.num_layers,
-                                                      smollm2.shape.num_kv_heads * smollm2.shape.head_dim)
+    assert (from_gguf.layers, from_gguf.kv_width) == (
+        smollm2.shape.num_layers,
+        smollm2.shape.num_kv_heads * smollm2.shape.head_dim,
+    )
     assert from_gguf.layers == from_converted.layers and from_gguf.kv_width == from_converted.kv_width
 
 
@@ -39,8 +42,9 @@ def test_the_estimate_follows_dtype_and_kv_settings(smollm2, tmp_path):
     base = EngineConfig(data_dir=str(smollm2.folder.parent.parent))  # where the converted GGUF is cached
 
     def spec(dtype: str, **settings) -> ModelSpec:
-        return ModelSpec(name="m", kind="chat", source="default", architecture="llama", dtype=dtype,
-                         engine_settings=settings)
+        return ModelSpec(
+            name="m", kind="chat", source="default", architecture="llama", dtype=dtype, engine_settings=settings
+        )
 
     small = estimate(spec("float32", num_kv_blocks=128), base)
     wide = estimate(spec("float32", num_kv_blocks=4096), base)

@@ -2,6 +2,7 @@
 served beside the embedded one through the openai client, aliases resolve, an unload drains a running
 stream and then frees the engine, /v1/models follows the key's permissions, and the price sheet prices
 the usage row. One server per module; each test registers the models it needs under its own names."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,10 +59,12 @@ class Server:
         return response.json()
 
     def key(self, **limits) -> str:
-        team = httpx.post(f"{self.url}/admin/api/teams", json={"name": f"team-{time.monotonic_ns()}"},
-                          headers=admin_headers()).json()
-        return httpx.post(f"{self.url}/admin/api/keys", json={"team_id": team["id"], **limits},
-                          headers=admin_headers()).json()["key"]
+        team = httpx.post(
+            f"{self.url}/admin/api/teams", json={"name": f"team-{time.monotonic_ns()}"}, headers=admin_headers()
+        ).json()
+        return httpx.post(
+            f"{self.url}/admin/api/keys", json={"team_id": team["id"], **limits}, headers=admin_headers()
+        ).json()["key"]
 
     def client(self, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0)
@@ -73,8 +76,14 @@ class Server:
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     folder = tmp_path_factory.mktemp("registry-server")
-    gateway = TeamGateway(GatewayConfig(database_url=f"sqlite:///{folder / 'tokenmill.db'}", admin_key=ADMIN_KEY,
-                                    spill_dir=str(folder), usage_flush_interval_s=0.05))
+    gateway = TeamGateway(
+        GatewayConfig(
+            database_url=f"sqlite:///{folder / 'tokenmill.db'}",
+            admin_key=ADMIN_KEY,
+            spill_dir=str(folder),
+            usage_flush_interval_s=0.05,
+        )
+    )
     config = EngineConfig(dtype="float32", num_kv_blocks=128, data_dir=str(MODEL_CACHE))
     engine = AsyncEngine.start(config, smollm2)
     app = create_app(Settings(port=0, engine=config), engine, gateway=gateway)
@@ -96,8 +105,12 @@ def smollm2_copy(tmp_path_factory):
 
 def test_the_embedded_model_is_registered_on_first_start(server):
     [model] = [m for m in server.admin("GET", "/models").json()["data"] if m["name"] == MODEL]
-    assert (model["kind"], model["path"], model["architecture"], model["state"]) == ("chat", "default", "llama",
-                                                                                      "loaded")
+    assert (model["kind"], model["path"], model["architecture"], model["state"]) == (
+        "chat",
+        "default",
+        "llama",
+        "loaded",
+    )
 
 
 def test_registered_models_serve_at_once_beside_the_default(server, tiny_llama_dir, smollm2_copy):
@@ -108,8 +121,10 @@ def test_registered_models_serve_at_once_beside_the_default(server, tiny_llama_d
 
     async def ask_all() -> list:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
-        asks = [client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0)
-                for model in (MODEL, "smollm2-copy", "gpt-4o-mini")]
+        asks = [
+            client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+            for model in (MODEL, "smollm2-copy", "gpt-4o-mini")
+        ]
         return await asyncio.gather(*asks)
 
     try:
@@ -128,9 +143,15 @@ def test_an_unload_lets_a_running_stream_finish_then_frees_the_engine(server, sm
     server.register("draining-copy", smollm2_copy, engine_settings=SMALL_KV, load=True)
     engine = weakref.ref(server.pool.served["draining-copy"].engine)
     client = server.client(server.key())
-    stream = client.chat.completions.create(model="draining-copy", messages=QUESTION, max_tokens=40, stream=True,
-                                            temperature=0, extra_body={"ignore_eos": True},
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="draining-copy",
+        messages=QUESTION,
+        max_tokens=40,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True},
+    )
     chunks = [next(stream)]
     resident_before = resident_mb()
     unloading = server.admin("POST", "/models/draining-copy/unload").json()
@@ -155,6 +176,7 @@ def test_v1_models_lists_the_enabled_models_and_aliases_a_key_may_use(server, ti
     server.register("listed", tiny_llama_dir, aliases=["listed-alias"])
     server.register("switched-off", tiny_llama_dir, enabled=False)
     try:
+
         def ids(key: str) -> list[str]:
             return sorted(model.id for model in server.client(key).models.list())
 
@@ -173,11 +195,20 @@ def test_v1_models_lists_the_enabled_models_and_aliases_a_key_may_use(server, ti
 
 
 def test_the_price_sheet_prices_each_usage_row(server, tiny_llama_dir):
-    server.register("priced", tiny_llama_dir, aliases=["priced-alias"], engine_settings=SMALL_KV, load=True,
-                    price_input_per_1m=3.0, price_cached_input_per_1m=1.0, price_output_per_1m=15.0)
+    server.register(
+        "priced",
+        tiny_llama_dir,
+        aliases=["priced-alias"],
+        engine_settings=SMALL_KV,
+        load=True,
+        price_input_per_1m=3.0,
+        price_cached_input_per_1m=1.0,
+        price_output_per_1m=15.0,
+    )
     try:
         response = server.client(server.key()).chat.completions.create(
-            model="priced-alias", messages=QUESTION, max_tokens=7, extra_body={"ignore_eos": True})
+            model="priced-alias", messages=QUESTION, max_tokens=7, extra_body={"ignore_eos": True}
+        )
         usage = response.usage
         cached = usage.prompt_tokens_details.cached_tokens
         deadline = time.monotonic() + 10
@@ -209,11 +240,32 @@ def test_a_bad_registration_is_a_clear_400_and_changes_nothing(server, tmp_path)
 
 def test_the_cli_registers_lists_loads_and_unloads_on_the_server(server, tiny_llama_dir, capsys):
     common = ["--url", server.url, "--admin-key", ADMIN_KEY]
-    assert tokenmill(["models", "add", "cli-tiny", "--path", str(tiny_llama_dir), "--alias", "cli-alias",
-                      "--price-in", "0.5", "--price-out", "1.5", "--engine-setting", "num_kv_blocks=32", *common]) == 0
+    assert (
+        tokenmill(
+            [
+                "models",
+                "add",
+                "cli-tiny",
+                "--path",
+                str(tiny_llama_dir),
+                "--alias",
+                "cli-alias",
+                "--price-in",
+                "0.5",
+                "--price-out",
+                "1.5",
+                "--engine-setting",
+                "num_kv_blocks=32",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert tokenmill(["models", "load", "cli-tiny", *common]) == 0
-    assert server.client(server.key()).chat.completions.create(
-        model="cli-alias", messages=QUESTION, max_tokens=2).model == "cli-tiny"
+    assert (
+        server.client(server.key()).chat.completions.create(model="cli-alias", messages=QUESTION, max_tokens=2).model
+        == "cli-tiny"
+    )
     assert tokenmill(["models", "unload", "cli-tiny", "--wait", *common]) == 0
     capsys.readouterr()
     assert tokenmill(["models", "list", *common]) == 0
@@ -237,18 +289,29 @@ def test_health_and_metrics_cover_every_loaded_model(server, tiny_llama_dir):
         server.admin("DELETE", "/models/metered")
 
 
-def test_the_costs_view_has_the_price_sheet_and_the_real_cost_of_a_model_with_its_own_hardware(server,
-                                                                                                tiny_llama_dir):
-    server.register("own-gpu", tiny_llama_dir, engine_settings=SMALL_KV, load=True, hardware_cost_per_hour=3.6,
-                    price_input_per_1m=0.2, price_output_per_1m=0.8)
+def test_the_costs_view_has_the_price_sheet_and_the_real_cost_of_a_model_with_its_own_hardware(server, tiny_llama_dir):
+    server.register(
+        "own-gpu",
+        tiny_llama_dir,
+        engine_settings=SMALL_KV,
+        load=True,
+        hardware_cost_per_hour=3.6,
+        price_input_per_1m=0.2,
+        price_output_per_1m=0.8,
+    )
     try:
-        server.client(server.key()).chat.completions.create(model="own-gpu", messages=QUESTION, max_tokens=5,
-                                                            extra_body={"ignore_eos": True})
+        server.client(server.key()).chat.completions.create(
+            model="own-gpu", messages=QUESTION, max_tokens=5, extra_body={"ignore_eos": True}
+        )
         costs = server.admin("GET", "/costs").json()
         # batch lines are charged half unless the model sets its own batch prices
-        assert costs["chargeback"]["own-gpu"] == {"input_per_1m": 0.2, "cached_input_per_1m": 0.2,
-                                                  "output_per_1m": 0.8, "batch_input_per_1m": 0.1,
-                                                  "batch_output_per_1m": 0.4}
+        assert costs["chargeback"]["own-gpu"] == {
+            "input_per_1m": 0.2,
+            "cached_input_per_1m": 0.2,
+            "output_per_1m": 0.8,
+            "batch_input_per_1m": 0.1,
+            "batch_output_per_1m": 0.4,
+        }
         minute = costs["real"]["windows"]["minute"]["models"]["own-gpu"]
         assert minute["tokens"] == 5 and 0 < minute["cost_usd"] <= 3.6 / 60
     finally:
@@ -268,8 +331,14 @@ def test_an_embedding_model_is_registered_loaded_and_served(server):
 
 
 def test_with_load_on_demand_a_request_loads_the_model_it_names(tiny_llama_dir, tmp_path):
-    gateway = TeamGateway(GatewayConfig(database_url=f"sqlite:///{tmp_path / 'tokenmill.db'}", admin_key=ADMIN_KEY,
-                                    spill_dir=str(tmp_path), usage_flush_interval_s=0.05))
+    gateway = TeamGateway(
+        GatewayConfig(
+            database_url=f"sqlite:///{tmp_path / 'tokenmill.db'}",
+            admin_key=ADMIN_KEY,
+            spill_dir=str(tmp_path),
+            usage_flush_interval_s=0.05,
+        )
+    )
     config = EngineConfig(dtype="float32", num_kv_blocks=32, data_dir=str(MODEL_CACHE))
     app = create_app(Settings(port=0, engine=config, load_on_demand=True), gateway=gateway)  # no model loaded
     with serve_in_thread(app) as url:
@@ -283,8 +352,9 @@ def test_with_load_on_demand_a_request_loads_the_model_it_names(tiny_llama_dir, 
 def test_a_model_that_would_not_fit_in_memory_is_refused_before_it_loads(server, tiny_llama_dir):
     before = resident_mb()
     huge = {"num_kv_blocks": 10**10}  # 10 billion blocks of 8 KiB: a KV pool no machine here has
-    response = server.admin("POST", "/models", json={"name": "too-big", "path": str(tiny_llama_dir),
-                                                    "engine_settings": huge, "load": True})
+    response = server.admin(
+        "POST", "/models", json={"name": "too-big", "path": str(tiny_llama_dir), "engine_settings": huge, "load": True}
+    )
     assert response.status_code == 409
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("insufficient_memory", "engine_settings")

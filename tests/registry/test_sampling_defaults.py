@@ -3,6 +3,7 @@ SmolLM2: temperature 0.2, top_p 0.9, its model card's), not OpenAI's temperature
 sets always wins. Seen where it counts: the SamplingParams the real engine receives. Defaults come from a
 checkpoint's generation_config.json, the admin API and the CLI; bad ones are a 400 naming the field; the
 migration gives existing rows none, except the embedded model's row."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,16 @@ from tests.support.server import MODEL, running_server
 EMBEDDED_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 # The README's first request: no sampling field at all.
 README_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
-                     "top_k": 20, "repetition_penalty": 1.05, "max_new_tokens": 256}
+GENERATION_CONFIG = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 256,
+}
 
 
 def with_generation_config(folder, config=GENERATION_CONFIG):
@@ -44,18 +53,33 @@ def with_generation_config(folder, config=GENERATION_CONFIG):
 
 # ---- registration (no engine) -------------------------------------------------------------------
 
+
 def test_a_checkpoint_folder_registers_with_its_generation_config(store, tmp_path):  # noqa: F811
     spec = register(store, name="qwen-like", path=str(with_generation_config(tmp_path / "qwen-like")))
-    assert spec.sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
-                                      "max_tokens": 256}
+    assert spec.sampling_defaults == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 256,
+    }
     assert {s.name: s.sampling_defaults for s in store.all()}["qwen-like"] == spec.sampling_defaults  # stored
 
 
 def test_the_admins_defaults_go_over_the_checkpoints(store, tmp_path):  # noqa: F811
-    spec = register(store, name="tuned", path=str(with_generation_config(tmp_path / "tuned")),
-                    sampling_defaults={"temperature": 0.3, "max_tokens": None, "presence_penalty": 0.5})
-    assert spec.sampling_defaults == {"temperature": 0.3, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
-                                      "presence_penalty": 0.5}
+    spec = register(
+        store,
+        name="tuned",
+        path=str(with_generation_config(tmp_path / "tuned")),
+        sampling_defaults={"temperature": 0.3, "max_tokens": None, "presence_penalty": 0.5},
+    )
+    assert spec.sampling_defaults == {
+        "temperature": 0.3,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "presence_penalty": 0.5,
+    }
 
 
 def test_the_embedded_model_registers_with_its_model_card_values(store):  # noqa: F811
@@ -72,9 +96,14 @@ def test_a_gguf_registers_with_its_sampling_metadata(store, tmp_path):  # noqa: 
 
     path = tmp_path / "tuned.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_context_length, 2048), (writer.add_embedding_length, 64),
-                       (writer.add_block_count, 2), (writer.add_feed_forward_length, 128),
-                       (writer.add_head_count, 4), (writer.add_head_count_kv, 2)):
+    for add, value in (
+        (writer.add_context_length, 2048),
+        (writer.add_embedding_length, 64),
+        (writer.add_block_count, 2),
+        (writer.add_feed_forward_length, 128),
+        (writer.add_head_count, 4),
+        (writer.add_head_count_kv, 2),
+    ):
         add(value)
     writer.add_float32("general.sampling.temp", 0.7)
     writer.add_float32("general.sampling.top_p", 0.8)
@@ -84,7 +113,11 @@ def test_a_gguf_registers_with_its_sampling_metadata(store, tmp_path):  # noqa: 
     writer.write_kv_data_to_file()
     writer.close()
     assert register(store, name="tuned-gguf", path=str(path)).sampling_defaults == {
-        "temperature": 0.7, "top_p": 0.8, "top_k": 40, "repetition_penalty": 1.1}
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 40,
+        "repetition_penalty": 1.1,
+    }
 
 
 def test_a_folder_without_generation_config_has_none(store, tmp_path):  # noqa: F811
@@ -92,6 +125,7 @@ def test_a_folder_without_generation_config_has_none(store, tmp_path):  # noqa: 
 
 
 # ---- the migration ------------------------------------------------------------------------------
+
 
 def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(database_url):
     engine = make_engine(database_url)
@@ -103,12 +137,19 @@ def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(d
         connection.commit()
     now = datetime(2026, 11, 30)
     with engine.begin() as connection:
-        for name, kind, source in (("SmolLM2-135M-Instruct", "chat", "default"), ("my-llama", "chat", "/m/llama"),
-                                   ("all-MiniLM-L6-v2", "embedding", "default")):
-            connection.execute(text(
-                "INSERT INTO models (name, kind, source, architecture, dtype, engine_settings, aliases, enabled, "
-                "created_at, updated_at) VALUES (:name, :kind, :source, 'llama', 'float32', '{}', '[]', true, "
-                ":now, :now)"), {"name": name, "kind": kind, "source": source, "now": now})
+        for name, kind, source in (
+            ("SmolLM2-135M-Instruct", "chat", "default"),
+            ("my-llama", "chat", "/m/llama"),
+            ("all-MiniLM-L6-v2", "embedding", "default"),
+        ):
+            connection.execute(
+                text(
+                    "INSERT INTO models (name, kind, source, architecture, dtype, engine_settings, aliases, enabled, "
+                    "created_at, updated_at) VALUES (:name, :kind, :source, 'llama', 'float32', '{}', '[]', true, "
+                    ":now, :now)"
+                ),
+                {"name": name, "kind": kind, "source": source, "now": now},
+            )
     migrate(engine)
     stored = {spec.name: spec.sampling_defaults for spec in RegistryStore(session_factory(engine)).all()}
     assert stored == {"SmolLM2-135M-Instruct": EMBEDDED_DEFAULTS, "my-llama": {}, "all-MiniLM-L6-v2": {}}
@@ -116,6 +157,7 @@ def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(d
 
 
 # ---- on a real server: what the engine receives ---------------------------------------------------
+
 
 class EngineSpy:
     """Wraps the engine's public generate(): every SamplingParams it was given, in order."""
@@ -139,8 +181,9 @@ class Server:
     def __init__(self, url: str, spy: EngineSpy) -> None:
         self.url, self.spy = url, spy
         team = httpx.post(f"{url}/admin/api/teams", json={"name": "defaults"}, headers=admin_headers()).json()
-        self.key = httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]},
-                              headers=admin_headers()).json()["key"]
+        self.key = httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()[
+            "key"
+        ]
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=self.key, max_retries=0)
 
     def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
@@ -153,8 +196,14 @@ class Server:
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sampling-defaults")
-    gateway = TeamGateway(GatewayConfig(database_url=f"sqlite:///{folder / 'tokenmill.db'}", admin_key=ADMIN_KEY,
-                                    spill_dir=str(folder), usage_flush_interval_s=0.05))
+    gateway = TeamGateway(
+        GatewayConfig(
+            database_url=f"sqlite:///{folder / 'tokenmill.db'}",
+            admin_key=ADMIN_KEY,
+            spill_dir=str(folder),
+            usage_flush_interval_s=0.05,
+        )
+    )
     config = EngineConfig(dtype="float32", num_kv_blocks=128, data_dir=str(MODEL_CACHE))
     engine = AsyncEngine.start(config, smollm2)
     spy = EngineSpy(engine)
@@ -181,8 +230,10 @@ def sampling(params) -> tuple:
 
 def test_the_readme_request_gets_the_models_defaults_not_openais(server):
     server.spy.take()
-    answers = [server.client.chat.completions.create(model=MODEL, messages=README_QUESTION).choices[0].message.content
-               for _ in range(10)]
+    answers = [
+        server.client.chat.completions.create(model=MODEL, messages=README_QUESTION).choices[0].message.content
+        for _ in range(10)
+    ]
     received = server.spy.take()
     assert [sampling(params) for params in received] == [(0.2, 0.9)] * 10  # before: (1.0, 1.0)
     assert all(answers)
@@ -209,8 +260,9 @@ def test_completions_get_the_defaults_too(server):
 def test_the_responses_api_gets_the_defaults_too(server):
     server.spy.take()
     server.client.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=16)
-    server.client.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=16,
-                                   temperature=1.0, store=False)
+    server.client.responses.create(
+        model=MODEL, input="What is the capital of France?", max_output_tokens=16, temperature=1.0, store=False
+    )
     assert [sampling(params) for params in server.spy.take()] == [(0.2, 0.9), (1.0, 0.9)]
 
 
@@ -242,39 +294,70 @@ def test_an_admins_change_applies_to_the_next_request(server, embedded_defaults_
     received = [(p.temperature, p.top_p, p.top_k, p.max_tokens) for p in server.spy.take()]
     assert received == [(0.7, 0.9, 40, 5), (0.7, 0.9, 40, 5), (0.7, 0.9, 0, 7)]
     assert chat.usage.completion_tokens <= 5
-    assert server.set_defaults({"temperature": None}).json()["sampling_defaults"] == {"top_p": 0.9, "top_k": 40,
-                                                                                      "max_tokens": 5}
+    assert server.set_defaults({"temperature": None}).json()["sampling_defaults"] == {
+        "top_p": 0.9,
+        "top_k": 40,
+        "max_tokens": 5,
+    }
 
 
 def test_the_cli_sets_and_drops_a_default(server, embedded_defaults_after, tmp_path, capsys):
     common = ["--url", server.url, "--admin-key", ADMIN_KEY]
-    assert tokenmill(["models", "add", "cli-tuned", "--path", str(with_generation_config(tmp_path / "tuned")),
-                      "--default", "temperature=0.5", "--default", "max_tokens=none", *common]) == 0
+    assert (
+        tokenmill(
+            [
+                "models",
+                "add",
+                "cli-tuned",
+                "--path",
+                str(with_generation_config(tmp_path / "tuned")),
+                "--default",
+                "temperature=0.5",
+                "--default",
+                "max_tokens=none",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert server.admin("GET", "/models/cli-tuned").json()["sampling_defaults"] == {
-        "temperature": 0.5, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+        "temperature": 0.5,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
     assert server.admin("DELETE", "/models/cli-tuned").status_code == 200
-    assert tokenmill(["models", "update", MODEL, "--default", "temperature=0.4", "--default", "top_p=none",
-                      *common]) == 0
+    assert (
+        tokenmill(["models", "update", MODEL, "--default", "temperature=0.4", "--default", "top_p=none", *common]) == 0
+    )
     assert "temperature=0.4" in capsys.readouterr().out
     assert server.client.models.retrieve(MODEL).model_extra["sampling_defaults"] == {"temperature": 0.4}
     assert tokenmill(["models", "update", MODEL, "--default", "temperature=-1", *common]) == 1
     assert "sampling_defaults.temperature" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("changes, param", [
-    ({"temperature": -0.5}, "sampling_defaults.temperature"),
-    ({"top_p": 1.5}, "sampling_defaults.top_p"),
-    ({"temprature": 0.2}, "sampling_defaults.temprature"),
-    ({"top_k": 2.5}, "sampling_defaults.top_k"),
-    ({"max_tokens": 0}, "sampling_defaults.max_tokens"),
-    ({"temperature": "hot"}, "sampling_defaults.temperature"),
-    ({"repetition_penalty": True}, "sampling_defaults.repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    "changes, param",
+    [
+        ({"temperature": -0.5}, "sampling_defaults.temperature"),
+        ({"top_p": 1.5}, "sampling_defaults.top_p"),
+        ({"temprature": 0.2}, "sampling_defaults.temprature"),
+        ({"top_k": 2.5}, "sampling_defaults.top_k"),
+        ({"max_tokens": 0}, "sampling_defaults.max_tokens"),
+        ({"temperature": "hot"}, "sampling_defaults.temperature"),
+        ({"repetition_penalty": True}, "sampling_defaults.repetition_penalty"),
+    ],
+)
 def test_bad_defaults_are_a_400_naming_the_field_and_change_nothing(server, tmp_path, changes, param):
     before = server.admin("GET", f"/models/{MODEL}").json()["sampling_defaults"]
-    for response in (server.set_defaults({"top_k": 3, **changes}),
-                     server.admin("POST", "/models", json={"name": "refused", "path": str(checkpoint(tmp_path / "m")),
-                                                           "sampling_defaults": changes})):
+    for response in (
+        server.set_defaults({"top_k": 3, **changes}),
+        server.admin(
+            "POST",
+            "/models",
+            json={"name": "refused", "path": str(checkpoint(tmp_path / "m")), "sampling_defaults": changes},
+        ),
+    ):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert (error["param"], error["type"]) == (param, "invalid_request_error"), error

@@ -1,5 +1,6 @@
 """Prefix-aware routing as pure functions (app.scaleout.prefix_routing) and the ASGI forwarding the replicas run
 (app.scaleout.asgi_forward): no Ray needed."""
+
 from __future__ import annotations
 
 import asyncio
@@ -103,8 +104,9 @@ def streaming_app() -> FastAPI:
 
 
 def forwarded(method: str, path: str, body: bytes = b"") -> ForwardedRequest:
-    return ForwardedRequest(method=method, path=path, query_string=b"", headers=[(b"host", b"test")], body=body,
-                            client=("10.0.0.7", 5555))
+    return ForwardedRequest(
+        method=method, path=path, query_string=b"", headers=[(b"host", b"test")], body=body, client=("10.0.0.7", 5555)
+    )
 
 
 def test_forwarding_streams_the_start_then_the_body_with_the_replica_header():

@@ -1,6 +1,7 @@
 """Replicas share one database; each usage row names its replica (GatewayConfig.instance_id), and the
 dashboard's usage page and CSV show each replica beside the sum. Two apps on one SQLite file stand in
 for two replicas (tests/system/test_ray_serve.py does it for real on PostgreSQL)."""
+
 from __future__ import annotations
 
 import csv
@@ -20,8 +21,10 @@ from tests.support.gateway import FakeEngine, build_app
 def test_the_usage_page_shows_each_replica_and_the_sum(tmp_path):
     first = make_dashboard_gateway(tmp_path, instance_id="replica-a")
     second = make_dashboard_gateway(tmp_path, instance_id="replica-b")
-    with TestClient(build_app(first, FakeEngine()), base_url=BASE_URL) as client_a, \
-            TestClient(build_app(second, FakeEngine()), base_url=BASE_URL) as client_b:
+    with (
+        TestClient(build_app(first, FakeEngine()), base_url=BASE_URL) as client_a,
+        TestClient(build_app(second, FakeEngine()), base_url=BASE_URL) as client_b,
+    ):
         admin = DashboardClient(client_a, first, None)
         admin.log_in()
         key = admin.create_key(admin.create_team("shared"))

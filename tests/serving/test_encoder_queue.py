@@ -1,5 +1,6 @@
 """app/serving/encoder_queue.py: one worker, batches of concurrent requests run together, failures and
 cancellations stay with their own requests. A fake model records the batches it is given."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """A client that goes away aborts its request: the engine frees its blocks at once, and the usage hook
 hears about it."""
+
 from __future__ import annotations
 
 import httpx
@@ -11,8 +12,12 @@ from tests.support.server import MODEL, running_server
 pytestmark = pytest.mark.real_model
 
 # ~2000 tokens would take minutes here: if blocks come back within seconds, the abort did it.
-ENDLESS = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a million."}], "max_tokens": 2000,
-           "ignore_eos": True}
+ENDLESS = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Count to a million."}],
+    "max_tokens": 2000,
+    "ignore_eos": True,
+}
 
 
 class RecordingGateway(SingleKeyGateway):
@@ -48,8 +53,9 @@ def idle(metrics: dict[str, float]) -> bool:
 
 
 def test_closed_stream_frees_its_blocks(server, gateway):
-    with httpx.stream("POST", f"{server.base_url}/chat/completions", json={**ENDLESS, "stream": True},
-                      timeout=30) as response:
+    with httpx.stream(
+        "POST", f"{server.base_url}/chat/completions", json={**ENDLESS, "stream": True}, timeout=30
+    ) as response:
         lines = response.iter_lines()
         assert sum(1 for line, _ in zip(lines, range(8)) if line.startswith("data: ")) >= 3
         busy = server.wait_for_metrics(lambda m: m["vllm:num_requests_running"] == 1)
@@ -72,8 +78,10 @@ def test_whole_response_abandoned_by_its_client_frees_its_blocks(server, gateway
 
 def test_finished_request_is_metered_once_with_gateway_headers(server, gateway):
     gateway.records.clear()
-    response = httpx.post(f"{server.base_url}/completions",
-                          json={"model": MODEL, "prompt": "The sky is", "max_tokens": 4, "temperature": 0})
+    response = httpx.post(
+        f"{server.base_url}/completions",
+        json={"model": MODEL, "prompt": "The sky is", "max_tokens": 4, "temperature": 0},
+    )
     assert response.status_code == 200
     assert response.headers["x-ratelimit-remaining-requests"] == "99"
     usage = response.json()["usage"]

@@ -1,5 +1,6 @@
 """The start-up heap (modules, models, tokenizers) is frozen while the app serves, so a full garbage
 collection doesn't walk it with every request in flight waiting."""
+
 from __future__ import annotations
 
 import gc

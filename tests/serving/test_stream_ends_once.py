@@ -1,6 +1,7 @@
 """A streamed request ends exactly once on every path: also when its client is gone before the first byte
 goes out, the case where the stream's own code never runs. Otherwise the gateway counts it in flight for
 ever and every shutdown waits out the whole drain timeout."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,25 +45,44 @@ def post_and_leave(url: str, path: str, body: dict, key: str) -> None:
     host, port = url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         time.sleep(0.2)
 
 
-STREAMS = [("/v1/chat/completions", chat_body(max_tokens=50, stream=True)),
-           ("/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 50, "stream": True}),
-           ("/v1/responses", {"model": "fake-model", "input": "hi", "max_output_tokens": 50, "stream": True})]
+STREAMS = [
+    ("/v1/chat/completions", chat_body(max_tokens=50, stream=True)),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "max_tokens": 50, "stream": True}),
+    ("/v1/responses", {"model": "fake-model", "input": "hi", "max_output_tokens": 50, "stream": True}),
+]
 
 
 async def post_to_a_client_already_gone(app, path: str, body: dict, key: str) -> None:
     """One request straight into the ASGI app, as a server on ASGI spec 2.4 delivers it once the client
     has gone: the body arrives, then every send fails with OSError, the first one included."""
     payload = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
-             "headers": [(b"host", b"x"), (b"authorization", f"Bearer {key}".encode()),
-                         (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        "headers": [
+            (b"host", b"x"),
+            (b"authorization", f"Bearer {key}".encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+    }
     messages = [{"type": "http.request", "body": payload, "more_body": False}]
 
     async def receive() -> dict:
@@ -119,8 +139,9 @@ def test_a_stream_read_to_the_end_still_ends_once_with_its_status(make_gateway):
     gateway = make_gateway()
     with TestClient(build_app(gateway, FakeEngine())) as client:
         key = create_key(client, create_team(client)["id"])["key"]
-        with client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=5, stream=True),
-                           headers=bearer(key)) as response:
+        with client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(max_tokens=5, stream=True), headers=bearer(key)
+        ) as response:
             lines = [line for line in response.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
         assert [row.status for row in usage_rows(gateway)] == ["ok"]

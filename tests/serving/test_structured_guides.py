@@ -1,5 +1,6 @@
 """The llguidance guide: masks that allow exactly what the grammar allows, done right after the closing
 brace, compiled grammars cached, refusals with a reason, and no sampling setting that escapes the mask."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,11 @@ from tests.support.engine import chat_prompt, make_engine
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
-                                                                       "maximum": 120},
-                   "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
     "required": ["name", "age", "pets"],
     "additionalProperties": False,
 }
@@ -69,11 +72,14 @@ def test_compiled_grammars_are_cached_by_grammar(compiler):
     assert compiler.compile(json_schema_grammar({"type": "object"})) is not compiler.compile(grammar)
 
 
-@pytest.mark.parametrize("schema, reason", [
-    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
-    ({"type": "string", "format": "color"}, "format"),
-    ({"type": "number", "minimum": 5, "maximum": 1}, "Unsatisfiable"),
-])
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+        ({"type": "string", "format": "color"}, "format"),
+        ({"type": "number", "minimum": 5, "maximum": 1}, "Unsatisfiable"),
+    ],
+)
 def test_schemas_that_cannot_be_enforced_are_refused_with_the_reason(compiler, schema, reason):
     with pytest.raises(GrammarError, match=reason):
         compiler.compile(json_schema_grammar(schema))

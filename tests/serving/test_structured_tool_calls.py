@@ -1,5 +1,6 @@
 """Tool calls without the model's forward pass: the grammar each tool_choice compiles to, the prompt that
 shows tools and earlier calls, and reading calls out of text whole or piece by piece."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,26 @@ from app.serving.structured.plan import plan_request, prepare_chat
 from app.serving.structured.tool_calls import ToolCallParser, parse_message
 from app.serving.structured.tools import ToolChoice, parse_tools, tools_grammar
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                   "additionalProperties": False}, "strict": True}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
 CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
-TWO_CALLS = ('Checking. <tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, {"a": "}"}]}}, '
-             '{"name": "get_time", "arguments": {}}]</tool_call>')
+TWO_CALLS = (
+    'Checking. <tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, {"a": "}"}]}}, '
+    '{"name": "get_time", "arguments": {}}]</tool_call>'
+)
 
 
 def accepts(smollm2, grammar: str, text: str) -> bool:
@@ -62,8 +75,15 @@ def test_auto_allows_text_but_holds_a_started_call_to_the_tools(smollm2):
 
 
 def test_auto_with_a_response_format_answers_in_that_format_or_calls(smollm2):
-    auto = grammar(ToolChoice("auto"), answer_schema={"type": "object", "properties": {"answer": {"type": "string"}},
-                                                      "required": ["answer"], "additionalProperties": False})
+    auto = grammar(
+        ToolChoice("auto"),
+        answer_schema={
+            "type": "object",
+            "properties": {"answer": {"type": "string"}},
+            "required": ["answer"],
+            "additionalProperties": False,
+        },
+    )
     assert accepts(smollm2, auto, '{"answer": "sunny"}')
     assert accepts(smollm2, auto, CALL)
     assert not accepts(smollm2, auto, "It is sunny.")
@@ -80,8 +100,9 @@ def request(**fields) -> ChatCompletionRequest:
 
 
 def test_tools_are_shown_in_a_system_prompt_before_the_callers_own(smollm2):
-    body = request(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}],
-                   tools=[WEATHER])
+    body = request(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}], tools=[WEATHER]
+    )
     _, prompt_ids = prepare_chat(smollm2.tokenizer, body)
     prompt = smollm2.tokenizer.decode(prompt_ids)
     assert prompt.count("<|im_start|>system") == 1
@@ -89,21 +110,32 @@ def test_tools_are_shown_in_a_system_prompt_before_the_callers_own(smollm2):
 
 
 def test_tool_choice_none_shows_no_tools_and_parses_no_calls(smollm2):
-    plan, prompt_ids = prepare_chat(smollm2.tokenizer, request(messages=[{"role": "user", "content": "Hi"}],
-                                                               tools=[WEATHER], tool_choice="none"))
+    plan, prompt_ids = prepare_chat(
+        smollm2.tokenizer, request(messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER], tool_choice="none")
+    )
     assert "<tools>" not in smollm2.tokenizer.decode(prompt_ids)
     assert plan.guide_factory is None
     assert plan.message(CALL, "stop") == ({"role": "assistant", "content": CALL, "refusal": None}, "stop")
 
 
 def test_earlier_calls_and_tool_results_are_rendered_in_the_call_format(smollm2):
-    body = request(messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"},
-    ])
+    body = request(
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"},
+        ]
+    )
     _, prompt_ids = prepare_chat(smollm2.tokenizer, body)
     prompt = smollm2.tokenizer.decode(prompt_ids)
     assert f"<|im_start|>assistant\n{CALL}<|im_end|>" in prompt
@@ -112,28 +144,46 @@ def test_earlier_calls_and_tool_results_are_rendered_in_the_call_format(smollm2)
 
 def test_a_template_that_knows_tools_renders_them_itself(smollm2):
     tokenizer = type(smollm2.tokenizer).from_pretrained(smollm2.folder)
-    tokenizer.chat_template = ("{% for tool in tools %}TOOL {{ tool.function.name }}\n{% endfor %}"
-                               "{% for m in messages %}{{ m.role }}: {{ m.content }}"
-                               "{% for c in m.tool_calls or [] %} CALL {{ c.function.arguments.city }}{% endfor %}"
-                               "{{ '\\n' }}{% endfor %}")
-    body = request(messages=[
-        {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], tools=[WEATHER])
+    tokenizer.chat_template = (
+        "{% for tool in tools %}TOOL {{ tool.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.arguments.city }}{% endfor %}"
+        "{{ '\\n' }}{% endfor %}"
+    )
+    body = request(
+        messages=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        tools=[WEATHER],
+    )
     _, prompt_ids = prepare_chat(tokenizer, body)
     assert tokenizer.decode(prompt_ids) == "TOOL get_weather\nuser: Weather?\nassistant:  CALL Rome\ntool: sunny\n"
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tools": []}, "tools"),
-    ({"tools": [WEATHER, WEATHER]}, "tools.[1].function.name"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.[0].tool_call_id"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
-     "messages.[0].tool_calls.[0]"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": []}, "tools"),
+        ({"tools": [WEATHER, WEATHER]}, "tools.[1].function.name"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.[0].tool_call_id"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]},
+            "messages.[0].tool_calls.[0]",
+        ),
+    ],
+)
 def test_malformed_tool_requests_are_refused_with_the_param(smollm2, fields, param):
     with pytest.raises(OpenAIError) as caught:
         plan_request(smollm2.tokenizer, request(**{"messages": [{"role": "user", "content": "Hi"}], **fields}))
@@ -152,7 +202,9 @@ def test_a_whole_message_with_text_and_two_calls():
 
 def test_text_without_a_call_is_content_and_a_cut_off_call_stays_text():
     assert parse_message("Just text <tool", "stop") == (
-        {"role": "assistant", "content": "Just text <tool", "refusal": None}, "stop")
+        {"role": "assistant", "content": "Just text <tool", "refusal": None},
+        "stop",
+    )
     cut = CALL[:40]
     assert parse_message(cut, "length") == ({"role": "assistant", "content": cut, "refusal": None}, "length")
 
@@ -162,7 +214,7 @@ def test_streamed_pieces_add_up_to_the_whole_message(piece_size):
     parser = ToolCallParser()
     deltas = []
     for start in range(0, len(TWO_CALLS), piece_size):
-        deltas += parser.feed(TWO_CALLS[start:start + piece_size])
+        deltas += parser.feed(TWO_CALLS[start : start + piece_size])
     deltas += parser.finish()
     content = "".join(delta.get("content", "") for delta in deltas)
     pieces = [piece for delta in deltas for piece in delta.get("tool_calls", ())]

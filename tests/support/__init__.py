@@ -1,5 +1,6 @@
 """What the tests share beside fixtures: paths, fake engines and gateways, servers in threads, and the
 air-gap tooling. Fixtures are in tests/conftest.py (and tests/support/gateway.py, a plugin it loads)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Shared by the air-gap tests: one offline bundle per test session, scripts run in a network namespace with
 no network, and the audit of every connection attempt that strace saw."""
+
 from __future__ import annotations
 
 import atexit
@@ -34,8 +35,9 @@ def require_tools(*tools: str) -> None:
 
 
 def run(command: list[str | Path], *, timeout: float, what: str, **options) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(part) for part in command], check=False, capture_output=True, text=True,
-                            timeout=timeout, **options)
+    result = subprocess.run(
+        [str(part) for part in command], check=False, capture_output=True, text=True, timeout=timeout, **options
+    )
     if result.returncode != 0:
         raise AssertionError(f"{what} failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}")
     return result
@@ -109,5 +111,6 @@ def assert_nothing_reached_out(workdir: Path) -> None:
     attempts = [line for line in lines if "sa_family=" in line and not re.match(r"\d+\s+bind\(", line)]
     outbound = outbound_attempts(lines)
     assert outbound == [], f"connection attempts off this machine ({len(attempts)} in all):\n" + "\n".join(outbound)
-    assert any(" bind(" in line and "htons(8000)" in line for line in
-               (workdir / "trace-serve.log").read_text().splitlines()), "strace did not see the server"
+    assert any(
+        " bind(" in line and "htons(8000)" in line for line in (workdir / "trace-serve.log").read_text().splitlines()
+    ), "strace did not see the server"

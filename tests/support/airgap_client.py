@@ -5,6 +5,7 @@
 Waits for /health (giving up if the server process is gone), then completes a chat and an embedding;
 prints one JSON object with what came back.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,11 @@ def main(url: str, api_key: str, server_pid: str) -> None:
     result = {"health": wait_for_health(url, int(server_pid))}
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
     chat = client.chat.completions.create(
-        model=CHAT_MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        max_tokens=16, temperature=0)
+        model=CHAT_MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        temperature=0,
+    )
     result["chat"] = chat.choices[0].message.content
     result["admin_login_status"] = httpx.get(f"{url}/admin/login", timeout=30).status_code
     vectors = client.embeddings.create(model=EMBEDDING_MODEL, input=["air-gapped install", "no network"])

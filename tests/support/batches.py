@@ -1,5 +1,6 @@
 """Helpers of the Batch API tests: an app over the fake engine, a team's openai client, batches to submit
 and wait for, their files to download."""
+
 from __future__ import annotations
 
 import io
@@ -31,8 +32,12 @@ def team_client(http: TestClient, name: str = "alpha", **limits) -> openai.OpenA
 
 
 def line(custom_id: str, content: str = "say hello", max_tokens: int = 3, url: str = "/v1/chat/completions") -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": chat_body(content, max_tokens=max_tokens, temperature=0)}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": url,
+        "body": chat_body(content, max_tokens=max_tokens, temperature=0),
+    }
 
 
 def jsonl(lines: list) -> bytes:
@@ -41,8 +46,11 @@ def jsonl(lines: list) -> bytes:
 
 def submit(client: openai.OpenAI, lines: list, window: str = "24h", endpoint: str = "/v1/chat/completions") -> Batch:
     uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
-    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint,  # type: ignore[arg-type]
-                                 completion_window=window)  # type: ignore[arg-type]
+    return client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window=window,
+    )  # type: ignore[arg-type]
 
 
 def wait_for(client: openai.OpenAI, batch_id: str, until=lambda b: b.status in FINAL, timeout: float = 20) -> Batch:

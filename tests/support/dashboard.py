@@ -1,5 +1,6 @@
 """Test support for the admin dashboard: an app with the real gateway (SQLite) over the fake engine,
 a logged-in TestClient, and helpers that read the CSRF token and the shown-once key out of pages."""
+
 from __future__ import annotations
 
 import re
@@ -22,8 +23,11 @@ class DashboardClient:
 
     def log_in(self, admin_key: str = ADMIN_KEY) -> str:
         page = self.client.get("/admin/login")
-        response = self.client.post("/admin/login", data={"admin_key": admin_key, "csrf_token": login_token(page.text),
-                                                           "next": "/admin"}, follow_redirects=False)
+        response = self.client.post(
+            "/admin/login",
+            data={"admin_key": admin_key, "csrf_token": login_token(page.text), "next": "/admin"},
+            follow_redirects=False,
+        )
         assert response.status_code == 303, response.text
         self.csrf = page_csrf(self.client.get("/admin/teams").text)
         return self.csrf
@@ -67,8 +71,13 @@ def make_dashboard_gateway(tmp_path, **overrides):
     from app.gateway.config import GatewayConfig
     from app.gateway.service import TeamGateway
 
-    values = {"database_url": f"sqlite:///{tmp_path / 'dashboard.db'}", "admin_key": ADMIN_KEY,
-              "spill_dir": str(tmp_path / "spill"), "usage_flush_interval_s": 0.05, **overrides}
+    values = {
+        "database_url": f"sqlite:///{tmp_path / 'dashboard.db'}",
+        "admin_key": ADMIN_KEY,
+        "spill_dir": str(tmp_path / "spill"),
+        "usage_flush_interval_s": 0.05,
+        **overrides,
+    }
     return TeamGateway(GatewayConfig(**values), clock=time.time)
 
 

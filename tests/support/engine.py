@@ -1,4 +1,5 @@
 """Helpers for driving the synchronous engine in tests."""
+
 from __future__ import annotations
 
 from engine.config import EngineConfig

@@ -1,5 +1,6 @@
 """Test support for the gateway: databases (SQLite and PostgreSQL), Redis, a fake engine behind the
 real /v1 routes, a fake clock, and uvicorn in a thread. Imported by the gateway tests; its fixtures are a plugin of tests/conftest.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,17 @@ from engine.outputs import RequestOutput, SequenceDelta
 PG_SERVER = os.environ.get("TOKENMILL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 FAKE_MODEL = "fake-model"
-TABLES = ("response_input_items", "responses", "usage_daily", "usage", "admin_credentials", "api_keys", "teams",
-          "models", "alembic_version")
+TABLES = (
+    "response_input_items",
+    "responses",
+    "usage_daily",
+    "usage",
+    "admin_credentials",
+    "api_keys",
+    "teams",
+    "models",
+    "alembic_version",
+)
 
 
 def unavailable(what: str, error: Exception) -> None:
@@ -33,6 +43,7 @@ def unavailable(what: str, error: Exception) -> None:
 
 
 # ---- PostgreSQL: one fresh database per test session, dropped at the end ----
+
 
 class PgDatabases:
     def __init__(self) -> None:
@@ -93,6 +104,7 @@ def database_url(request, tmp_path):
 
 # ---- Redis ----
 
+
 @pytest.fixture(scope="session")
 def redis_url():
     import redis
@@ -112,6 +124,7 @@ def redis_prefix() -> str:
 
 # ---- time ----
 
+
 class FakeClock:
     def __init__(self, start: float | None = None) -> None:
         self.now = time.time() if start is None else start
@@ -125,6 +138,7 @@ class FakeClock:
 
 # ---- a fake engine behind the real routes ----
 
+
 @functools.lru_cache(maxsize=1)
 def fake_tokenizer():
     """A word-level tokenizer with a chat template: one token per word, so counts are easy to predict."""
@@ -137,10 +151,11 @@ def fake_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}assistant :{% endif %}")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
     return tokenizer
 
 
@@ -173,9 +188,12 @@ class FakeEngine:
                 await asyncio.sleep(self.token_delay_s)
             last = i == total - 1
             yield RequestOutput(
-                request_id, len(prompt_token_ids), 0,
+                request_id,
+                len(prompt_token_ids),
+                0,
                 [SequenceDelta(index, " tok", [3], None, "length" if last else None) for index in range(params.n)],
-                finished=last)
+                finished=last,
+            )
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -199,6 +217,7 @@ def build_app(gateway, engine=None, **settings_values):
 
 
 # ---- uvicorn in a thread ----
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -241,8 +260,13 @@ def make_gateway(database_url, tmp_path):
     made = []
 
     def make(*, clock=None, start: bool = True, **overrides):
-        values = {"database_url": database_url, "admin_key": ADMIN_KEY, "spill_dir": str(tmp_path / "spill"),
-                  "usage_flush_interval_s": 0.05, **overrides}
+        values = {
+            "database_url": database_url,
+            "admin_key": ADMIN_KEY,
+            "spill_dir": str(tmp_path / "spill"),
+            "usage_flush_interval_s": 0.05,
+            **overrides,
+        }
         gateway = TeamGateway(GatewayConfig(**values), clock=clock or time.time)
         made.append(gateway)
         if start:

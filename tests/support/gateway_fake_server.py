@@ -4,6 +4,7 @@
 
 The gateway's settings from the environment (TOKENMILL_DATABASE_URL, TOKENMILL_ADMIN_KEY, ...).
 """
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,14 @@ def main() -> None:
     port = int(sys.argv[1])
     delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     grace = float(sys.argv[3]) if len(sys.argv) > 3 else 5.0
-    app = create_app(Settings(), FakeEngine(token_delay_s=delay), gateway=TeamGateway(
-        GatewayConfig.from_settings(settings_from({}, os.environ))))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=grace,
-                proxy_headers=False)  # as `tokenmill serve` runs it
+    app = create_app(
+        Settings(),
+        FakeEngine(token_delay_s=delay),
+        gateway=TeamGateway(GatewayConfig.from_settings(settings_from({}, os.environ))),
+    )
+    uvicorn.run(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=grace, proxy_headers=False
+    )  # as `tokenmill serve` runs it
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """A real tokenmill server for tests: the real engine over the session's loaded model, uvicorn in a
 thread on a free port, reached with the official openai client."""
+
 from __future__ import annotations
 
 import threading
@@ -31,12 +32,12 @@ class RunningServer:
         return f"{self.url}/v1"
 
     def client(self, **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=options.pop("api_key", "unused"), max_retries=0,
-                             **options)
+        return openai.OpenAI(base_url=self.base_url, api_key=options.pop("api_key", "unused"), max_retries=0, **options)
 
     def async_client(self, **options) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=options.pop("api_key", "unused"), max_retries=0,
-                                  **options)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=options.pop("api_key", "unused"), max_retries=0, **options
+        )
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: sample name (with its labels other than the model's) -> value."""
@@ -51,7 +52,6 @@ class RunningServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"metrics never got there: {values}")
             time.sleep(0.05)
-
 
     def wait_for_record(self, gateway, endpoint: str, timeout: float = 10.0):
         """The usage row a test gateway received for `endpoint` (rows arrive as requests wind down)."""
@@ -80,8 +80,15 @@ def running_server(loaded, *, engine_config: EngineConfig | None = None, gateway
     engine_config = engine_config or EngineConfig(dtype="float32", num_kv_blocks=512)
     settings = Settings(port=0, engine=engine_config, **settings_fields)
     engine = AsyncEngine.start(engine_config, loaded)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, engine, gateway=gateway), host="127.0.0.1", port=0,
-                                           log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, engine, gateway=gateway),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+        )
+    )
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
     try:

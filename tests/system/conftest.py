@@ -2,6 +2,7 @@
 benchmarks' smoke runs. Each test is marked `system` and by its suite, named by its file
 (test_<suite>_*.py), so `-m "not system"` runs the unit and integration tests alone and `-m security`
 one suite."""
+
 from __future__ import annotations
 
 from pathlib import Path

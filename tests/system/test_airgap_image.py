@@ -7,6 +7,7 @@ user, with its environment, working directory, entrypoint and command and a data
 image declares one, tokenmill serves the openai client over loopback in a namespace with no network, under
 the same strace audit as the bundle test, and the image's own HEALTHCHECK passes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,8 +68,11 @@ def base_rootfs_tarball() -> Path:
         return tarball
     rootfs = scratch_dir("tokenmill-debootstrap-") / "rootfs"
     mirror = [mirror] if (mirror := debian_mirror()) else []
-    run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm", rootfs, *mirror],
-        timeout=900, what="debootstrap")
+    run(
+        ["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", "bookworm", rootfs, *mirror],
+        timeout=900,
+        what="debootstrap",
+    )
     shutil.rmtree(rootfs / "var" / "cache" / "apt" / "archives", ignore_errors=True)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     partial = tarball.with_suffix(".partial")
@@ -87,8 +91,24 @@ def base_image() -> str:
     context = scratch_dir("tokenmill-base-")
     os.link(base_rootfs_tarball(), context / "rootfs.tar")
     (context / "Containerfile").write_text('FROM scratch\nADD rootfs.tar /\nCMD ["/bin/bash"]\n')
-    run(["unshare", "--net", "buildah", "bud", "--isolation", "chroot", "--quiet", "--tag", BASE_IMAGE,
-         "--file", context / "Containerfile", context], timeout=600, what="base image import")
+    run(
+        [
+            "unshare",
+            "--net",
+            "buildah",
+            "bud",
+            "--isolation",
+            "chroot",
+            "--quiet",
+            "--tag",
+            BASE_IMAGE,
+            "--file",
+            context / "Containerfile",
+            context,
+        ],
+        timeout=600,
+        what="base image import",
+    )
     return BASE_IMAGE
 
 
@@ -111,17 +131,37 @@ def built_image():
     shutil.copy(ROOT / ".dockerignore", context)
     tag = f"localhost/tokenmill-ci:airgap-{os.getpid()}"
     try:
-        run(["unshare", "--net", "buildah", "bud", "--isolation", "chroot", "--format", "docker", "--pull=never",
-             "--build-arg", f"BASE_IMAGE={base}", "--tag", tag, "--file", ROOT / "Dockerfile", context],
-            timeout=1200, what="image build")
+        run(
+            [
+                "unshare",
+                "--net",
+                "buildah",
+                "bud",
+                "--isolation",
+                "chroot",
+                "--format",
+                "docker",
+                "--pull=never",
+                "--build-arg",
+                f"BASE_IMAGE={base}",
+                "--tag",
+                tag,
+                "--file",
+                ROOT / "Dockerfile",
+                context,
+            ],
+            timeout=1200,
+            what="image build",
+        )
         yield tag
     finally:
         run(["buildah", "rmi", "--force", tag], timeout=300, what="image removal")
 
 
 def test_image_builds_offline_and_serves_chat_with_no_network(built_image):
-    config = json.loads(run(["buildah", "inspect", "--type", "image", built_image], timeout=60,
-                            what="image inspect").stdout)["Docker"]["config"]
+    config = json.loads(
+        run(["buildah", "inspect", "--type", "image", built_image], timeout=60, what="image inspect").stdout
+    )["Docker"]["config"]
     assert "8000/tcp" in config["ExposedPorts"]
     assert config["Healthcheck"]["Test"][0] == "CMD-SHELL" and "/health" in config["Healthcheck"]["Test"][1]
     assert {"TOKENMILL_HOST=0.0.0.0", "TOKENMILL_PORT=8000", "HF_HUB_OFFLINE=1"} <= set(config["Env"])
@@ -135,8 +175,10 @@ def test_image_builds_offline_and_serves_chat_with_no_network(built_image):
         (work / "volume").mkdir()
         os.chown(work / "volume", uid, gid)
         environment = shlex.join([*config["Env"], f"HOME={home}"])
-        in_image = (f"env -i {environment} {shutil.which('chroot')} --userspec={uid}:{gid} {rootfs} "
-                    f"/usr/bin/env -C {config['WorkingDir'] or '/'}")
+        in_image = (
+            f"env -i {environment} {shutil.which('chroot')} --userspec={uid}:{gid} {rootfs} "
+            f"/usr/bin/env -C {config['WorkingDir'] or '/'}"
+        )
         entrypoint = shlex.join(config["Entrypoint"] or [])
         entrypoint_and_command = shlex.join([*(config["Entrypoint"] or []), *(config["Cmd"] or [])])
         script = f"""

@@ -1,5 +1,6 @@
 """bench/fairness_bench.py --quick runs end to end (fair and fcfs, a tiny random model) and writes its
 JSON and plot. No speed or TTFT is asserted here: tests/gateway/test_gateway_fair_flood.py does that."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,15 @@ pytestmark = pytest.mark.real_model
 
 def test_quick_fairness_bench_writes_json_and_plot(smollm2, tmp_path):  # smollm2: the tokenizer is converted
     out = tmp_path / "fairness.json"
-    command = [sys.executable, str(ROOT / "bench" / "fairness_bench.py"), "--quick", "--data-dir", str(MODEL_CACHE),
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "fairness_bench.py"),
+        "--quick",
+        "--data-dir",
+        str(MODEL_CACHE),
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out.read_text())

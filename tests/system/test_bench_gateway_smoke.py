@@ -1,5 +1,6 @@
 """bench/gateway_bench.py runs end to end on a tiny load (no gateway, and SQLite) and writes its JSON
 and plot. No speed is asserted: the machine is shared and the load is tiny."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,24 @@ from tests.support import ROOT
 
 def test_quick_gateway_bench_writes_json_and_plot_and_loses_no_row(tmp_path):
     out = tmp_path / "gateway_bench.json"
-    command = [sys.executable, str(ROOT / "bench" / "gateway_bench.py"), "--rounds", "1", "--requests", "200",
-               "--warmup", "50", "--rate", "100", "--duration", "1", "--configs", "none,sqlite", "--out", str(out)]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "gateway_bench.py"),
+        "--rounds",
+        "1",
+        "--requests",
+        "200",
+        "--warmup",
+        "50",
+        "--rate",
+        "100",
+        "--duration",
+        "1",
+        "--configs",
+        "none,sqlite",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out.read_text())

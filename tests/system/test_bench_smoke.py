@@ -2,6 +2,7 @@
 
 No speed is asserted: the machine is shared and the workload is tiny.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,25 @@ pytestmark = pytest.mark.real_model
 
 def test_quick_engine_bench_writes_json_and_plot(smollm2, tmp_path):  # smollm2: the converted weights exist
     command = [
-        sys.executable, str(ROOT / "bench" / "engine_bench.py"), "--quick", "--requests", "3", "--prompt-len", "8-16",
-        "--output-len", "3-6", "--dtypes", "float32", "--peak-seconds", "0.01", "--threads", "1",
-        "--data-dir", str(MODEL_CACHE), "--out", str(tmp_path),
+        sys.executable,
+        str(ROOT / "bench" / "engine_bench.py"),
+        "--quick",
+        "--requests",
+        "3",
+        "--prompt-len",
+        "8-16",
+        "--output-len",
+        "3-6",
+        "--dtypes",
+        "float32",
+        "--peak-seconds",
+        "0.01",
+        "--threads",
+        "1",
+        "--data-dir",
+        str(MODEL_CACHE),
+        "--out",
+        str(tmp_path),
     ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -33,8 +50,15 @@ def test_quick_engine_bench_writes_json_and_plot(smollm2, tmp_path):  # smollm2:
     for key in ("matmul_peak_gflops", "ratio_to_hf", "engine", "hf", "targets"):
         assert key in result
     engine, hf = result["engine"], result["hf"]
-    for key in ("output_tokens_per_s", "mean_batch_occupancy", "mean_kv_utilisation", "gflops", "mfu",
-                "decode_full_concurrency", "preemptions"):
+    for key in (
+        "output_tokens_per_s",
+        "mean_batch_occupancy",
+        "mean_kv_utilisation",
+        "gflops",
+        "mfu",
+        "decode_full_concurrency",
+        "preemptions",
+    ):
         assert key in engine
     assert engine["output_tokens"] == hf["output_tokens"] == report["workload"]["output_tokens"]
     assert hf["generated_tokens"] >= hf["output_tokens"]

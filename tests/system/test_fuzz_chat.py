@@ -1,6 +1,7 @@
 """Bad chat bodies against the real server: every one gets a 4xx in OpenAI's shape, fast, and the server
 goes on serving. Hand-picked nasties (huge, deep, invalid UTF-8, NaN, out-of-range numbers, 100k-item
 lists, wrong types) and a bounded hypothesis fuzz of random JSON."""
+
 from __future__ import annotations
 
 import json
@@ -59,12 +60,14 @@ NASTY: dict[str, dict | bytes] = {
     "temperature_nan": raw(f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"temperature":NaN}}'),
     "top_p_infinity": raw(f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"top_p":Infinity}}'),
     "penalty_minus_infinity": raw(
-        f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"presence_penalty":-Infinity}}'),
+        f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"presence_penalty":-Infinity}}'
+    ),
     "temperature_huge": body(temperature=1e308),
     "logit_bias_negative_id": body(logit_bias={"-3": 5}),  # once wrapped round to the vocabulary's end
     "logit_bias_huge_id": body(logit_bias={str(2**80): 5}),
-    "logit_bias_nan": raw(f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],'
-                          '"logit_bias":{"5":NaN}}'),
+    "logit_bias_nan": raw(
+        f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"logit_bias":{{"5":NaN}}}}'
+    ),
     "stop_token_ids_negative": body(stop_token_ids=[-1]),
     # strings and encodings
     "invalid_utf8": b'{"model":"' + MODEL.encode() + b'","messages":[{"role":"user","content":"\xff\xfe\xc3"}]}',
@@ -76,11 +79,17 @@ NASTY: dict[str, dict | bytes] = {
     "many_stop_strings": body(stop=["x"] * 100_000),
     # structure
     "deep_list": raw('{"model":"x","messages":' + "[" * 100_000 + "]" * 100_000 + "}"),
-    "deep_object": raw('{"model":"x","messages":[{"role":"user","content":"x","name":'
-                       + '{"a":' * 50_000 + "1" + "}" * 50_000 + "}]}"),
-    "deep_schema": raw(f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"response_format":'
-                       '{"type":"json_schema","json_schema":{"name":"x","schema":'
-                       + '{"type":"object","properties":{"a":' * 2000 + '{"type":"string"}' + "}}" * 2000 + "}}}"),
+    "deep_object": raw(
+        '{"model":"x","messages":[{"role":"user","content":"x","name":' + '{"a":' * 50_000 + "1" + "}" * 50_000 + "}]}"
+    ),
+    "deep_schema": raw(
+        f'{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"response_format":'
+        '{"type":"json_schema","json_schema":{"name":"x","schema":'
+        + '{"type":"object","properties":{"a":' * 2000
+        + '{"type":"string"}'
+        + "}}" * 2000
+        + "}}}"
+    ),
     "not_json": raw("{model: x"),
     "truncated_json": raw(json.dumps(body())[:-5]),
     "json_array": raw("[1, 2, 3]"),
@@ -139,8 +148,11 @@ def test_the_server_still_serves_after_the_nasties(server, http):
 
 
 def test_big_but_valid_bodies_are_answered_quickly(http):
-    for payload in (body(logit_bias={str(i): 1 for i in range(20_000)}), body(user="u" * 200_000),
-                    body(messages=[{"role": "user", "content": "a"}] * 2_000)):
+    for payload in (
+        body(logit_bias={str(i): 1 for i in range(20_000)}),
+        body(user="u" * 200_000),
+        body(messages=[{"role": "user", "content": "a"}] * 2_000),
+    ):
         started = time.monotonic()
         response = http.post("/chat/completions", json=payload)
         assert response.status_code in (200, 400), response.text[:300]
@@ -153,16 +165,54 @@ def test_max_tokens_cap_bounds_a_request_that_names_none(http):
     assert response.json()["usage"]["completion_tokens"] <= CAP
 
 
-JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-                        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30))
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda children: st.one_of(
-    st.lists(children, max_size=4), st.dictionaries(st.text(max_size=10), children, max_size=4)), max_leaves=12)
-FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-          "stream", "stream_options", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
-          "top_logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
-          "response_format", "tools", "tool_choice", "user"]
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                           "content": JSON_VALUES}), max_size=3)
+JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=30),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = [
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "user",
+]
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]), "content": JSON_VALUES}
+    ),
+    max_size=3,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

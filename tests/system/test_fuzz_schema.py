@@ -1,6 +1,7 @@
 """Schemathesis against our own OpenAPI schema: every /v1 and /admin/api operation with generated
 parameters and bodies (valid keys sent), a bounded number of examples each, on a live server. No 5xx,
 and every error in OpenAI's shape. The fake engine answers: these claims are about the app."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,6 +51,7 @@ def test_no_operation_answers_5xx_or_an_unshaped_error(case, live):
 
 # What the fuzz found, pinned down: each was a 500.
 
+
 def test_ids_and_limits_beyond_int64_are_refused_not_500(make_gateway):
     from fastapi.testclient import TestClient
 
@@ -59,11 +61,12 @@ def test_ids_and_limits_beyond_int64_are_refused_not_500(make_gateway):
     huge = 2**80
     with TestClient(build_app(gateway)) as client:
         team = create_team(client)
-        responses = [client.get(f"/admin/api/teams/{huge}", headers=admin_headers()),
-                     client.delete(f"/admin/api/keys/{huge}", headers=admin_headers()),
-                     client.patch(f"/admin/api/teams/{team['id']}", json={"rpm_limit": huge}, headers=admin_headers()),
-                     client.post("/admin/api/keys", json={"team_id": team["id"], "tpm_limit": huge},
-                                 headers=admin_headers())]
+        responses = [
+            client.get(f"/admin/api/teams/{huge}", headers=admin_headers()),
+            client.delete(f"/admin/api/keys/{huge}", headers=admin_headers()),
+            client.patch(f"/admin/api/teams/{team['id']}", json={"rpm_limit": huge}, headers=admin_headers()),
+            client.post("/admin/api/keys", json={"team_id": team["id"], "tpm_limit": huge}, headers=admin_headers()),
+        ]
     for response in responses:
         assert response.status_code in (400, 404, 422), response.text
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -78,9 +81,11 @@ def test_null_for_a_field_that_must_hold_a_value_is_400(make_gateway):
     with TestClient(build_app(gateway)) as client:
         team = create_team(client)
         key = create_key(client, team["id"])
-        for path, body in ((f"/admin/api/teams/{team['id']}", {"blocked": None}),
-                           (f"/admin/api/teams/{team['id']}", {"name": None}),
-                           (f"/admin/api/keys/{key['id']}", {"name": None})):
+        for path, body in (
+            (f"/admin/api/teams/{team['id']}", {"blocked": None}),
+            (f"/admin/api/teams/{team['id']}", {"name": None}),
+            (f"/admin/api/keys/{key['id']}", {"name": None}),
+        ):
             response = client.patch(path, json=body, headers=admin_headers())
             assert response.status_code == 400, response.text
         assert client.get(f"/admin/api/teams/{team['id']}", headers=admin_headers()).json()["blocked"] is False

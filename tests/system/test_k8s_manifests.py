@@ -1,5 +1,6 @@
 """deploy/k8s: every manifest is valid against the Kubernetes schemas (kubernetes-validate, whose schemas
 ship inside the package: checked with the network cut off) and the pieces fit each other and tokenmill."""
+
 from __future__ import annotations
 
 import socket
@@ -72,8 +73,11 @@ def test_replicas_are_ready_on_health_and_request_resources(relative):
 def test_database_redis_and_admin_key_come_from_the_secret(relative):
     tokenmill = container(relative)
     secret = manifest("secret.example.yaml")
-    from_secret = {env["name"]: env["valueFrom"]["secretKeyRef"] for env in tokenmill["env"]
-                   if "secretKeyRef" in env.get("valueFrom", {})}
+    from_secret = {
+        env["name"]: env["valueFrom"]["secretKeyRef"]
+        for env in tokenmill["env"]
+        if "secretKeyRef" in env.get("valueFrom", {})
+    }
     assert set(from_secret) == {"TOKENMILL_DATABASE_URL", "TOKENMILL_REDIS_URL", "TOKENMILL_ADMIN_KEY"}
     for reference in from_secret.values():
         assert reference["name"] == secret["metadata"]["name"] and reference["key"] in secret["stringData"]

@@ -1,6 +1,7 @@
 """Two tokenmill replicas on a local Ray cluster behind one Ray Serve ingress, sharing one PostgreSQL
 database and one Redis: keys, limits and usage hold across replicas; a replica that stops loses no
 request that had not started streaming. One cluster for the module (Ray starts slowly on 2 cores)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,11 @@ class Cluster:
         return key.json()["id"], key.json()["key"]
 
     def chat(self, key: str, content: str, *, system: str | None = None, max_tokens: int = 4) -> httpx.Response:
-        return self.client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                json=chat_body(content, system=system, max_tokens=max_tokens))
+        return self.client.post(
+            "/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json=chat_body(content, system=system, max_tokens=max_tokens),
+        )
 
 
 def chat_body(content: str, *, system: str | None = None, max_tokens: int = 4, **extra) -> dict:
@@ -78,10 +82,22 @@ def cluster(tiny_llama_dir, pg_databases, redis_url, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("ray-replicas")
     port = free_port()
     settings = Settings(
-        port=port, data_dir=str(data_dir), database_url=pg_databases.create("_ray"), redis_url=shared_redis,
-        admin_key=ADMIN_KEY, min_replicas=2, max_replicas=2,
-        engine=EngineConfig(model=str(tiny_llama_dir), served_model_name="tiny-llama", num_kv_blocks=64,
-                            max_num_seqs=8, num_threads=1, data_dir=str(data_dir)))
+        port=port,
+        data_dir=str(data_dir),
+        database_url=pg_databases.create("_ray"),
+        redis_url=shared_redis,
+        admin_key=ADMIN_KEY,
+        min_replicas=2,
+        max_replicas=2,
+        engine=EngineConfig(
+            model=str(tiny_llama_dir),
+            served_model_name="tiny-llama",
+            num_kv_blocks=64,
+            max_num_seqs=8,
+            num_threads=1,
+            data_dir=str(data_dir),
+        ),
+    )
     prepare_store(settings)  # migrate once, before the replicas start
     saved = {name: os.environ.get(name) for name in ("TOKENMILL_USAGE_FLUSH_INTERVAL_S",)}
     os.environ["TOKENMILL_USAGE_FLUSH_INTERVAL_S"] = "0.05"  # forwarded to the replicas
@@ -111,15 +127,18 @@ def test_a_key_created_through_the_ingress_works_on_both_replicas(cluster):
 
 def test_prompts_sharing_a_system_prompt_go_to_one_replica(cluster):
     _, key = cluster.new_key("shared-prefix")
-    replicas = {cluster.chat(key, f"user question {i}", system=SYSTEM_PROMPT).headers[REPLICA_HEADER]
-                for i in range(6)}
+    replicas = {cluster.chat(key, f"user question {i}", system=SYSTEM_PROMPT).headers[REPLICA_HEADER] for i in range(6)}
     assert len(replicas) == 1
 
 
 def replica_values(text: str, name: str) -> dict[str, float]:
     """replica id -> value of the (one model's) sample `name` in a text exposition."""
-    return {sample.labels["replica"]: sample.value for family in parse_text(text) for sample in family.samples
-            if sample.name == name}
+    return {
+        sample.labels["replica"]: sample.value
+        for family in parse_text(text)
+        for sample in family.samples
+        if sample.name == name
+    }
 
 
 def test_the_ingress_metrics_cover_every_replica_each_with_its_label(cluster):
@@ -174,8 +193,10 @@ def test_usage_rows_from_both_replicas_add_up_in_postgresql(cluster):
     prompt_tokens = sum(response.json()["usage"]["prompt_tokens"] for response in responses)
 
     engine = create_engine(cluster.database_url)
-    query = text("SELECT replica, count(*), sum(prompt_tokens), sum(completion_tokens) FROM usage "
-                 "WHERE key_id = :key GROUP BY replica")
+    query = text(
+        "SELECT replica, count(*), sum(prompt_tokens), sum(completion_tokens) FROM usage "
+        "WHERE key_id = :key GROUP BY replica"
+    )
     deadline = time.monotonic() + 20
     while True:
         with engine.connect() as connection:
@@ -189,8 +210,9 @@ def test_usage_rows_from_both_replicas_add_up_in_postgresql(cluster):
     assert sum(row[1] for row in rows.values()) == prompt_tokens
     assert sum(row[2] for row in rows.values()) == completion_tokens
 
-    report = cluster.client.get("/admin/api/usage", headers=admin_headers(),
-                                params={"key_id": key_id, "group_by": "replica"}).json()["data"]
+    report = cluster.client.get(
+        "/admin/api/usage", headers=admin_headers(), params={"key_id": key_id, "group_by": "replica"}
+    ).json()["data"]
     assert {row["replica"]: row["requests"] for row in report} == {name: row[0] for name, row in rows.items()}
 
 
@@ -205,8 +227,9 @@ class StreamResult:
 async def stream_chat(client: httpx.AsyncClient, key: str, content: str, result: StreamResult) -> None:
     body = chat_body(content, max_tokens=160, stream=True, ignore_eos=True)
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers={"Authorization": f"Bearer {key}"}) as response:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as response:
             result.started_at = time.monotonic()
             result.replica = response.headers.get(REPLICA_HEADER)
             if response.status_code != 200:
@@ -222,13 +245,17 @@ async def stream_chat(client: httpx.AsyncClient, key: str, content: str, result:
 
 
 def replica_actor(unique_id: str):
-    [name] = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-              if actor["name"].endswith(f"#TokenmillReplica#{unique_id}")]
+    [name] = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].endswith(f"#TokenmillReplica#{unique_id}")
+    ]
     return ray.get_actor(name, namespace="serve")
 
 
-def run_streams(cluster: Cluster, key: str, count: int,
-                stop_replica: Callable[[str], object]) -> tuple[list[StreamResult], float]:
+def run_streams(
+    cluster: Cluster, key: str, count: int, stop_replica: Callable[[str], object]
+) -> tuple[list[StreamResult], float]:
     """`count` streamed chats at once; when one replica has started three of them, `stop_replica(id)`.
     Returns the results and when the replica was stopped."""
     results = [StreamResult() for _ in range(count)]
@@ -236,8 +263,10 @@ def run_streams(cluster: Cluster, key: str, count: int,
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=cluster.base_url, timeout=120) as client:
-            tasks = [asyncio.create_task(stream_chat(client, key, f"streamed question {i}", result))
-                     for i, result in enumerate(results)]
+            tasks = [
+                asyncio.create_task(stream_chat(client, key, f"streamed question {i}", result))
+                for i, result in enumerate(results)
+            ]
             while not stopped_at:
                 started = [result.replica for result in results if result.started_at is not None]
                 victim = next((name for name in set(started) if started.count(name) >= 3), None)
@@ -285,8 +314,9 @@ def test_scaling_down_drains_the_stopping_replica(cluster):
     wait_for_replicas(2)  # the killed replica's successor
     _, key = cluster.new_key("drained")
     one_replica = replace(cluster.settings, min_replicas=1, max_replicas=1)
-    redeploy = threading.Thread(target=serve.run, args=(build_application(one_replica),),
-                                kwargs={"name": "tokenmill", "route_prefix": "/"})
+    redeploy = threading.Thread(
+        target=serve.run, args=(build_application(one_replica),), kwargs={"name": "tokenmill", "route_prefix": "/"}
+    )
 
     results, _ = run_streams(cluster, key, 20, lambda replica_id: redeploy.start())
     redeploy.join(timeout=120)

@@ -2,6 +2,7 @@
 (budgets included), an unknown key gets a 503 with Retry-After instead of a 500, and every usage row
 is written once the database is back. (tests/gateway/test_gateway_usage.py covers an outage shorter than
 the caches.) The outage is made on this test's own database only: connections refused, backends ended."""
+
 from __future__ import annotations
 
 import time
@@ -35,9 +36,16 @@ def test_an_outage_longer_than_the_caches_keeps_known_keys_served_and_loses_no_r
     from app.gateway.service import TeamGateway
 
     reset_pg(pg_session_url)
-    gateway = TeamGateway(GatewayConfig(database_url=pg_session_url, admin_key=ADMIN_KEY, spill_dir=str(tmp_path),
-                                    usage_flush_interval_s=0.05, key_cache_ttl_s=CACHE_TTL_S,
-                                    budget_cache_ttl_s=CACHE_TTL_S))
+    gateway = TeamGateway(
+        GatewayConfig(
+            database_url=pg_session_url,
+            admin_key=ADMIN_KEY,
+            spill_dir=str(tmp_path),
+            usage_flush_interval_s=0.05,
+            key_cache_ttl_s=CACHE_TTL_S,
+            budget_cache_ttl_s=CACHE_TTL_S,
+        )
+    )
     outage = Outage(pg_session_url)
     with TestClient(build_app(gateway)) as client:
         team = create_team(client)
@@ -45,7 +53,10 @@ def test_an_outage_longer_than_the_caches_keeps_known_keys_served_and_loses_no_r
         budgeted = create_key(client, team["id"], max_budget_usd=100.0)["key"]
         unseen = create_key(client, team["id"])["key"]
         for key in (plain, budgeted):
-            assert client.post("/v1/chat/completions", json=chat_body(max_tokens=1), headers=bearer(key)).status_code == 200
+            assert (
+                client.post("/v1/chat/completions", json=chat_body(max_tokens=1), headers=bearer(key)).status_code
+                == 200
+            )
         usage_rows(gateway)
         outage.begin()
         try:
@@ -53,8 +64,11 @@ def test_an_outage_longer_than_the_caches_keeps_known_keys_served_and_loses_no_r
             for _ in range(5):
                 time.sleep(CACHE_TTL_S * 1.5)  # every cached key and budget is stale by now
                 for key in (plain, budgeted):
-                    statuses.append(client.post("/v1/chat/completions", json=chat_body(max_tokens=2),
-                                                headers=bearer(key)).status_code)
+                    statuses.append(
+                        client.post(
+                            "/v1/chat/completions", json=chat_body(max_tokens=2), headers=bearer(key)
+                        ).status_code
+                    )
             refused = client.post("/v1/chat/completions", json=chat_body(), headers=bearer(unseen))
             assert statuses == [200] * 10
             assert refused.status_code == 503 and refused.headers["retry-after"]

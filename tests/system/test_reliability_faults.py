@@ -2,6 +2,7 @@
 shape; a server killed with SIGKILL comes back clean on the same database and data folder (migrations
 are a no-op, old keys work, spill files are replayed, including one a killed process was replaying).
 SIGTERM draining and flushing is covered by tests/gateway/test_gateway_shutdown.py and test_gateway_e2e.py."""
+
 from __future__ import annotations
 
 import json
@@ -47,14 +48,20 @@ def faulty_server(smollm2):
 
 
 def ask(content: str, **fields) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 6,
-            "temperature": 0.0, **fields}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0.0,
+        **fields,
+    }
 
 
 @pytest.mark.real_model
 def test_a_failing_model_step_fails_only_its_request(faulty_server):
     results: dict[str, httpx.Response] = {}
     with httpx.Client(base_url=faulty_server.base_url, timeout=60) as http:
+
         def post(name: str, body: dict) -> None:
             results[name] = http.post("/chat/completions", json=body)
 
@@ -79,20 +86,30 @@ def test_a_failing_model_step_fails_only_its_request(faulty_server):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["type"] == "server_error"
     assert after.status_code == 200
-    faulty_server.wait_for_metrics(lambda m: m["vllm:num_requests_running"] == 0
-                                   and m["vllm:kv_cache_usage_perc"] == 0)
+    faulty_server.wait_for_metrics(lambda m: m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0)
 
 
 # ---- SIGKILL and restart (the fake engine: the claim is about the store, not the model) ----
 
+
 def start(database_url: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "TOKENMILL_DATABASE_URL": database_url, "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
-           "TOKENMILL_DATA_DIR": str(data_dir), "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "0.1"}
+    env = {
+        **os.environ,
+        "TOKENMILL_DATABASE_URL": database_url,
+        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
+        "TOKENMILL_DATA_DIR": str(data_dir),
+        "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "0.1",
+    }
     env.pop("TOKENMILL_REDIS_URL", None)
     log = open(data_dir / f"server-{port}.log", "w")  # the child writes to it
-    process = subprocess.Popen([sys.executable, "-m", "tests.support.gateway_fake_server", str(port), "0.05"],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.gateway_fake_server", str(port), "0.05"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -108,9 +125,23 @@ def start(database_url: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
 
 def spilled(team_id: int, key_id: int, count: int) -> str:
     now = datetime.now(UTC).replace(tzinfo=None)
-    return "".join(UsageEvent(created_at=now, team_id=team_id, key_id=key_id, model=FAKE_MODEL, prompt_tokens=1,
-                              cached_tokens=0, completion_tokens=100, latency_ms=1, ttft_ms=1, status="ok",
-                              cost_nano_usd=0).to_json() + "\n" for _ in range(count))
+    return "".join(
+        UsageEvent(
+            created_at=now,
+            team_id=team_id,
+            key_id=key_id,
+            model=FAKE_MODEL,
+            prompt_tokens=1,
+            cached_tokens=0,
+            completion_tokens=100,
+            latency_ms=1,
+            ttft_ms=1,
+            status="ok",
+            cost_nano_usd=0,
+        ).to_json()
+        + "\n"
+        for _ in range(count)
+    )
 
 
 def rows(database_url: str) -> tuple[int, int]:
@@ -128,15 +159,21 @@ def test_a_server_killed_with_sigkill_comes_back_clean(tmp_path):
         team = httpx.post(url + "/admin/api/teams", json={"name": "t"}, headers=admin_headers()).json()
         key = httpx.post(url + "/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()
         for _ in range(3):
-            assert httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=2),
-                              headers=bearer(key["key"]), timeout=10).status_code == 200
+            assert (
+                httpx.post(
+                    url + "/v1/chat/completions", json=chat_body(max_tokens=2), headers=bearer(key["key"]), timeout=10
+                ).status_code
+                == 200
+            )
         deadline = time.monotonic() + 10
         while rows(database_url)[0] < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
+
         def cut_short() -> None:
             try:
-                httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=400), headers=bearer(key["key"]),
-                           timeout=30)
+                httpx.post(
+                    url + "/v1/chat/completions", json=chat_body(max_tokens=400), headers=bearer(key["key"]), timeout=30
+                )
             except httpx.TransportError:
                 pass  # the server dies under it
 
@@ -153,8 +190,12 @@ def test_a_server_killed_with_sigkill_comes_back_clean(tmp_path):
     (tmp_path / "usage-spill-998-deadbeef.replaying").write_text(spilled(team["id"], key["id"], 5))
     process, url = start(database_url, tmp_path)
     try:
-        assert httpx.post(url + "/v1/chat/completions", json=chat_body(max_tokens=2), headers=bearer(key["key"]),
-                          timeout=10).status_code == 200
+        assert (
+            httpx.post(
+                url + "/v1/chat/completions", json=chat_body(max_tokens=2), headers=bearer(key["key"]), timeout=10
+            ).status_code
+            == 200
+        )
         assert not list(tmp_path.glob("usage-spill-99*"))
         deadline = time.monotonic() + 10
         while rows(database_url)[0] < 3 + 4 + 5 + 1 and time.monotonic() < deadline:

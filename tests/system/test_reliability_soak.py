@@ -1,5 +1,6 @@
 """A short soak (bench/soak.py) in CI: a real `tokenmill serve` with a small KV pool and a small waiting
 queue, 16 clients through the openai client for ~20 s, streamed, whole and walking away mid-stream."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,10 +16,24 @@ pytestmark = pytest.mark.real_model
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak") / "soak.json"
-    return soak.run(argparse.Namespace(
-        duration=20.0, warmup=3.0, concurrency=16, num_kv_blocks=48, max_num_seqs=8, max_waiting=4,
-        max_rss_growth_mb=64.0, data_dir=str(MODEL_CACHE), database_url=None, port=0, url=None,
-        admin_key=None, seed=0, out=str(out)))
+    return soak.run(
+        argparse.Namespace(
+            duration=20.0,
+            warmup=3.0,
+            concurrency=16,
+            num_kv_blocks=48,
+            max_num_seqs=8,
+            max_waiting=4,
+            max_rss_growth_mb=64.0,
+            data_dir=str(MODEL_CACHE),
+            database_url=None,
+            port=0,
+            url=None,
+            admin_key=None,
+            seed=0,
+            out=str(out),
+        )
+    )
 
 
 def test_no_5xx_and_every_request_answered_or_refused_with_retry_after(result):

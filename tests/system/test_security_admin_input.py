@@ -1,5 +1,6 @@
 """What the admin API takes in and hands out: names that look like formulas stay text in the usage CSV,
 and a number that is not finite (1e999 parses as infinity) is refused, never stored."""
+
 from __future__ import annotations
 
 import csv
@@ -53,8 +54,9 @@ def test_plain_names_are_left_alone(client, gateway):
 
 def send(client, method: str, path: str, raw_json: str):
     """Raw JSON text: 1e999 and NaN as a client's JSON library may write them."""
-    return client.request(method, path, content=raw_json.encode(),
-                          headers={**admin_headers(), "content-type": "application/json"})
+    return client.request(
+        method, path, content=raw_json.encode(), headers={**admin_headers(), "content-type": "application/json"}
+    )
 
 
 @pytest.mark.parametrize("number", ["1e999", "-1e999", "NaN", "Infinity"])
@@ -67,10 +69,18 @@ def test_non_finite_numbers_are_refused_everywhere_in_the_admin_api(client, numb
         ("POST", "/admin/api/keys", f'{{"team_id": {team["id"]}, "max_budget_usd": {number}}}', "max_budget_usd"),
         ("PATCH", f"/admin/api/keys/{key['id']}", f'{{"max_budget_usd": {number}}}', "max_budget_usd"),
         ("PATCH", f"/admin/api/models/{FAKE_MODEL}", f'{{"price_input_per_1m": {number}}}', "price_input_per_1m"),
-        ("PATCH", f"/admin/api/models/{FAKE_MODEL}", f'{{"hardware_cost_per_hour": {number}}}',
-         "hardware_cost_per_hour"),
-        ("PATCH", f"/admin/api/models/{FAKE_MODEL}", f'{{"engine_settings": {{"kv_cache_memory_gb": {number}}}}}',
-         "engine_settings"),
+        (
+            "PATCH",
+            f"/admin/api/models/{FAKE_MODEL}",
+            f'{{"hardware_cost_per_hour": {number}}}',
+            "hardware_cost_per_hour",
+        ),
+        (
+            "PATCH",
+            f"/admin/api/models/{FAKE_MODEL}",
+            f'{{"engine_settings": {{"kv_cache_memory_gb": {number}}}}}',
+            "engine_settings",
+        ),
     ]
     for method, path, body, field in attempts:
         response = send(client, method, path, body)

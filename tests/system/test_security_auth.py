@@ -1,5 +1,6 @@
 """Who gets in: failed authentications are rate limited per address, keys are compared in constant time
 and stored hashed, team keys never reach admin routes, no foreign origin is let in by CORS."""
+
 from __future__ import annotations
 
 import csv
@@ -40,8 +41,10 @@ def test_ten_failed_keys_from_one_address_then_429_with_retry_after(make_gateway
     gateway = make_gateway()
     with client_for(gateway) as client:
         for n in range(10):
-            assert client.post("/v1/chat/completions", json=chat_body(),
-                               headers=bearer(f"sk-guess{n:04d}")).status_code == 401
+            assert (
+                client.post("/v1/chat/completions", json=chat_body(), headers=bearer(f"sk-guess{n:04d}")).status_code
+                == 401
+            )
         refused = client.post("/v1/chat/completions", json=chat_body(), headers=bearer("sk-guess9999"))
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
@@ -64,8 +67,9 @@ def test_a_valid_key_is_never_refused_by_the_failure_limit(make_gateway):
         assert client.get("/admin/api/teams", headers=admin_headers()).status_code == 200
         page = client.get("/admin/login")
         token = page.text.split('name="csrf_token" value="')[1].split('"')[0]
-        login = client.post("/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": token, "next": "/admin"},
-                            follow_redirects=False)
+        login = client.post(
+            "/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": token, "next": "/admin"}, follow_redirects=False
+        )
         assert login.status_code == 303
 
 
@@ -148,9 +152,12 @@ def test_team_keys_open_no_admin_route(make_gateway):
     with client_for(gateway) as client:
         team_key = create_key(client, create_team(client)["id"])["key"]
         paths = client.app.openapi()["paths"]
-        admin_routes = [(method, path.replace("{team_id}", "1").replace("{key_id}", "1"))
-                        for path, item in paths.items() if path.startswith("/admin/api")
-                        for method in item]
+        admin_routes = [
+            (method, path.replace("{team_id}", "1").replace("{key_id}", "1"))
+            for path, item in paths.items()
+            if path.startswith("/admin/api")
+            for method in item
+        ]
         assert len(admin_routes) >= 8
         for method, path in admin_routes:
             response = client.request(method, path, headers=bearer(team_key), json={})
@@ -167,8 +174,11 @@ def test_team_a_reads_nothing_of_team_b(make_gateway):
         key_a, key_b = create_key(client, team_a["id"]), create_key(client, team_b["id"])
         client.post("/v1/chat/completions", json=chat_body(max_tokens=7), headers=bearer(key_b["key"]))
         gateway.writer.flush()
-        exported = client.get("/v1/usage", params={"format": "csv", "team_id": team_b["id"], "group_by": "team"},
-                              headers=bearer(key_a["key"]))
+        exported = client.get(
+            "/v1/usage",
+            params={"format": "csv", "team_id": team_b["id"], "group_by": "team"},
+            headers=bearer(key_a["key"]),
+        )
         assert exported.status_code == 200
         rows = list(csv.DictReader(io.StringIO(exported.text)))
         assert all(row["team_id"] != str(team_b["id"]) and row["completion_tokens"] in ("0", "") for row in rows)
@@ -181,9 +191,14 @@ def test_cors_is_off_by_default(make_gateway):
     gateway = make_gateway()
     with client_for(gateway) as client:
         key = create_key(client, create_team(client)["id"])["key"]
-        preflight = client.options("/v1/chat/completions", headers={
-            "Origin": FOREIGN_ORIGIN, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type"})
+        preflight = client.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": FOREIGN_ORIGIN,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         simple = client.get("/v1/models", headers={"Origin": FOREIGN_ORIGIN, **bearer(key)})
         admin = client.get("/admin/api/teams", headers={"Origin": FOREIGN_ORIGIN, **admin_headers()})
     for response in (preflight, simple, admin):
@@ -196,10 +211,14 @@ def test_wrong_admin_keys_on_the_dashboard_login_are_limited_too(make_gateway):
 
     gateway = make_gateway()
     with TestClient(build_app(gateway), base_url="https://testserver", client=("203.0.113.8", 50000)) as client:
+
         def attempt(admin_key: str) -> int:
             page = client.get("/admin/login")
-            return client.post("/admin/login", data={"admin_key": admin_key, "csrf_token": login_token(page.text)},
-                               follow_redirects=False).status_code
+            return client.post(
+                "/admin/login",
+                data={"admin_key": admin_key, "csrf_token": login_token(page.text)},
+                follow_redirects=False,
+            ).status_code
 
         statuses = [attempt("sk-admin-guess") for _ in range(11)]
         assert statuses == [401] * 10 + [429]

@@ -1,5 +1,6 @@
 """Bodies over the cap are refused with 413 while they stream in, on every route, before anything parses
 them or authenticates with them: a real server process keeps its memory while 1 GB bodies arrive."""
+
 from __future__ import annotations
 
 import os
@@ -39,18 +40,31 @@ def resident_bytes(pid: int) -> int:
 def server(tmp_path):
     """`tokenmill serve` with the fake engine, in its own process so its memory is its own."""
     port = free_port()
-    env = {**os.environ, "TOKENMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'tokenmill.db'}",
-           "TOKENMILL_ADMIN_KEY": ADMIN_KEY, "TOKENMILL_DATA_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "TOKENMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'tokenmill.db'}",
+        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
+        "TOKENMILL_DATA_DIR": str(tmp_path),
+    }
     env.pop("TOKENMILL_REDIS_URL", None)
     with open(tmp_path / "server.log", "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "tests.support.gateway_fake_server", str(port)], cwd=ROOT, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.gateway_fake_server", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/admin/api/teams", headers=admin_headers(),
-                             timeout=1).status_code == 200:
+                if (
+                    httpx.get(
+                        f"http://127.0.0.1:{port}/admin/api/teams", headers=admin_headers(), timeout=1
+                    ).status_code
+                    == 200
+                ):
                     break
             except httpx.TransportError:
                 pass
@@ -63,8 +77,9 @@ def server(tmp_path):
         process.wait(10)
 
 
-def post_huge_body(port: int, path: str, headers: dict[str, str], *, declared: bool, pid: int, start_rss: int,
-                   total: int = GIB) -> tuple[int, bytes]:
+def post_huge_body(
+    port: int, path: str, headers: dict[str, str], *, declared: bool, pid: int, start_rss: int, total: int = GIB
+) -> tuple[int, bytes]:
     """POST `total` bytes made on the fly (never held in memory), chunked or with a Content-Length, until
     the server answers; fails as soon as the server has grown by more than RSS_MARGIN. (status, body)."""
     chunk = b"a" * CHUNK
@@ -92,11 +107,14 @@ def post_huge_body(port: int, path: str, headers: dict[str, str], *, declared: b
     return int(status_line.split()[1]), rest
 
 
-@pytest.mark.parametrize("path,content_type", [
-    ("/admin/login", "application/x-www-form-urlencoded"),  # the dashboard's form, before any session
-    ("/admin/api/teams", "application/json"),  # no key: the body must not be parsed before the 401
-    ("/v1/chat/completions", "application/json"),  # with a valid team key
-])
+@pytest.mark.parametrize(
+    "path,content_type",
+    [
+        ("/admin/login", "application/x-www-form-urlencoded"),  # the dashboard's form, before any session
+        ("/admin/api/teams", "application/json"),  # no key: the body must not be parsed before the 401
+        ("/v1/chat/completions", "application/json"),  # with a valid team key
+    ],
+)
 @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
 def test_a_gigabyte_body_is_refused_with_413_and_the_server_keeps_its_memory(server, path, content_type, declared):
     process, port = server
@@ -137,7 +155,8 @@ def test_routes_added_later_are_capped_too(make_gateway):
 
 def test_an_oversized_body_is_refused_before_the_admin_key_is_checked(make_gateway):
     with TestClient(build_app(make_gateway(), max_request_bytes=4096)) as client:
-        response = client.post("/admin/api/teams", content=b"{" + b" " * 8192 + b"}",
-                               headers={"content-type": "application/json"})
+        response = client.post(
+            "/admin/api/teams", content=b"{" + b" " * 8192 + b"}", headers={"content-type": "application/json"}
+        )
     assert response.status_code == 413
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}

@@ -1,5 +1,6 @@
 """A key learns nothing about models it may not use: the access check answers first, in the words the
 caller used; endpoints without a key say only what a load balancer needs; the API map is off by default."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,22 @@ def database_url(tmp_path):
 @pytest.fixture
 def client(make_gateway, tmp_path):
     with TestClient(build_app(make_gateway())) as client:
-        assert client.patch(f"/admin/api/models/{FAKE_MODEL}", json={"aliases": ["friendly"]},
-                            headers=admin_headers()).status_code == 200
+        assert (
+            client.patch(
+                f"/admin/api/models/{FAKE_MODEL}", json={"aliases": ["friendly"]}, headers=admin_headers()
+            ).status_code
+            == 200
+        )
         folder = tmp_path / "parked"  # registered, never loaded
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"\0" * 8)
         (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 512}))
-        assert client.post("/admin/api/models", json={"name": "parked-secret", "path": str(folder)},
-                           headers=admin_headers()).status_code == 201
+        assert (
+            client.post(
+                "/admin/api/models", json={"name": "parked-secret", "path": str(folder)}, headers=admin_headers()
+            ).status_code
+            == 201
+        )
         yield client
 
 
@@ -61,9 +70,11 @@ def test_the_embeddings_kind_check_comes_after_the_access_check(client, outsider
 
 
 def test_an_unloaded_model_the_key_may_not_use_is_a_404_not_a_503(client, outsider):
-    for path, body in (("/v1/chat/completions", chat_body(model="parked-secret")),
-                       ("/v1/completions", {"model": "parked-secret", "prompt": "hi"}),
-                       ("/v1/embeddings", {"model": "parked-secret", "input": "hi"})):
+    for path, body in (
+        ("/v1/chat/completions", chat_body(model="parked-secret")),
+        ("/v1/completions", {"model": "parked-secret", "prompt": "hi"}),
+        ("/v1/embeddings", {"model": "parked-secret", "input": "hi"}),
+    ):
         assert_not_found_naming_only(client.post(path, json=body, headers=outsider), "parked-secret")
 
 

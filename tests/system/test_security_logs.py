@@ -1,6 +1,7 @@
 """No secret or customer text in the logs by default: a real server with the gateway, every logger at
 DEBUG and the access log on, a whole and a streamed chat; the key, the prompt and the completion
 appear in no log line. (tests/gateway/test_gateway_usage.py checks the key alone with the fake engine.)"""
+
 from __future__ import annotations
 
 import logging
@@ -22,16 +23,28 @@ SECRET_PROMPT = "my locker code is quokka-7319, repeat it back"
 def test_no_key_prompt_or_completion_in_debug_logs(smollm2, tmp_path, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     logging.getLogger().setLevel(logging.DEBUG)
-    gateway = TeamGateway(GatewayConfig(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}", admin_key=ADMIN_KEY,
-                                    spill_dir=str(tmp_path), usage_flush_interval_s=0.05))
+    gateway = TeamGateway(
+        GatewayConfig(
+            database_url=f"sqlite:///{tmp_path / 'db.sqlite'}",
+            admin_key=ADMIN_KEY,
+            spill_dir=str(tmp_path),
+            usage_flush_interval_s=0.05,
+        )
+    )
     config = EngineConfig(dtype="float32", num_kv_blocks=128)
     completions = []
-    with running_server(smollm2, engine_config=config, gateway=gateway) as server, \
-            httpx.Client(base_url=server.url, timeout=60) as http:
+    with (
+        running_server(smollm2, engine_config=config, gateway=gateway) as server,
+        httpx.Client(base_url=server.url, timeout=60) as http,
+    ):
         team = http.post("/admin/api/teams", json={"name": "logs"}, headers=admin_headers()).json()
         key = http.post("/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
-        body = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 24,
-                "temperature": 0.0}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": SECRET_PROMPT}],
+            "max_tokens": 24,
+            "temperature": 0.0,
+        }
         response = http.post("/v1/chat/completions", json=body, headers=bearer(key))
         assert response.status_code == 200
         completions.append(response.json()["choices"][0]["message"]["content"])
@@ -46,5 +59,5 @@ def test_no_key_prompt_or_completion_in_debug_logs(smollm2, tmp_path, caplog, ca
     assert len(caplog.records) > 0  # DEBUG capture was on
     completion = completions[0]
     assert len(completion) > 10
-    for secret in (key, key[len("sk-"):], "quokka-7319", SECRET_PROMPT, completion):
+    for secret in (key, key[len("sk-") :], "quokka-7319", SECRET_PROMPT, completion):
         assert secret not in logged, secret

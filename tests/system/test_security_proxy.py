@@ -1,5 +1,6 @@
 """`tokenmill serve` believes X-Forwarded-For only from the proxies named by --forwarded-allow-ips (none by
 default), so rotating the header does not get around the failed-authentication limit."""
+
 from __future__ import annotations
 
 import httpx
@@ -16,8 +17,7 @@ class StoppableFakeEngine(FakeEngine):
         pass
 
 
-def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,
-                    admin_key: str | None = ADMIN_KEY):
+def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str, admin_key: str | None = ADMIN_KEY):
     """Runs `tokenmill serve` as a user would, with the fake engine, under the uvicorn options serve
     chooses (on a free port); `probe(url)` runs while it serves. Returns what the probe returned."""
     from app.gateway.wiring import gateway_from_settings
@@ -27,8 +27,13 @@ def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,
         monkeypatch.setenv("TOKENMILL_ADMIN_KEY", admin_key)
     else:
         monkeypatch.delenv("TOKENMILL_ADMIN_KEY", raising=False)
-    monkeypatch.setattr("app.scaleout.replica_app.build_server", lambda settings, migrated=False: (
-        create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)), engine))
+    monkeypatch.setattr(
+        "app.scaleout.replica_app.build_server",
+        lambda settings, migrated=False: (
+            create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)),
+            engine,
+        ),
+    )
     results = []
 
     def run(app, **options):
@@ -37,16 +42,32 @@ def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str,
             results.append(probe(url))
 
     monkeypatch.setattr(uvicorn, "run", run)
-    assert main(["serve", "--data-dir", str(tmp_path), "--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}",
-                 "--log-level", "warning", *flags]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "--data-dir",
+                str(tmp_path),
+                "--database-url",
+                f"sqlite:///{tmp_path / 'tokenmill.db'}",
+                "--log-level",
+                "warning",
+                *flags,
+            ]
+        )
+        == 0
+    )
     return results[0]
 
 
 def wrong_keys(url: str, forwarded_for: list[str], first: int = 0) -> list[int]:
     """Wrong keys, each with a prefix of its own: only the address can add them up."""
-    return [httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer sk-{n:08d}-guess",
-                                                   "X-Forwarded-For": address}).status_code
-            for n, address in enumerate(forwarded_for, start=first)]
+    return [
+        httpx.get(
+            url + "/v1/models", headers={"Authorization": f"Bearer sk-{n:08d}-guess", "X-Forwarded-For": address}
+        ).status_code
+        for n, address in enumerate(forwarded_for, start=first)
+    ]
 
 
 def test_x_forwarded_for_is_ignored_by_default(tmp_path, monkeypatch):

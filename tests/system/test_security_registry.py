@@ -1,6 +1,7 @@
 """The registry reads only what an operator could mean by a model: regular files of sane size and
 depth, outside the registry lock and within a time limit. A crafted or broken source is a 400 that says
 what is wrong; it never hangs, never eats memory and never answers 500."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,16 @@ from fastapi.testclient import TestClient
 
 from tests.support.gateway import admin_headers, build_app
 
-LLAMA_CONFIG = {"model_type": "llama", "hidden_act": "silu", "max_position_embeddings": 2048, "hidden_size": 64,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+LLAMA_CONFIG = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
 
 
 @pytest.fixture
@@ -40,8 +49,12 @@ def checkpoint(folder, config: dict | None = LLAMA_CONFIG):
 def register(client, name: str, path, timeout: float = 10.0):
     """POST /admin/api/models in a thread: a hang fails the test instead of freezing it."""
     answer = []
-    thread = threading.Thread(target=lambda: answer.append(client.post(
-        "/admin/api/models", json={"name": name, "path": str(path)}, headers=admin_headers())), daemon=True)
+    thread = threading.Thread(
+        target=lambda: answer.append(
+            client.post("/admin/api/models", json={"name": name, "path": str(path)}, headers=admin_headers())
+        ),
+        daemon=True,
+    )
     thread.start()
     thread.join(timeout)
     assert answer, f"registering {path} did not answer within {timeout}s"
@@ -63,8 +76,16 @@ def gguf_string(text: str) -> bytes:
 def test_a_gguf_with_deeply_nested_arrays_is_a_400_not_a_500(client, tmp_path):
     depth = 5000
     nested = b"".join(struct.pack("<IQ", 9, 1) for _ in range(depth)) + struct.pack("<IQ", 4, 0)
-    body = (b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + gguf_string("general.architecture") + struct.pack("<I", 8)
-            + gguf_string("llama") + gguf_string("llama.nested") + struct.pack("<I", 9) + nested)
+    body = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 2)
+        + gguf_string("general.architecture")
+        + struct.pack("<I", 8)
+        + gguf_string("llama")
+        + gguf_string("llama.nested")
+        + struct.pack("<I", 9)
+        + nested
+    )
     (tmp_path / "deep.gguf").write_bytes(body)
     assert_refused(register(client, "deep", tmp_path / "deep.gguf"), "nested")
 
@@ -94,9 +115,16 @@ def test_an_oversized_config_json_is_refused(client, tmp_path):
     assert_refused(register(client, "big", folder), "larger than")
 
 
-@pytest.mark.parametrize("field,value", [("max_position_embeddings", -1), ("max_position_embeddings", 0),
-                                         ("hidden_size", "64"), ("num_hidden_layers", 10**12),
-                                         ("num_attention_heads", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_position_embeddings", -1),
+        ("max_position_embeddings", 0),
+        ("hidden_size", "64"),
+        ("num_hidden_layers", 10**12),
+        ("num_attention_heads", True),
+    ],
+)
 def test_nonsense_shapes_are_a_400_naming_the_field(client, tmp_path, field, value):
     folder = checkpoint(tmp_path / "shape", config={**LLAMA_CONFIG, field: value})
     response = register(client, "shape", folder)

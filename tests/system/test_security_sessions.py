@@ -1,6 +1,7 @@
 """Secrets and sessions: a generated admin key goes to a file only the service user can read, never to
 the output that logs keep; dashboard cookies can be forced Secure; a logout ends the session on every
 replica, because open sessions live in the database."""
+
 from __future__ import annotations
 
 import io
@@ -82,8 +83,11 @@ def test_a_gateway_that_generates_the_key_writes_it_to_its_data_folder(make_gate
 
 def log_in(client: TestClient):
     page = client.get("/admin/login")
-    return client.post("/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text),
-                                             "next": "/admin"}, follow_redirects=False)
+    return client.post(
+        "/admin/login",
+        data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text), "next": "/admin"},
+        follow_redirects=False,
+    )
 
 
 def test_secure_cookies_are_forced_behind_a_tls_proxy(make_gateway):
@@ -93,8 +97,12 @@ def test_secure_cookies_are_forced_behind_a_tls_proxy(make_gateway):
         assert "secure" in page.headers["set-cookie"].lower()
         login_cookie = re.match(r"tokenmill_login=([^;]+)", page.headers["set-cookie"]).group(1)
         client.cookies.clear()  # the browser sends it (over https); httpx would not over http
-        login = client.post("/admin/login", data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text)},
-                            headers={"cookie": f"tokenmill_login={login_cookie}"}, follow_redirects=False)
+        login = client.post(
+            "/admin/login",
+            data={"admin_key": ADMIN_KEY, "csrf_token": login_token(page.text)},
+            headers={"cookie": f"tokenmill_login={login_cookie}"},
+            follow_redirects=False,
+        )
         assert login.status_code == 303
         assert re.search(r"tokenmill_admin=[^;]+;.*[Ss]ecure", login.headers["set-cookie"])
 
@@ -110,8 +118,10 @@ def test_logout_on_one_replica_ends_the_session_on_every_replica(make_gateway):
     one works on the other, and a logout on either ends it on both."""
     replica_a = build_app(make_gateway(), session_secret="shared-secret")
     replica_b = build_app(make_gateway(), session_secret="shared-secret")
-    with TestClient(replica_a, base_url="http://127.0.0.1") as on_a, \
-            TestClient(replica_b, base_url="http://127.0.0.1") as on_b:
+    with (
+        TestClient(replica_a, base_url="http://127.0.0.1") as on_a,
+        TestClient(replica_b, base_url="http://127.0.0.1") as on_b,
+    ):
         assert log_in(on_a).status_code == 303
         cookie = on_a.cookies.get(SESSION_COOKIE)
         on_b.cookies.set(SESSION_COOKIE, cookie, path="/admin")

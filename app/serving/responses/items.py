@@ -5,6 +5,7 @@ One rule keeps the prefix cache hitting across turns: turn n+1's messages are tu
 turn n's output as the assistant turn the model wrote, then the new input. So the new prompt begins
 with the old one, token for token, up to where the model's reply starts.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -33,8 +34,11 @@ def normalize_input(raw: str | list[Any], earlier: list[dict]) -> list[dict]:
         if item["type"] == "function_call":
             known_calls.add(item["call_id"])
         elif item["type"] == "function_call_output" and item["call_id"] not in known_calls:
-            raise invalid_request(f"No tool call found for function call output with call_id {item['call_id']!r}.",
-                                  param=f"input.[{index}].call_id", code="unknown_call_id")
+            raise invalid_request(
+                f"No tool call found for function call output with call_id {item['call_id']!r}.",
+                param=f"input.[{index}].call_id",
+                code="unknown_call_id",
+            )
         items.append(item)
     return items
 
@@ -50,32 +54,50 @@ def _normalize_item(entry: Any, param: str) -> dict:
         for field, value in (("call_id", call_id), ("name", name), ("arguments", arguments)):
             if not isinstance(value, str) or (field != "arguments" and not value):
                 raise invalid_request(f"A function_call item needs '{field}' as a string.", param=f"{param}.{field}")
-        return {"id": _given_id(entry, "fc"), "type": "function_call", "call_id": call_id, "name": name,
-                "arguments": arguments, "status": "completed"}
+        return {
+            "id": _given_id(entry, "fc"),
+            "type": "function_call",
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": "completed",
+        }
     if kind == "function_call_output":
         call_id, output = entry.get("call_id"), entry.get("output")
         if not isinstance(call_id, str) or not call_id:
-            raise invalid_request("A function_call_output item needs 'call_id' as a string.",
-                                  param=f"{param}.call_id")
+            raise invalid_request("A function_call_output item needs 'call_id' as a string.", param=f"{param}.call_id")
         if not isinstance(output, str):
             output = "\n".join(_texts(output, ("input_text", "output_text"), f"{param}.output"))
-        return {"id": _given_id(entry, "fco"), "type": "function_call_output", "call_id": call_id,
-                "output": output, "status": "completed"}
+        return {
+            "id": _given_id(entry, "fco"),
+            "type": "function_call_output",
+            "call_id": call_id,
+            "output": output,
+            "status": "completed",
+        }
     if kind is None:
         raise invalid_request("An input item needs a 'type' (or a 'role' for a message).", param=f"{param}.type")
-    raise invalid_request(f"Input items of type {kind!r} are not supported: send messages, function_call and "
-                          "function_call_output items.", param=f"{param}.type", code="unsupported_item_type")
+    raise invalid_request(
+        f"Input items of type {kind!r} are not supported: send messages, function_call and function_call_output items.",
+        param=f"{param}.type",
+        code="unsupported_item_type",
+    )
 
 
 def _normalize_message(entry: dict, param: str) -> dict:
     role = entry.get("role")
     if role not in ROLES:
-        raise invalid_request(f"Invalid value for 'role': {role!r}. Supported values are "
-                              f"{', '.join(repr(r) for r in ROLES)}.", param=f"{param}.role")
+        raise invalid_request(
+            f"Invalid value for 'role': {role!r}. Supported values are {', '.join(repr(r) for r in ROLES)}.",
+            param=f"{param}.role",
+        )
     content = entry.get("content")
     if role == "assistant":
-        text = content if isinstance(content, str) else "\n".join(_texts(content, ("output_text", "refusal"),
-                                                                                f"{param}.content"))
+        text = (
+            content
+            if isinstance(content, str)
+            else "\n".join(_texts(content, ("output_text", "refusal"), f"{param}.content"))
+        )
         return _message(role, [{"type": "output_text", "text": text, "annotations": []}], entry.get("id"))
     if isinstance(content, str):
         return _message(role, [{"type": "input_text", "text": content}], entry.get("id"))
@@ -93,15 +115,22 @@ def _texts(parts: Any, kinds: tuple[str, ...], param: str) -> list[str]:
         value = part.get("refusal" if kind == "refusal" else "text") if isinstance(part, dict) else None
         if kind not in kinds or not isinstance(value, str):
             shown = kind if isinstance(kind, str) else "?"
-            raise invalid_request(f"Content parts of type {shown!r} are not supported here; expected "
-                                  f"{' or '.join(kinds)} with text.", param=f"{param}.[{index}]")
+            raise invalid_request(
+                f"Content parts of type {shown!r} are not supported here; expected {' or '.join(kinds)} with text.",
+                param=f"{param}.[{index}]",
+            )
         texts.append(value)
     return texts
 
 
 def _message(role: str, content: list[dict], given_id: Any) -> dict:
-    return {"id": given_id if isinstance(given_id, str) and given_id else new_item_id("msg"), "type": "message",
-            "role": role, "status": "completed", "content": content}
+    return {
+        "id": given_id if isinstance(given_id, str) and given_id else new_item_id("msg"),
+        "type": "message",
+        "role": role,
+        "status": "completed",
+        "content": content,
+    }
 
 
 def _given_id(entry: dict, prefix: str) -> str:
@@ -123,8 +152,11 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
         if item["type"] == "message":
             messages.append(ChatMessage(role=item["role"], content=message_text(item)))
         elif item["type"] == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 messages[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
@@ -148,12 +180,23 @@ def output_items(message: dict, status: str) -> list[dict]:
 
 
 def output_message(text: str, status: str, item_id: str | None = None) -> dict:
-    return {"id": item_id or new_item_id("msg"), "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "id": item_id or new_item_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
-def function_call_item(call_id: str, name: str, arguments: str, item_id: str | None = None,
-                       status: str = "completed") -> dict:
-    return {"id": item_id or new_item_id("fc"), "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
-
+def function_call_item(
+    call_id: str, name: str, arguments: str, item_id: str | None = None, status: str = "completed"
+) -> dict:
+    return {
+        "id": item_id or new_item_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }

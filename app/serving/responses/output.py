@@ -1,4 +1,5 @@
 """The Response object, whole or as the typed server-sent events `responses.stream()` consumes."""
+
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from app.serving.responses.request import ResponsesRequest, reasoning_echo
 @dataclass
 class ResponseHeader:
     """What every form of one response repeats: its id, when, which model, and the request's settings."""
+
     id: str
     model: str
     body: ResponsesRequest
@@ -22,25 +24,46 @@ class ResponseHeader:
     top_p: float = 1.0
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    def response(self, status: str, output: list[dict], usage: dict | None = None, *, error: dict | None = None,
-                 incomplete_reason: str | None = None) -> dict:
+    def response(
+        self,
+        status: str,
+        output: list[dict],
+        usage: dict | None = None,
+        *,
+        error: dict | None = None,
+        incomplete_reason: str | None = None,
+    ) -> dict:
         body = self.body
         finished = status in ("completed", "incomplete", "failed")
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "background": False, "error": error,
+            "background": False,
+            "error": error,
             "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": reasoning_echo(body.reasoning),
-            "service_tier": "default", "store": body.stores,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": reasoning_echo(body.reasoning),
+            "service_tier": "default",
+            "store": body.stores,
             "temperature": self.temperature,
             "text": {"format": body.text_format, "verbosity": "medium"},
-            "tool_choice": body.tool_choice or "auto", "tools": self.tools,
-            "top_p": self.top_p, "truncation": body.truncation or "disabled",
-            "usage": usage if finished else None, "user": body.user, "metadata": body.metadata or {},
-            "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
+            "tool_choice": body.tool_choice or "auto",
+            "tools": self.tools,
+            "top_p": self.top_p,
+            "truncation": body.truncation or "disabled",
+            "usage": usage if finished else None,
+            "user": body.user,
+            "metadata": body.metadata or {},
+            "prompt_cache_key": body.prompt_cache_key,
+            "safety_identifier": body.safety_identifier,
         }
 
 
@@ -48,8 +71,10 @@ def response_usage(chat_usage: dict) -> dict:
     """The tracker's chat-shaped usage in the Responses API's names."""
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
-                                 "cache_write_tokens": 0},
+        "input_tokens_details": {
+            "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],
@@ -87,8 +112,10 @@ class ResponseEvents:
 
     def started(self) -> list[str]:
         response = self.header.response("in_progress", [])
-        return [self.event("response.created", response=response),
-                self.event("response.in_progress", response=response)]
+        return [
+            self.event("response.created", response=response),
+            self.event("response.in_progress", response=response),
+        ]
 
     def feed(self, delta: dict) -> list[str]:
         events: list[str] = []
@@ -104,19 +131,33 @@ class ResponseEvents:
         self._text_parts = []
         index = len(self.output)
         self.output.append(self._open_message)
-        return [self.event("response.output_item.added", output_index=index, item=self._open_message),
-                self.event("response.content_part.added", item_id=self._open_message["id"], output_index=index,
-                           content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                  "logprobs": []})]
+        return [
+            self.event("response.output_item.added", output_index=index, item=self._open_message),
+            self.event(
+                "response.content_part.added",
+                item_id=self._open_message["id"],
+                output_index=index,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            ),
+        ]
 
     def _text(self, text: str) -> list[str]:
         events = self._open() if self._open_message is None else []
         message = self._open_message
         assert message is not None
         self._text_parts.append(text)
-        events.append(self.event("response.output_text.delta", item_id=message["id"],
-                                 output_index=self.output.index(message), content_index=0, delta=text,
-                                 logprobs=[], **self._delta_extras()))
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=message["id"],
+                output_index=self.output.index(message),
+                content_index=0,
+                delta=text,
+                logprobs=[],
+                **self._delta_extras(),
+            )
+        )
         return events
 
     def _close_message(self, status: str) -> list[str]:
@@ -128,11 +169,20 @@ class ResponseEvents:
         text = "".join(self._text_parts)
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         message.update(status=status, content=[part])
-        return [self.event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
-                           text=text, logprobs=[]),
-                self.event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
-                           part=part),
-                self.event("response.output_item.done", output_index=index, item=message)]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=message["id"],
+                output_index=index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done", item_id=message["id"], output_index=index, content_index=0, part=part
+            ),
+            self.event("response.output_item.done", output_index=index, item=message),
+        ]
 
     def _call_piece(self, piece: dict) -> list[str]:
         events = []
@@ -146,9 +196,15 @@ class ResponseEvents:
         item = self._open_calls[piece["index"]]
         if function.get("arguments"):
             item["arguments"] += function["arguments"]
-            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                     output_index=self.output.index(item), delta=function["arguments"],
-                                     **self._delta_extras()))
+            events.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.output.index(item),
+                    delta=function["arguments"],
+                    **self._delta_extras(),
+                )
+            )
         return events
 
     def finished(self, finish_reason: str | None) -> list[str]:
@@ -159,8 +215,15 @@ class ResponseEvents:
         for item in self._open_calls.values():
             index = self.output.index(item)
             item["status"] = item_status
-            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                     name=item["name"], arguments=item["arguments"]))
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
             events.append(self.event("response.output_item.done", output_index=index, item=item))
         self._open_calls = {}
         if not self.output:  # nothing at all came out: still one (empty) message, as whole responses have

@@ -5,6 +5,7 @@ does not apply to a model we serve, and saying so in the README is enough: `reas
 ...), or refused with a 400 naming it when it asks for something we do not do (`background: true`,
 `conversation`, hosted tools ...). A field OpenAI does not define is refused too, never ignored.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -88,14 +89,16 @@ class ResponsesRequest(BaseModel):
 def check_fields(body: ResponsesRequest) -> None:
     """400 for a field we do not know or a value we would otherwise have to ignore."""
     for name in body.model_extra or {}:
-        raise invalid_request(f"Unrecognized request argument supplied: {name}", param=name,
-                              code="unknown_parameter")
+        raise invalid_request(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
     for name, allowed in REFUSED_UNLESS.items():
         value = getattr(body, name)
         if not any(value is option or (value == option and type(value) is type(option)) for option in allowed):
-            raise invalid_request(f"'{name}' is not supported by tokenmill's Responses API"
-                                  f"{'' if value is True else f' (got {value!r})'}.", param=name,
-                                  code="unsupported_parameter")
+            raise invalid_request(
+                f"'{name}' is not supported by tokenmill's Responses API"
+                f"{'' if value is True else f' (got {value!r})'}.",
+                param=name,
+                code="unsupported_parameter",
+            )
     if body.input is None:
         raise invalid_request("Missing required parameter: 'input'.", param="input")
     if isinstance(body.input, list) and not body.input and body.previous_response_id is None:
@@ -110,9 +113,12 @@ def check_fields(body: ResponsesRequest) -> None:
             raise invalid_request(f"Unrecognized stream option: {sorted(unknown)[0]}", param="stream_options")
     for index, include in enumerate(body.include or ()):
         if include not in ACCEPTED_INCLUDES:
-            raise invalid_request(f"'include' value {include!r} is not supported: this server has no hosted tools, "
-                                  "logprobs in output or images to include.", param=f"include.[{index}]",
-                                  code="unsupported_parameter")
+            raise invalid_request(
+                f"'include' value {include!r} is not supported: this server has no hosted tools, "
+                "logprobs in output or images to include.",
+                param=f"include.[{index}]",
+                code="unsupported_parameter",
+            )
     _check_reasoning(body.reasoning)
     _check_text(body.text)
 
@@ -126,12 +132,14 @@ def _check_reasoning(reasoning: dict[str, Any] | None) -> None:
     if unknown:
         raise invalid_request(f"Unrecognized reasoning option: {sorted(unknown)[0]}", param="reasoning")
     if reasoning.get("effort") not in (None, *REASONING_EFFORTS):
-        raise invalid_request(f"Invalid value for 'reasoning.effort': {reasoning.get('effort')!r}.",
-                              param="reasoning.effort")
+        raise invalid_request(
+            f"Invalid value for 'reasoning.effort': {reasoning.get('effort')!r}.", param="reasoning.effort"
+        )
     for name in ("summary", "generate_summary"):
         if reasoning.get(name) not in (None, *REASONING_SUMMARIES):
-            raise invalid_request(f"Invalid value for 'reasoning.{name}': {reasoning.get(name)!r}.",
-                                  param=f"reasoning.{name}")
+            raise invalid_request(
+                f"Invalid value for 'reasoning.{name}': {reasoning.get(name)!r}.", param=f"reasoning.{name}"
+            )
 
 
 def _check_text(text: dict[str, Any] | None) -> None:
@@ -141,8 +149,11 @@ def _check_text(text: dict[str, Any] | None) -> None:
     if unknown:
         raise invalid_request(f"Unrecognized text option: {sorted(unknown)[0]}", param="text")
     if text.get("verbosity") not in (None, "medium"):
-        raise invalid_request("'text.verbosity' other than 'medium' is not supported: the model has no "
-                              "verbosity control.", param="text.verbosity", code="unsupported_parameter")
+        raise invalid_request(
+            "'text.verbosity' other than 'medium' is not supported: the model has no verbosity control.",
+            param="text.verbosity",
+            code="unsupported_parameter",
+        )
     format_ = text.get("format")
     if format_ is not None and not isinstance(format_, dict):
         raise invalid_request("'text.format' must be an object.", param="text.format")

@@ -3,6 +3,7 @@ the retention period. The database when the gateway has one; a bounded memory st
 server with one shared key and no database).
 
 Blocking: call from a thread (run_in_threadpool)."""
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,9 @@ def _naive_utc(unix: float) -> datetime:
 
 
 class SqlResponseStore:
-    def __init__(self, sessions: sessionmaker[Session], *, retention_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], *, retention_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
         self.sessions = sessions
         self.retention_s = retention_s
         self.clock = clock
@@ -50,12 +52,21 @@ class SqlResponseStore:
     def save(self, team_id: int | None, response: dict, input_items: list[dict]) -> None:
         now = self.clock()
         with self.sessions.begin() as session:  # the response and all its items, or nothing
-            session.add(StoredResponse(id=response["id"], team_id=team_id, model=response["model"],
-                                       created_at=_naive_utc(now), expires_at=_naive_utc(now + self.retention_s),
-                                       body=response))
+            session.add(
+                StoredResponse(
+                    id=response["id"],
+                    team_id=team_id,
+                    model=response["model"],
+                    created_at=_naive_utc(now),
+                    expires_at=_naive_utc(now + self.retention_s),
+                    body=response,
+                )
+            )
             session.flush()
-            session.add_all(StoredResponseItem(response_id=response["id"], position=position, item=item)
-                            for position, item in enumerate(input_items))
+            session.add_all(
+                StoredResponseItem(response_id=response["id"], position=position, item=item)
+                for position, item in enumerate(input_items)
+            )
         if now - self._pruned_at >= PRUNE_EVERY_S:
             try:
                 self.prune()
@@ -67,8 +78,11 @@ class SqlResponseStore:
             row = session.scalar(self._owned(select(StoredResponse), response_id, team_id))
             if row is None:
                 return None
-            items = session.scalars(select(StoredResponseItem.item).where(StoredResponseItem.response_id == row.id)
-                                    .order_by(StoredResponseItem.position))
+            items = session.scalars(
+                select(StoredResponseItem.item)
+                .where(StoredResponseItem.response_id == row.id)
+                .order_by(StoredResponseItem.position)
+            )
             return Stored(row.body, list(items))
 
     def delete(self, response_id: str, team_id: int | None) -> bool:
@@ -92,8 +106,7 @@ class SqlResponseStore:
 
     def _owned(self, query, response_id: str, team_id: int | None):
         team = StoredResponse.team_id.is_(None) if team_id is None else StoredResponse.team_id == team_id
-        return query.where(StoredResponse.id == response_id, team,
-                           StoredResponse.expires_at > _naive_utc(self.clock()))
+        return query.where(StoredResponse.id == response_id, team, StoredResponse.expires_at > _naive_utc(self.clock()))
 
 
 class MemoryResponseStore:

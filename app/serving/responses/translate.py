@@ -1,6 +1,7 @@
 """A Responses request as the chat-completions request the rest of the server already runs: tools,
 tool_choice and text.format in chat's shapes, so app.structured plans, constrains and parses them the
 same way. Errors that machinery raises are renamed to the Responses parameters they came from."""
+
 from __future__ import annotations
 
 import re
@@ -23,10 +24,16 @@ HOSTED_TOOL_HINTS = {
 
 def chat_request(body: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
     fields: dict[str, Any] = {
-        "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p, "user": body.user,
-        "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
-        "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format(body.text_format),
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "user": body.user,
+        "tools": chat_tools(body.tools),
+        "tool_choice": chat_tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": response_format(body.text_format),
     }
     return ChatCompletionRequest.model_validate({name: value for name, value in fields.items() if value is not None})
 
@@ -39,13 +46,15 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         kind = tool.get("type")
         if kind != "function":
             shown = kind if isinstance(kind, str) else "?"
-            raise invalid_request(f"Tool type {shown!r} is not supported: tokenmill runs function tools only"
-                                  f"{HOSTED_TOOL_HINTS.get(shown, '')}.", param=f"tools.[{index}].type",
-                                  code="unsupported_tool_type")
+            raise invalid_request(
+                f"Tool type {shown!r} is not supported: tokenmill runs function tools only"
+                f"{HOSTED_TOOL_HINTS.get(shown, '')}.",
+                param=f"tools.[{index}].type",
+                code="unsupported_tool_type",
+            )
         unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
         if unknown:
-            raise invalid_request(f"Unrecognized function tool field: {sorted(unknown)[0]}",
-                                  param=f"tools.[{index}]")
+            raise invalid_request(f"Unrecognized function tool field: {sorted(unknown)[0]}", param=f"tools.[{index}]")
         function = {name: tool[name] for name in ("name", "description", "parameters") if tool.get(name) is not None}
         function["strict"] = _strict(tool)
         converted.append({"type": "function", "function": function})
@@ -71,8 +80,11 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     kind = choice.get("type")
     if kind == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise invalid_request(f"tool_choice of type {kind!r} is not supported: use 'none', 'auto', 'required' or "
-                          "{\"type\": \"function\", \"name\": ...}.", param="tool_choice")
+    raise invalid_request(
+        f"tool_choice of type {kind!r} is not supported: use 'none', 'auto', 'required' or "
+        "{\"type\": \"function\", \"name\": ...}.",
+        param="tool_choice",
+    )
 
 
 def response_format(text_format: dict[str, Any]) -> dict[str, Any] | None:
@@ -107,7 +119,9 @@ def renamed_errors(work: Callable[[], Result]) -> Result:
         return work()
     except OpenAIError as error:
         error.param = responses_param(error.param)
-        error.message = (error.message.replace("'response_format.json_schema.", "'text.format.")
-                         .replace("response_format", "text.format").replace("max_completion_tokens",
-                                                                              "max_output_tokens"))
+        error.message = (
+            error.message.replace("'response_format.json_schema.", "'text.format.")
+            .replace("response_format", "text.format")
+            .replace("max_completion_tokens", "max_output_tokens")
+        )
         raise

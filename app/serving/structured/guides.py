@@ -5,6 +5,7 @@ Why llguidance: it installs as one abi3 wheel, compiles a JSON schema or a Lark 
 `%json` schemas, which tool calls need) in milliseconds, and computes a mask in tens of microseconds
 on CPU, lazily, without precomputing a whole-vocabulary automaton per schema.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """What one chat request asks of structured output, decided once before generation: the prompt (with
 tools), the guide that constrains the output, and how the output turns into a message or stream pieces.
 The chat route asks the plan at these points and knows nothing else of tools or schemas."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,9 @@ class StructuredPlan:
         if not (self.shown_tools or self.tool_history):
             return chat_prompt_ids(tokenizer, messages)
         turns = conversation(messages, self.shown_tools, self.native_tools)
-        extra = {"tools": [tool.openai() for tool in self.shown_tools]} if self.native_tools and self.shown_tools \
-            else {}
+        extra = (
+            {"tools": [tool.openai() for tool in self.shown_tools]} if self.native_tools and self.shown_tools else {}
+        )
         try:
             text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra)
         except Exception as error:
@@ -67,8 +69,9 @@ class ChoiceStreams:
     def __init__(self, parsers: list[ToolCallParser] | None) -> None:
         self._parsers = parsers
 
-    def pieces(self, index: int, text: str, finish_reason: str | None,
-               has_logprobs: bool) -> list[tuple[dict, str | None]]:
+    def pieces(
+        self, index: int, text: str, finish_reason: str | None, has_logprobs: bool
+    ) -> list[tuple[dict, str | None]]:
         """(delta, finish_reason) pairs; the finish reason rides on the last one."""
         if self._parsers is None:
             deltas = [{"content": text}] if text else []
@@ -105,8 +108,12 @@ def plan_request(tokenizer, body) -> StructuredPlan:
     if shown:
         parallel = body.parallel_tool_calls is not False
         factory = _compile(tokenizer, lambda: tools_grammar(tools, choice, parallel, schema), "tools")
-    return StructuredPlan(shown_tools=shown, native_tools=template_knows_tools(tokenizer), guide_factory=factory,
-                          tool_history=tool_history)
+    return StructuredPlan(
+        shown_tools=shown,
+        native_tools=template_knows_tools(tokenizer),
+        guide_factory=factory,
+        tool_history=tool_history,
+    )
 
 
 def _compile(tokenizer, grammar: Callable[[], str], param: str):

@@ -5,6 +5,7 @@ arguments in fragments).
 The text is `free text` or `[free text]<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`
 (the grammar in tools.py makes sure of it). Arguments are passed on exactly as the model wrote them.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,9 +83,9 @@ class ToolCallParser:
             self._in_calls = True
             deltas = [{"content": before}] if before else []
             self.content += before
-            return deltas + self.feed(pending[tag_at + len(CALL_OPEN):])
+            return deltas + self.feed(pending[tag_at + len(CALL_OPEN) :])
         keep = _tag_prefix_length(pending)
-        sendable, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        sendable, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.content += sendable
         return [{"content": sendable}] if sendable else []
 
@@ -103,10 +104,15 @@ class ToolCallParser:
                 elif char == '"':
                     self._in_string = False
                     if self._depth == 2:
-                        self._string_ended(json.loads(text[self._string_start:index + 1]), call, index)
+                        self._string_ended(json.loads(text[self._string_start : index + 1]), call, index)
                 continue
-            if self._depth == 2 and self._at_value and self._key == "arguments" and call.arguments_start is None \
-                    and not char.isspace():
+            if (
+                self._depth == 2
+                and self._at_value
+                and self._key == "arguments"
+                and call.arguments_start is None
+                and not char.isspace()
+            ):
                 call.arguments_start = index
             if char == '"':
                 self._in_string, self._string_start = True, index
@@ -151,21 +157,27 @@ class ToolCallParser:
                 continue
             if not call.announced:
                 call.announced = True
-                pieces.append({"index": index, "id": call.id, "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
+                pieces.append(
+                    {
+                        "index": index,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             if call.arguments_start is None:
                 continue
             end = call.arguments_end
             if end is None:  # still being written: objects and arrays can go out as they come
                 end = len(self._text) if self._text[call.arguments_start] in "{[" else call.arguments_start
-            fragment = self._text[call.arguments_start + call.arguments_sent:end]
+            fragment = self._text[call.arguments_start + call.arguments_sent : end]
             if fragment:
                 call.arguments_sent += len(fragment)
                 pieces.append({"index": index, "function": {"arguments": fragment}})
         return [{"tool_calls": [piece]} for piece in pieces]
 
     def arguments(self, call: ParsedCall) -> str:
-        return self._text[call.arguments_start:call.arguments_end]
+        return self._text[call.arguments_start : call.arguments_end]
 
 
 def _tag_prefix_length(text: str) -> int:
@@ -184,12 +196,16 @@ def parse_message(text: str, finish_reason: str | None) -> tuple[dict, str | Non
     calls = parser.complete_calls
     if not parser.well_formed and not calls:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
-    message: dict = {"role": "assistant", "content": parser.content if parser.content.strip() or not calls else None,
-                     "refusal": None}
+    message: dict = {
+        "role": "assistant",
+        "content": parser.content if parser.content.strip() or not calls else None,
+        "refusal": None,
+    }
     if calls:
-        message["tool_calls"] = [{"id": call.id, "type": "function",
-                                  "function": {"name": call.name, "arguments": parser.arguments(call)}}
-                                 for call in calls]
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": parser.arguments(call)}}
+            for call in calls
+        ]
         if finish_reason == "stop":
             finish_reason = "tool_calls"
     return message, finish_reason

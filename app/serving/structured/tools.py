@@ -9,6 +9,7 @@ Templates that know tools (they mention `tools`) render them themselves; for tem
 the model to it: `required` and a named function force a call; `auto` lets the model write text, but
 once it writes `<tool_call>` the rest must be valid calls to the given functions.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,12 +69,12 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
         param = f"tools.[{index}]"
         function = tool.get("function")
         if tool.get("type") != "function" or not isinstance(function, dict):
-            raise invalid_request("Only tools of type 'function' with a 'function' object are supported.",
-                                  param=param)
+            raise invalid_request("Only tools of type 'function' with a 'function' object are supported.", param=param)
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-            raise invalid_request("A function name must be 1 to 64 letters, digits, '_' or '-'.",
-                                  param=f"{param}.function.name")
+            raise invalid_request(
+                "A function name must be 1 to 64 letters, digits, '_' or '-'.", param=f"{param}.function.name"
+            )
         if any(other.name == name for other in parsed):
             raise invalid_request(f"Duplicate function name {name!r}.", param=f"{param}.function.name")
         parameters = function.get("parameters", NO_PARAMETERS)
@@ -84,8 +85,9 @@ def parse_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
             try:
                 check_json_schema(parameters)
             except GrammarError as error:
-                raise invalid_request(f"Invalid schema for function {name!r}: {error}",
-                                      param=f"{param}.function.parameters") from None
+                raise invalid_request(
+                    f"Invalid schema for function {name!r}: {error}", param=f"{param}.function.parameters"
+                ) from None
         description = function.get("description")
         parsed.append(Tool(name, description if isinstance(description, str) else None, parameters, strict))
     return parsed
@@ -101,18 +103,27 @@ def parse_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[Tool
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         name = (tool_choice.get("function") or {}).get("name")
         if not any(tool.name == name for tool in tools):
-            raise invalid_request(f"Invalid value for 'tool_choice': no function named {name!r} in 'tools'.",
-                                  param="tool_choice")
+            raise invalid_request(
+                f"Invalid value for 'tool_choice': no function named {name!r} in 'tools'.", param="tool_choice"
+            )
         return ToolChoice("function", name)
-    raise invalid_request("'tool_choice' must be 'none', 'auto', 'required' or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}.", param="tool_choice")
+    raise invalid_request(
+        "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+        param="tool_choice",
+    )
 
 
 def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict:
     offered = [tool for tool in tools if choice.mode != "function" or tool.name == choice.name]
-    variants = [{"type": "object",
-                 "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-                 "required": ["name", "arguments"], "additionalProperties": False} for tool in offered]
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in offered
+    ]
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": variants}}
     if choice.mode in ("required", "function"):
         schema["minItems"] = 1
@@ -134,9 +145,11 @@ def tools_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool, answer_
     if answer_schema is not None:
         return f"start: answer | {tagged}\nanswer: {json_schema_lark(answer_schema)}\n{calls}"
     # Text that never contains the opening tag, or text up to the tag and then valid calls.
-    return (f"start: PLAIN | prefix calls \"{CALL_CLOSE}\"\n"
-            f"prefix[lazy]: /(?s:.*){re.escape(CALL_OPEN)}/\n"
-            f"PLAIN: /(?s:.*)/ & ~/(?s:.*){re.escape(CALL_OPEN)}(?s:.*)/\n{calls}")
+    return (
+        f"start: PLAIN | prefix calls \"{CALL_CLOSE}\"\n"
+        f"prefix[lazy]: /(?s:.*){re.escape(CALL_OPEN)}/\n"
+        f"PLAIN: /(?s:.*)/ & ~/(?s:.*){re.escape(CALL_OPEN)}(?s:.*)/\n{calls}"
+    )
 
 
 def template_knows_tools(tokenizer) -> bool:
@@ -148,8 +161,10 @@ def _text(content: str | None) -> str:
 
 
 def _calls_text(tool_calls: list[dict]) -> str:
-    calls = [{"name": call["function"]["name"], "arguments": _parsed_arguments(call["function"].get("arguments"))}
-             for call in tool_calls]
+    calls = [
+        {"name": call["function"]["name"], "arguments": _parsed_arguments(call["function"].get("arguments"))}
+        for call in tool_calls
+    ]
     return f"{CALL_OPEN}{json.dumps(calls, ensure_ascii=False)}{CALL_CLOSE}"
 
 
@@ -157,17 +172,24 @@ def check_tool_calls(messages) -> None:
     """Assistant turns' `tool_calls` and tool turns' `tool_call_id`, in OpenAI's shape."""
     for index, message in enumerate(messages):
         if message.role == "tool" and not message.tool_call_id:
-            raise invalid_request("Messages with role 'tool' must have a 'tool_call_id'.",
-                                  param=f"messages.[{index}].tool_call_id")
+            raise invalid_request(
+                "Messages with role 'tool' must have a 'tool_call_id'.", param=f"messages.[{index}].tool_call_id"
+            )
         for call_index, call in enumerate(message.tool_calls or ()):
             function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                    or not isinstance(function.get("arguments", ""), str):
-                raise invalid_request("A tool call needs 'function' with a 'name' and 'arguments' (a string).",
-                                      param=f"messages.[{index}].tool_calls.[{call_index}]")
+            if (
+                not isinstance(function, dict)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments", ""), str)
+            ):
+                raise invalid_request(
+                    "A tool call needs 'function' with a 'name' and 'arguments' (a string).",
+                    param=f"messages.[{index}].tool_calls.[{call_index}]",
+                )
         if message.tool_calls and message.role != "assistant":
-            raise invalid_request("Only assistant messages can have 'tool_calls'.",
-                                  param=f"messages.[{index}].tool_calls")
+            raise invalid_request(
+                "Only assistant messages can have 'tool_calls'.", param=f"messages.[{index}].tool_calls"
+            )
 
 
 def conversation(messages, tools: list[Tool], native: bool) -> list[dict]:
@@ -185,8 +207,9 @@ def conversation(messages, tools: list[Tool], native: bool) -> list[dict]:
         else:
             turns.append({"role": role, "content": _text(message.content)})
     if tools:
-        prompt = TOOLS_PROMPT.format(tools=json.dumps([tool.openai()["function"] for tool in tools],
-                                                      ensure_ascii=False))
+        prompt = TOOLS_PROMPT.format(
+            tools=json.dumps([tool.openai()["function"] for tool in tools], ensure_ascii=False)
+        )
         if turns and turns[0]["role"] == "system":
             turns[0] = {"role": "system", "content": f"{prompt}\n\n{turns[0]['content']}"}
         else:
@@ -195,13 +218,22 @@ def conversation(messages, tools: list[Tool], native: bool) -> list[dict]:
 
 
 def _native_message(message) -> dict:
-    turn: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                            "content": _text(message.content)}
+    turn: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": _text(message.content),
+    }
     if message.tool_calls:
-        turn["tool_calls"] = [{"id": call.get("id"), "type": "function",
-                               "function": {"name": call["function"]["name"],
-                                            "arguments": _parsed_arguments(call["function"].get("arguments"))}}
-                              for call in message.tool_calls]
+        turn["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {
+                    "name": call["function"]["name"],
+                    "arguments": _parsed_arguments(call["function"].get("arguments")),
+                },
+            }
+            for call in message.tool_calls
+        ]
     if message.tool_call_id:
         turn["tool_call_id"] = message.tool_call_id
     return turn
