@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kernels import cpu_native
 from tests.support.airgap import (
     CACHE_DIR,
     ROOT,
@@ -203,8 +204,8 @@ echo passed > {work}/healthcheck
     assert result["embedding_dimensions"] == [384, 384]
     assert (work / "healthcheck").read_text().strip() == "passed"
     assert any(path.name.startswith("models") for path in (work / "volume").iterdir())  # data went to the volume
-    # The slim image has no compiler; the CPU kernels the bundle prebuilt load instead of the torch paths.
-    assert (work / "native_kernels").read_text().split() == ["no-compiler", "paged_decode_cpu", "elementwise_cpu"]
+    # The slim image has no compiler; every CPU kernel the bundle prebuilt loads instead of the torch paths.
+    assert (work / "native_kernels").read_text().split() == ["no-compiler", *cpu_native.FLAGS]
     assert_nothing_reached_out(work)
 
 
