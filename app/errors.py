@@ -6,9 +6,10 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("tokenmill.errors")
 
@@ -110,6 +111,13 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     return server_error().response()
 
 
+async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+    """The client hung up while sending its body: nobody is left to read an answer, and it is not our
+    error, so no traceback (uvicorn logs one for anything that reaches the catch-all handler)."""
+    log.debug("client went away during %s %s", request.method, request.url.path)
+    return Response(status_code=400)
+
+
 async def out_of_range(request: Request, error: Exception) -> JSONResponse:
     """An id or limit beyond what the database stores (SQLite: int64) is the caller's error, not ours."""
     return invalid_request("A number in the request is out of range.", code="out_of_range").response()
@@ -120,4 +128,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(ValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected_error)

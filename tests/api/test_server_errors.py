@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -252,3 +254,21 @@ def test_full_waiting_queue_is_503_with_retry_after(small_server):
 def test_default_max_tokens_fits_a_small_kv_pool(small_server):
     response = small_server.client(api_key=API_KEY).chat.completions.create(model=MODEL, messages=HELLO)
     assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def test_client_gone_mid_body_logs_no_traceback(server, caplog):
+    """A client that hangs up while sending its body is not a server error: nothing to answer, nothing
+    logged as unhandled (an operator's error alerts must not fire for a flaky phone connection)."""
+    address = urlsplit(server.url)
+    caplog.clear()
+    with socket.create_connection((address.hostname, address.port), timeout=10) as raw:
+        raw.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 5000\r\n\r\n" + b'{"model": "' + b"x" * 100
+        )
+        time.sleep(0.3)
+    time.sleep(0.5)  # the server notices the hang-up
+    with httpx.Client(base_url=server.url, timeout=30) as http:  # and still serves the next client
+        assert http.get("/v1/models").status_code == 200
+    unexpected = [record for record in caplog.records if record.levelname in ("ERROR", "CRITICAL")]
+    assert not unexpected, [record.getMessage() for record in unexpected]
