@@ -78,6 +78,12 @@ class ApiKey(Base):
     # lets a key jump ahead, while any key may ask to go later.
     priority_floor: Mapped[int | None] = mapped_column(Integer)
     max_in_flight: Mapped[int | None] = mapped_column(Integer)  # requests at once; None: the server's setting
+    # Rotation: the secret before the last rotation keeps working until previous_key_expires_at (the
+    # grace period), under this same key id, so clients move over without downtime.
+    previous_key_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
+    previous_key_prefix: Mapped[str | None] = mapped_column(String(24))
+    previous_key_expires_at: Mapped[datetime | None] = mapped_column(DateTime)
+    rotated_at: Mapped[datetime | None] = mapped_column(DateTime)
 
 
 class AdminCredential(Base):
@@ -275,3 +281,27 @@ class BatchLine(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512))
     status_code: Mapped[int] = mapped_column(Integer)  # 200: the output file; anything else: the error file
     result: Mapped[dict] = mapped_column(JSON)  # the output or error file's line, as written there
+
+
+class AuditEntry(Base):
+    """One admin change (app.gateway.audit): who, what, on what, the values before and after (never a
+    secret). Written in the change's own transaction; pruned after the retention setting."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)  # naive UTC
+    actor_kind: Mapped[str] = mapped_column(String(16))  # admin_key | sso | cli | system
+    actor_id: Mapped[str] = mapped_column(String(255))
+    actor_display: Mapped[str] = mapped_column(String(255), default="")
+    action: Mapped[str] = mapped_column(String(64))  # "<target_type>.<verb>", e.g. key.rotate
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str | None] = mapped_column(String(255))
+    before: Mapped[dict | None] = mapped_column(JSON)
+    after: Mapped[dict | None] = mapped_column(JSON)
+
+    __table_args__ = (
+        Index("ix_audit_log_created_at", "created_at"),
+        Index("ix_audit_log_actor", "actor_id", "created_at"),
+        Index("ix_audit_log_target", "target_type", "target_id", "created_at"),
+    )

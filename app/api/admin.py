@@ -10,13 +10,15 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Query, Response
 from sqlalchemy.orm import Session
 
-from app.api.deps import AdminDep, GatewayDep
+from app.api.deps import AdminActor, AdminDep, GatewayDep
 from app.errors import invalid_request
 from app.gateway import admin, crud
 from app.gateway.reports import list_requests, parse_group_by, parse_when, to_csv, usage_report
 from app.gateway.schemas import (
     KeyCreate,
     KeyCreated,
+    KeyRotate,
+    KeyRotated,
     KeyUpdate,
     KeyView,
     Page,
@@ -54,8 +56,8 @@ def _page(items: list, limit: int, view) -> dict:
 
 
 @router.post("/teams", status_code=201, response_model=TeamView)
-def create_team(body: TeamCreate, session: SessionDep) -> TeamView:
-    return admin.create_team(body, session)
+def create_team(body: TeamCreate, session: SessionDep, actor: AdminActor) -> TeamView:
+    return admin.create_team(body, session, actor=actor)
 
 
 @router.get("/teams", response_model=Page[TeamView])
@@ -69,21 +71,23 @@ def get_team(team_id: int, session: SessionDep) -> TeamView:
 
 
 @router.patch("/teams/{team_id}", response_model=TeamView)
-def update_team(team_id: int, body: TeamUpdate, session: SessionDep, gateway: GatewayDep) -> TeamView:
-    return admin.update_team(team_id, body, session, gateway)
+def update_team(
+    team_id: int, body: TeamUpdate, session: SessionDep, gateway: GatewayDep, actor: AdminActor
+) -> TeamView:
+    return admin.update_team(team_id, body, session, gateway, actor=actor)
 
 
 @router.delete("/teams/{team_id}")
-def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep) -> dict:
-    return admin.delete_team(team_id, session, gateway)
+def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep, actor: AdminActor) -> dict:
+    return admin.delete_team(team_id, session, gateway, actor=actor)
 
 
 # keys
 
 
 @router.post("/keys", status_code=201, response_model=KeyCreated)
-def create_key(body: KeyCreate, session: SessionDep) -> KeyCreated:
-    return admin.create_key(body, session)
+def create_key(body: KeyCreate, session: SessionDep, actor: AdminActor) -> KeyCreated:
+    return admin.create_key(body, session, actor=actor)
 
 
 @router.get("/keys", response_model=Page[KeyView])
@@ -104,14 +108,23 @@ def get_key(key_id: int, session: SessionDep) -> KeyView:
 
 
 @router.patch("/keys/{key_id}", response_model=KeyView)
-def update_key(key_id: int, body: KeyUpdate, session: SessionDep, gateway: GatewayDep) -> KeyView:
-    return admin.update_key(key_id, body, session, gateway)
+def update_key(key_id: int, body: KeyUpdate, session: SessionDep, gateway: GatewayDep, actor: AdminActor) -> KeyView:
+    return admin.update_key(key_id, body, session, gateway, actor=actor)
 
 
 @router.delete("/keys/{key_id}", response_model=KeyView)
-def revoke_key(key_id: int, session: SessionDep, gateway: GatewayDep) -> KeyView:
+def revoke_key(key_id: int, session: SessionDep, gateway: GatewayDep, actor: AdminActor) -> KeyView:
     """Revokes the key (rows keep pointing at it; it answers 401 from now on)."""
-    return admin.revoke_key(key_id, session, gateway)
+    return admin.revoke_key(key_id, session, gateway, actor=actor)
+
+
+@router.post("/keys/{key_id}/rotate", response_model=KeyRotated)
+def rotate_key(
+    key_id: int, session: SessionDep, gateway: GatewayDep, actor: AdminActor, body: KeyRotate | None = None
+) -> KeyRotated:
+    """A new secret for the key (shown this once), same id, limits and usage; the old secret keeps
+    working for grace_period_s (default 24 h), then answers 401 invalid_api_key."""
+    return admin.rotate_key(key_id, body or KeyRotate.model_validate({}), session, gateway, actor=actor)
 
 
 # usage

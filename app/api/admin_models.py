@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.api.deps import AdminDep
+from app.api.deps import AdminActor, AdminDep
 from app.errors import OpenAIError, invalid_request
 from app.gateway.config import ModelPrice
 from app.registry.pool import ModelPool
@@ -37,11 +37,11 @@ async def list_models(request: Request) -> ModelList:
 
 
 @router.post("/models", status_code=201, response_model=ModelView)
-async def create_model(body: ModelCreate, request: Request) -> ModelView:
+async def create_model(body: ModelCreate, request: Request, actor: AdminActor) -> ModelView:
     pool = _pool(request)
     fields = body.model_dump(exclude_unset=True, exclude={"load"})
     try:
-        spec = await pool.register(fields, load=body.load)
+        spec = await pool.register(fields, load=body.load, actor=actor)
     except RegistryError as error:
         raise refused(error) from None
     return _view(pool, spec.name)
@@ -56,40 +56,40 @@ async def get_model(name: str, request: Request) -> ModelView:
 
 
 @router.patch("/models/{name:path}", response_model=ModelView)
-async def update_model(name: str, body: ModelChanges, request: Request) -> ModelView:
+async def update_model(name: str, body: ModelChanges, request: Request, actor: AdminActor) -> ModelView:
     pool = _pool(request)
     try:
-        await pool.update(name, body.model_dump(exclude_unset=True))
+        await pool.update(name, body.model_dump(exclude_unset=True), actor=actor)
     except RegistryError as error:
         raise refused(error) from None
     return _view(pool, name)
 
 
 @router.delete("/models/{name:path}")
-async def delete_model(name: str, request: Request) -> dict:
+async def delete_model(name: str, request: Request, actor: AdminActor) -> dict:
     """Unloads (waiting for requests in flight) and forgets the model; its usage rows stay."""
-    await _pool(request).remove(name)
+    await _pool(request).remove(name, actor=actor)
     return {"name": name, "object": "registered_model", "deleted": True}
 
 
 @router.post("/models/{name:path}/load", response_model=ModelView)
-async def load_registered_model(name: str, request: Request) -> ModelView:
+async def load_registered_model(name: str, request: Request, actor: AdminActor) -> ModelView:
     """Loads it here and answers once it serves (seconds; a GGUF's first load converts it, ~30 s)."""
     pool = _pool(request)
     try:
-        await pool.load(name)
+        await pool.load(name, actor=actor)
     except RegistryError as error:
         raise refused(error) from None
     return _view(pool, name)
 
 
 @router.post("/models/{name:path}/unload", response_model=ModelView)
-async def unload_registered_model(name: str, request: Request, wait: bool = False) -> ModelView:
+async def unload_registered_model(name: str, request: Request, actor: AdminActor, wait: bool = False) -> ModelView:
     """New requests get 503 model_not_loaded at once; those in flight finish, then the engine stops.
     Answers at once (state draining) unless wait=true."""
     pool = _pool(request)
     pool._known(name)
-    await pool.unload(name, wait=wait)
+    await pool.unload(name, wait=wait, actor=actor)
     return _view(pool, name)
 
 

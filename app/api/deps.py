@@ -1,6 +1,6 @@
 """Every FastAPI dependency the JSON routes use. `ContextDep` (the server context on app.state.context)
 and `PrincipalDep` (the caller, as the app's gateway authenticates it) for /v1; `GatewayDep`,
-`TeamKeyDep` (a team's API key) and `AdminDep` (the admin key) for the TeamGateway's own routes, which
+`TeamKeyDep` (a team's API key) and `AdminDep` / `AdminActor` (the admin key) for the TeamGateway's own routes, which
 find it on app.state.gateway."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from app.batches.dispatch import BATCH_PRINCIPAL
 from app.batches.service import BatchService
 from app.errors import OpenAIError
+from app.gateway.audit import Actor
 from app.gateway.auth import KeyPrincipal
 from app.gateway.contract import Principal
 from app.gateway.keys import bearer_token
@@ -50,7 +51,8 @@ async def require_team_key(request: Request, gateway: GatewayDep) -> KeyPrincipa
     return await gateway.authenticate(request)
 
 
-async def require_admin(request: Request, gateway: GatewayDep) -> None:
+async def require_admin(request: Request, gateway: GatewayDep) -> Actor:
+    """The admin, as the audit log names whoever makes a change with this request."""
     token = bearer_token(request.headers.get("authorization"))
     if gateway.admin is None or not gateway.admin.matches(token):
         raise gateway.auth_failure(
@@ -60,7 +62,9 @@ async def require_admin(request: Request, gateway: GatewayDep) -> None:
                 401, "This endpoint needs the admin key: 'Authorization: Bearer <admin key>'.", code="invalid_api_key"
             ),
         )
+    return gateway.admin.actor
 
 
 TeamKeyDep = Annotated[KeyPrincipal, Depends(require_team_key)]
 AdminDep = Depends(require_admin)
+AdminActor = Annotated[Actor, Depends(require_admin)]  # the same check (run once a request), and who passed it

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.batches.files import unix
 from app.errors import OpenAIError, invalid_request
+from app.gateway.audit import Actor, record_change
 from app.gateway.crud import utcnow
 from app.tables import BatchJob, BatchLine
 
@@ -122,16 +123,28 @@ class BatchStore:
             rows = list(session.scalars(query))
         return rows[:limit], len(rows) > limit
 
-    def cancel(self, *, team_id: int | None, batch_id: str) -> BatchJob:
+    def cancel(self, *, team_id: int | None, batch_id: str, actor: Actor | None = None) -> BatchJob:
         """validating / in_progress -> cancelling (the runner finishes the job); cancelling and cancelled
-        stay as they are; any other final status is a conflict."""
+        stay as they are; any other final status is a conflict. An admin's cancel (`actor`) is audited."""
         with self.sessions() as session, session.begin():
             row = session.get(BatchJob, batch_id, with_for_update=True)
             if row is None or row.team_id != team_id:
                 raise batch_not_found(batch_id)
             if row.status in ("validating", "in_progress"):
+                before = {"status": row.status, "team_id": row.team_id}
                 row.status = "cancelling"
                 row.cancelling_at = utcnow()
+                if actor is not None:
+                    after = {"status": row.status, "team_id": row.team_id, "cancelling_at": row.cancelling_at}
+                    record_change(
+                        session,
+                        actor=actor,
+                        action="batch.cancel",
+                        target_type="batch",
+                        target_id=batch_id,
+                        before=before,
+                        after=after,
+                    )
             elif row.status not in ("cancelling", "cancelled"):
                 raise OpenAIError(409, f"Cannot cancel a batch that is {row.status}.", code="batch_not_cancellable")
             session.flush()

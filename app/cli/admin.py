@@ -1,20 +1,24 @@
 """`tokenmill teams|keys|usage`: the admin API's jobs from a shell, against the same database.
 
 Settings come from the environment (TOKENMILL_DATABASE_URL, TOKENMILL_DATA_DIR) or --database-url /
---data-dir. Migrations run first, so the commands work on an empty database too.
+--data-dir. Migrations run first, so the commands work on an empty database too. Changes go into the
+audit log as made by the CLI, under the OS user who ran it.
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import re
+import socket
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 from app.db import make_engine, migrate, session_factory
 from app.gateway import crud
+from app.gateway.audit import Actor
 from app.gateway.reports import parse_group_by, parse_when, report_columns, to_csv, usage_report
 
 
@@ -25,6 +29,16 @@ def _open(args: argparse.Namespace):
     engine = make_engine(settings.database_url)
     migrate(engine)
     return engine, session_factory(engine)
+
+
+def cli_actor() -> Actor:
+    """Whoever ran the command, as well as the machine can say (the CLI holds no admin credential: it
+    reaches the database directly)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a bare container)
+        user = f"uid {os.getuid()}"
+    return Actor("cli", user, f"{user}@{socket.gethostname()}")
 
 
 def _store_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +109,11 @@ def teams_create(args: argparse.Namespace) -> int:
         try:
             share = {"scheduling_weight": args.weight, "cache_group": args.cache_group}
             team = crud.create_team(
-                session, name=args.name, **_limits(args), **{k: v for k, v in share.items() if v is not None}
+                session,
+                actor=cli_actor(),
+                name=args.name,
+                **_limits(args),
+                **{k: v for k, v in share.items() if v is not None},
             )
         except (crud.Conflict, ValueError) as error:
             return _fail(str(error))
@@ -137,7 +155,9 @@ def keys_create(args: argparse.Namespace) -> int:
     with sessions() as session:
         try:
             team = _team_named(session, args.team)
-            key, plaintext = crud.create_key(session, team=team, name=args.name or "", **_limits(args))
+            key, plaintext = crud.create_key(
+                session, actor=cli_actor(), team=team, name=args.name or "", **_limits(args)
+            )
         except (LookupError, ValueError) as error:
             return _fail(str(error))
         session.commit()
@@ -179,22 +199,60 @@ def keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def keys_revoke(args: argparse.Namespace) -> int:
+def _one_key(session, ident: str):
+    """The key `ident` names: its id, or its visible prefix as `keys list` shows it."""
     from sqlalchemy import select
 
     from app.tables import ApiKey
 
+    if ident.isdigit():
+        keys = [k for k in [crud.get_key(session, key_id=int(ident))] if k is not None]
+    else:
+        keys = list(session.scalars(select(ApiKey).where(ApiKey.key_prefix == ident)))
+    if len(keys) != 1:
+        raise LookupError(f"{'no' if not keys else 'more than one'} key matches {ident!r}")
+    return keys[0]
+
+
+def keys_revoke(args: argparse.Namespace) -> int:
     _, sessions = _open(args)
     with sessions() as session:
-        if args.key.isdigit():
-            keys = [k for k in [crud.get_key(session, key_id=int(args.key))] if k is not None]
-        else:
-            keys = list(session.scalars(select(ApiKey).where(ApiKey.key_prefix == args.key)))
-        if len(keys) != 1:
-            return _fail(f"{'no' if not keys else 'more than one'} key matches {args.key!r}")
-        crud.revoke_key(session, key=keys[0])
+        try:
+            key = _one_key(session, args.key)
+        except LookupError as error:
+            return _fail(str(error))
+        crud.revoke_key(session, actor=cli_actor(), key=key)
         session.commit()
-        print(f"revoked key {keys[0].key_prefix}... (id {keys[0].id}); replicas drop it within their cache TTL")
+        print(f"revoked key {key.key_prefix}... (id {key.id}); replicas drop it within their cache TTL")
+    return 0
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "90s", "15m", "1h", "2d"."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a duration: use e.g. 3600, 90s, 15m, 1h or 2d")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+def keys_rotate(args: argparse.Namespace) -> int:
+    _, sessions = _open(args)
+    with sessions() as session:
+        try:
+            key = _one_key(session, args.key)
+            old_prefix = key.key_prefix
+            key, plaintext, _ = crud.rotate_key(
+                session, actor=cli_actor(), key=key, grace_period_s=parse_duration(args.grace)
+            )
+        except (LookupError, ValueError, crud.Conflict) as error:
+            return _fail(str(error))
+        session.commit()
+        print(
+            f"rotated key {key.key_prefix}... (id {key.id}); the old secret {old_prefix}... works until "
+            f"{key.previous_key_expires_at:%Y-%m-%d %H:%M:%S} UTC. The new one is shown once, store it now:",
+            file=sys.stderr,
+        )
+        print(plaintext)
     return 0
 
 
@@ -256,6 +314,11 @@ def _keys_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("key", help="key id, or its prefix as `keys list` shows it")
     _store_arguments(revoke)
     revoke.set_defaults(run=keys_revoke)
+    rotate = sub.add_parser("rotate", help="a new secret for a key (printed once); the old one works for --grace")
+    rotate.add_argument("key", help="key id, or its prefix as `keys list` shows it")
+    rotate.add_argument("--grace", default="24h", help="how long the old secret keeps working: 0, 90s, 15m, 1h, 2d")
+    _store_arguments(rotate)
+    rotate.set_defaults(run=keys_rotate)
 
 
 def _usage_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +339,6 @@ def commands() -> list[tuple[str, str, Callable[[argparse.ArgumentParser], None]
     """(name, help, add_arguments, run) for app.cli.main's COMMANDS."""
     return [
         ("teams", "create and list teams", _teams_arguments, _dispatch),
-        ("keys", "create, list and revoke API keys", _keys_arguments, _dispatch),
+        ("keys", "create, list, rotate and revoke API keys", _keys_arguments, _dispatch),
         ("usage", "usage report (table or CSV)", _usage_arguments, usage),
     ]

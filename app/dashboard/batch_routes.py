@@ -7,7 +7,7 @@ from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import select, tuple_
 
 from app.batches.jobs import BatchStore
-from app.dashboard.deps import CheckedForm, DashboardDep, PageSession
+from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
 from app.tables import BatchJob, Team
@@ -52,7 +52,9 @@ def list_batches(
 
 
 @router.post("/admin/batches/{batch_id}/cancel", include_in_schema=False)
-def cancel_batch(batch_id: str, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+def cancel_batch(
+    batch_id: str, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+) -> Response:
     """The runner sees the new status within a second, stops feeding and writes the partial output."""
     jobs = BatchStore(dashboard.gateway.sessions)
     with dashboard.gateway.sessions() as db:
@@ -60,7 +62,7 @@ def cancel_batch(batch_id: str, session: PageSession, dashboard: DashboardDep, f
     if job is None:
         return RedirectResponse("/admin/batches?error=not_found", status_code=303)
     try:
-        jobs.cancel(team_id=job.team_id, batch_id=batch_id)
+        jobs.cancel(team_id=job.team_id, batch_id=batch_id, actor=actor)
     except OpenAIError:
         return RedirectResponse("/admin/batches?error=not_cancellable", status_code=303)
     return RedirectResponse("/admin/batches", status_code=303)

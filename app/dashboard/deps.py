@@ -13,6 +13,7 @@ from app.dashboard.live import LiveSampler
 from app.dashboard.playground_keys import PlaygroundKeys
 from app.dashboard.sessions import SESSION_COOKIE, AdminSession, SessionSigner, SessionStore
 from app.errors import OpenAIError
+from app.gateway.audit import SYSTEM, Actor
 from app.gateway.service import TeamGateway
 from app.settings import Settings
 
@@ -68,6 +69,20 @@ def data_session(session: Annotated[AdminSession | None, Depends(current_session
 
 PageSession = Annotated[AdminSession, Depends(page_session)]
 DataSession = Annotated[AdminSession, Depends(data_session)]
+
+
+def actor_of(session: AdminSession, dashboard: Dashboard) -> Actor:
+    """Who the audit log says made a change through this dashboard session: so far every session is
+    opened with the admin key."""
+    admin = dashboard.gateway.admin
+    return admin.actor if admin is not None else SYSTEM
+
+
+def page_actor(session: PageSession, dashboard: DashboardDep) -> Actor:
+    return actor_of(session, dashboard)
+
+
+PageActor = Annotated[Actor, Depends(page_actor)]
 
 
 async def read_form(request: Request) -> dict[str, str]:

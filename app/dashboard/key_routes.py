@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import select
 
-from app.dashboard.deps import CheckedForm, DashboardDep, PageSession, safe_next
+from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession, safe_next
 from app.dashboard.limit_forms import FormError, body_from
 from app.dashboard.rendering import render
 from app.dashboard.team_routes import PAGE_SIZE, team_page
@@ -52,13 +52,15 @@ def list_keys(
 
 
 @router.post("/admin/keys", include_in_schema=False)
-def create_key(request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+def create_key(
+    request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+) -> Response:
     """Answers with the page that shows the key: once, never cached, never in a URL."""
     team_id = int(form["team_id"]) if form.get("team_id", "").isdigit() else 0
     try:
         body = body_from(form, KeyCreate, team_id=team_id, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:
-            created = admin.create_key(body, db)
+            created = admin.create_key(body, db, actor=actor)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return team_page(request, session, dashboard, team_id, error=message, status_code=400)
@@ -95,12 +97,12 @@ def show_key(
 
 @router.post("/admin/keys/{key_id}", include_in_schema=False)
 def update_key(
-    request: Request, key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm
+    request: Request, key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
 ) -> Response:
     try:
         body = body_from(form, KeyUpdate, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:
-            admin.update_key(key_id, body, db, dashboard.gateway)
+            admin.update_key(key_id, body, db, dashboard.gateway, actor=actor)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return show_key(request, key_id, session, dashboard, error=message, status_code=400)
@@ -108,8 +110,10 @@ def update_key(
 
 
 @router.post("/admin/keys/{key_id}/revoke", include_in_schema=False)
-def revoke_key(key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+def revoke_key(
+    key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+) -> Response:
     with dashboard.gateway.sessions() as db:
-        key = admin.revoke_key(key_id, db, dashboard.gateway)
+        key = admin.revoke_key(key_id, db, dashboard.gateway, actor=actor)
     back = safe_next(form.get("back") or f"/admin/teams/{key.team_id}")
     return RedirectResponse(back + ("&" if "?" in back else "?") + "done=revoked", status_code=303)

@@ -3,16 +3,19 @@ cookie that expires; the login form carries its own CSRF token (double submit) b
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from app.dashboard.deps import CheckedForm, DashboardDep, PageSession, current_session, read_form, safe_next
+from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession, current_session, read_form, safe_next
 from app.dashboard.rendering import render
 from app.dashboard.sessions import LOGIN_COOKIE, SESSION_COOKIE, AdminSession
 from app.errors import OpenAIError
+from app.gateway.audit import Actor, record_alone
+from app.gateway.service import client_address
 
 router = APIRouter()
 
@@ -76,13 +79,25 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
     presented = form.get("admin_key", "").strip()
     if admin is None or not admin.matches(presented):  # the same failure limit as the API's keys
         refused = dashboard.gateway.auth_failure(request, presented, OpenAIError(401, "That is not the admin key."))
+        if refused.status == 401:  # once the limiter answers 429, a flood can't fill the audit log
+            await run_in_threadpool(
+                record_alone,
+                dashboard.gateway.sessions,
+                actor=Actor("admin_key", "unknown", client_address(request)),
+                action="session.login_failed",
+                target_type="session",
+                target_id=None,
+                after={"address": client_address(request), "reason": "not the admin key"},
+            )
         response = login_page(
             request, dashboard, next_path=next_path, status_code=refused.status, error=refused.message
         )
         response.headers.update(refused.headers)
         return response
     session, cookie = dashboard.signer.issue()
-    await run_in_threadpool(dashboard.session_store.open, session)
+    await run_in_threadpool(
+        partial(dashboard.session_store.open, session, actor=admin.actor, address=client_address(request))
+    )
     response = RedirectResponse(next_path, status_code=303)
     response.set_cookie(
         SESSION_COOKIE,
@@ -98,9 +113,12 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
 
 
 @router.post("/admin/logout", include_in_schema=False)
-async def log_out(request: Request, dashboard: DashboardDep, session: PageSession, form: CheckedForm) -> Response:
-    await run_in_threadpool(dashboard.session_store.end, session)  # on every replica: the row is gone
-    await run_in_threadpool(dashboard.playground.forget, session.session_id)
+async def log_out(
+    request: Request, dashboard: DashboardDep, session: PageSession, form: CheckedForm, actor: PageActor
+) -> Response:
+    address = client_address(request)
+    await run_in_threadpool(partial(dashboard.session_store.end, session, actor=actor, address=address))  # everywhere
+    await run_in_threadpool(dashboard.playground.forget, session.session_id, actor)
     response = RedirectResponse("/admin/login", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict", secure=_secure(request))
     return response

@@ -8,7 +8,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
-from app.dashboard.deps import CheckedForm, PageSession
+from app.dashboard.deps import CheckedForm, PageActor, PageSession
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
 from app.registry.spec import RegistryError
@@ -17,12 +17,14 @@ router = APIRouter()
 
 
 @router.post("/admin/models/{name:path}/{action}", include_in_schema=False)
-async def model_action(request: Request, name: str, action: str, session: PageSession, form: CheckedForm) -> Response:
+async def model_action(
+    request: Request, name: str, action: str, session: PageSession, form: CheckedForm, actor: PageActor
+) -> Response:
     pool = request.app.state.context.models
     if action not in ("load", "unload") or name not in pool.specs:
         return render(request, "error.html", session, status_code=404, message=f"No model {name!r} to {action}.")
     try:
-        await (pool.load(name) if action == "load" else pool.unload(name))
+        await (pool.load(name, actor=actor) if action == "load" else pool.unload(name, actor=actor))
     except (RegistryError, OpenAIError) as error:
         return render(request, "error.html", session, status_code=400, message=str(error))
     return RedirectResponse(f"/admin/models?done={quote(action)}#{quote(name)}", status_code=303)

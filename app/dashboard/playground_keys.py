@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from app.errors import OpenAIError
 from app.gateway import admin, crud
+from app.gateway.audit import Actor
 from app.gateway.schemas import KeyCreate, TeamCreate
 
 PLAYGROUND_TEAM = "playground"
@@ -37,42 +38,42 @@ class PlaygroundKeys:
         self._by_session: dict[str, PlaygroundKey] = {}
         self._lock = threading.Lock()
 
-    def key_for(self, session_id: str) -> PlaygroundKey:
-        """Blocking (database): run it in a thread."""
+    def key_for(self, session_id: str, actor: Actor) -> PlaygroundKey:
+        """Blocking (database): run it in a thread. `actor`: the session's admin, in the audit log."""
         with self._lock:
             existing = self._by_session.get(session_id)
             if existing is not None and existing.expires_at - self.clock() > REUSE_MARGIN_S:
                 return existing
-            minted = self._mint()
+            minted = self._mint(actor)
             self._by_session[session_id] = minted
             return minted
 
-    def _mint(self) -> PlaygroundKey:
+    def _mint(self, actor: Actor) -> PlaygroundKey:
         expires_at = int(self.clock() + KEY_LIFETIME_S)
         expires = datetime.fromtimestamp(expires_at, UTC)
         with self.gateway.sessions() as session:
-            team_id = self._team_id(session)
+            team_id = self._team_id(session, actor)
             created = admin.create_key(
-                KeyCreate(team_id=team_id, name="dashboard playground", expires_at=expires), session
+                KeyCreate(team_id=team_id, name="dashboard playground", expires_at=expires), session, actor=actor
             )
         return PlaygroundKey(created.key, created.id, team_id, expires_at)
 
     @staticmethod
-    def _team_id(session) -> int:
+    def _team_id(session, actor: Actor) -> int:
         team = crud.get_team_by_name(session, name=PLAYGROUND_TEAM)
         if team is not None:
             return team.id
         try:
-            return admin.create_team(TeamCreate(name=PLAYGROUND_TEAM), session).id
+            return admin.create_team(TeamCreate(name=PLAYGROUND_TEAM), session, actor=actor).id
         except (OpenAIError, IntegrityError):  # another replica made it first
             session.rollback()
             return crud.get_team_by_name(session, name=PLAYGROUND_TEAM).id
 
-    def forget(self, session_id: str) -> None:
+    def forget(self, session_id: str, actor: Actor) -> None:
         """At logout: revoke the session's key. Blocking (database)."""
         with self._lock:
             minted = self._by_session.pop(session_id, None)
         if minted is None:
             return
         with self.gateway.sessions() as session:
-            admin.revoke_key(minted.key_id, session, self.gateway)
+            admin.revoke_key(minted.key_id, session, self.gateway, actor=actor)

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.gateway.audit import Actor, record_change
 from app.tables import AdminSession as AdminSessionRow
 
 SESSION_COOKIE = "tokenmill_admin"
@@ -108,14 +109,20 @@ class SessionStore:
         self.sessions = sessions
         self.clock = clock
 
-    def open(self, session: AdminSession) -> None:
+    def open(self, session: AdminSession, *, actor: Actor, address: str | None = None) -> None:
+        """Opens it, and records the login (who, from where) in the same transaction."""
         now = _naive_utc(self.clock())
+        expires_at = _naive_utc(session.expires_at)
         with self.sessions() as db:
             db.execute(delete(AdminSessionRow).where(AdminSessionRow.expires_at <= now))  # expired ones go here
-            db.add(
-                AdminSessionRow(
-                    id_hash=_id_hash(session.session_id), created_at=now, expires_at=_naive_utc(session.expires_at)
-                )
+            db.add(AdminSessionRow(id_hash=_id_hash(session.session_id), created_at=now, expires_at=expires_at))
+            record_change(
+                db,
+                actor=actor,
+                action="session.login",
+                target_type="session",
+                target_id=None,  # the session's id is the cookie's secret
+                after={"address": address, "expires_at": expires_at},
             )
             db.commit()
 
@@ -126,7 +133,15 @@ class SessionStore:
             )
         return expires_at is not None and expires_at > _naive_utc(self.clock())
 
-    def end(self, session: AdminSession) -> None:
+    def end(self, session: AdminSession, *, actor: Actor, address: str | None = None) -> None:
         with self.sessions() as db:
             db.execute(delete(AdminSessionRow).where(AdminSessionRow.id_hash == _id_hash(session.session_id)))
+            record_change(
+                db,
+                actor=actor,
+                action="session.logout",
+                target_type="session",
+                target_id=None,
+                after={"address": address},
+            )
             db.commit()

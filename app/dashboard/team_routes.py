@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import func, select
 
-from app.dashboard.deps import CheckedForm, DashboardDep, PageSession
+from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession
 from app.dashboard.limit_forms import FormError, body_from, share_from
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
@@ -71,11 +71,13 @@ def list_teams(request: Request, session: PageSession, dashboard: DashboardDep, 
 
 
 @router.post("/admin/teams", include_in_schema=False)
-def create_team(request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+def create_team(
+    request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+) -> Response:
     try:
         body = body_from(form, TeamCreate, name=form.get("name", "").strip(), **share_from(form))
         with dashboard.gateway.sessions() as db:
-            team = admin.create_team(body, db)
+            team = admin.create_team(body, db, actor=actor)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return teams_page(request, session, dashboard, after=None, error=message, form=form, status_code=400)
@@ -145,7 +147,7 @@ def show_team(
 
 @router.post("/admin/teams/{team_id}", include_in_schema=False)
 def update_team(
-    request: Request, team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm
+    request: Request, team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
 ) -> Response:
     try:
         name = form.get("name", "").strip()
@@ -157,7 +159,7 @@ def update_team(
             **share_from(form),
         )
         with dashboard.gateway.sessions() as db:
-            admin.update_team(team_id, body, db, dashboard.gateway)
+            admin.update_team(team_id, body, db, dashboard.gateway, actor=actor)
     except (FormError, OpenAIError) as error:
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return team_page(request, session, dashboard, team_id, error=message, status_code=400)
@@ -165,7 +167,9 @@ def update_team(
 
 
 @router.post("/admin/teams/{team_id}/delete", include_in_schema=False)
-def delete_team(team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm) -> Response:
+def delete_team(
+    team_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+) -> Response:
     with dashboard.gateway.sessions() as db:
-        admin.delete_team(team_id, db, dashboard.gateway)
+        admin.delete_team(team_id, db, dashboard.gateway, actor=actor)
     return RedirectResponse("/admin/teams", status_code=303)

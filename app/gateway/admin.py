@@ -1,5 +1,6 @@
 """What an admin does to teams and keys, for both the admin API (app.api.admin) and the dashboard's
-forms (app.dashboard): one transaction each, and the gateway's key cache told what changed."""
+forms (app.dashboard): one transaction each (the change and its audit row), and the gateway's key cache
+told what changed. `actor` is who asks: the admin key, an SSO user, the system."""
 
 from __future__ import annotations
 
@@ -7,8 +8,20 @@ from sqlalchemy.orm import Session
 
 from app.errors import OpenAIError
 from app.gateway import crud
-from app.gateway.schemas import KeyCreate, KeyCreated, KeyUpdate, KeyView, TeamCreate, TeamUpdate, TeamView
+from app.gateway.audit import Actor
+from app.gateway.schemas import (
+    KeyCreate,
+    KeyCreated,
+    KeyRotate,
+    KeyRotated,
+    KeyUpdate,
+    KeyView,
+    TeamCreate,
+    TeamUpdate,
+    TeamView,
+)
 from app.gateway.service import TeamGateway
+from app.tables import ApiKey
 
 
 def not_found(what: str, ident: int) -> OpenAIError:
@@ -34,9 +47,14 @@ def _conflict(error: crud.Conflict) -> OpenAIError:
 # teams
 
 
-def create_team(body: TeamCreate, session: Session) -> TeamView:
+def _secrets_of(key: ApiKey) -> list[str]:
+    """The hashes a key answers to: its secret, and the one before its last rotation."""
+    return [h for h in (key.key_hash, key.previous_key_hash) if h]
+
+
+def create_team(body: TeamCreate, session: Session, *, actor: Actor) -> TeamView:
     try:
-        team = crud.create_team(session, **_changes(body))
+        team = crud.create_team(session, actor=actor, **_changes(body))
     except crud.Conflict as error:
         raise _conflict(error) from None
     _commit(session)
@@ -50,12 +68,12 @@ def get_team(team_id: int, session: Session) -> TeamView:
     return TeamView.of(team)
 
 
-def update_team(team_id: int, body: TeamUpdate, session: Session, gateway: TeamGateway) -> TeamView:
+def update_team(team_id: int, body: TeamUpdate, session: Session, gateway: TeamGateway, *, actor: Actor) -> TeamView:
     team = crud.get_team(session, team_id=team_id)
     if team is None:
         raise not_found("team", team_id)
     try:
-        crud.update_team(session, team=team, **_changes(body))
+        crud.update_team(session, actor=actor, team=team, **_changes(body))
     except crud.Conflict as error:
         raise _conflict(error) from None
     _commit(session)
@@ -63,11 +81,11 @@ def update_team(team_id: int, body: TeamUpdate, session: Session, gateway: TeamG
     return TeamView.of(team)
 
 
-def delete_team(team_id: int, session: Session, gateway: TeamGateway) -> dict:
+def delete_team(team_id: int, session: Session, gateway: TeamGateway, *, actor: Actor) -> dict:
     team = crud.get_team(session, team_id=team_id)
     if team is None:
         raise not_found("team", team_id)
-    revoked = crud.delete_team(session, team=team)
+    revoked = crud.delete_team(session, actor=actor, team=team)
     _commit(session)
     gateway.forget_keys(revoked)
     gateway.forget_keys()
@@ -77,12 +95,12 @@ def delete_team(team_id: int, session: Session, gateway: TeamGateway) -> dict:
 # keys
 
 
-def create_key(body: KeyCreate, session: Session) -> KeyCreated:
+def create_key(body: KeyCreate, session: Session, *, actor: Actor) -> KeyCreated:
     fields = _changes(body)
     team = crud.get_team(session, team_id=fields.pop("team_id"))
     if team is None:
         raise OpenAIError(404, f"No team with id {body.team_id}.", param="team_id", code="not_found")
-    key, plaintext = crud.create_key(session, team=team, **fields)
+    key, plaintext = crud.create_key(session, actor=actor, team=team, **fields)
     _commit(session)
     return KeyCreated(**KeyView.of(key).model_dump(), key=plaintext)
 
@@ -94,22 +112,37 @@ def get_key(key_id: int, session: Session) -> KeyView:
     return KeyView.of(key)
 
 
-def update_key(key_id: int, body: KeyUpdate, session: Session, gateway: TeamGateway) -> KeyView:
+def update_key(key_id: int, body: KeyUpdate, session: Session, gateway: TeamGateway, *, actor: Actor) -> KeyView:
     key = crud.get_key(session, key_id=key_id)
     if key is None:
         raise not_found("key", key_id)
-    crud.update_key(session, key=key, **_changes(body))
+    crud.update_key(session, actor=actor, key=key, **_changes(body))
     _commit(session)
-    gateway.forget_keys([key.key_hash])
+    gateway.forget_keys(_secrets_of(key))
     return KeyView.of(key)
 
 
-def revoke_key(key_id: int, session: Session, gateway: TeamGateway) -> KeyView:
+def revoke_key(key_id: int, session: Session, gateway: TeamGateway, *, actor: Actor) -> KeyView:
     """Revokes the key (rows keep pointing at it; it answers 401 from now on)."""
     key = crud.get_key(session, key_id=key_id)
     if key is None:
         raise not_found("key", key_id)
-    crud.revoke_key(session, key=key)
+    crud.revoke_key(session, actor=actor, key=key)
     _commit(session)
-    gateway.forget_keys([key.key_hash])
+    gateway.forget_keys(_secrets_of(key))
     return KeyView.of(key)
+
+
+def rotate_key(key_id: int, body: KeyRotate, session: Session, gateway: TeamGateway, *, actor: Actor) -> KeyRotated:
+    """A new secret under the same key id; the old one works until the grace period ends (its cached
+    principal is dropped here, so it comes back with the grace's end as its expiry)."""
+    key = crud.get_key(session, key_id=key_id)
+    if key is None:
+        raise not_found("key", key_id)
+    try:
+        key, plaintext, stale = crud.rotate_key(session, actor=actor, key=key, grace_period_s=body.grace_period_s)
+    except crud.Conflict as error:
+        raise _conflict(error) from None
+    _commit(session)
+    gateway.forget_keys(stale)
+    return KeyRotated(**KeyView.of(key).model_dump(), key=plaintext)

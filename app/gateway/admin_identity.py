@@ -12,14 +12,16 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.gateway.audit import SYSTEM, Actor
 from app.gateway.crud import create_key, create_team, find_key, get_team_by_name, utcnow
 from app.gateway.keys import ADMIN_KEY_PREFIX, generate_key, hash_key, hashes_match, visible_prefix
 from app.tables import AdminCredential
 
 
 class AdminIdentity:
-    def __init__(self, key_hash: str):
+    def __init__(self, key_hash: str, actor: Actor):
         self._key_hash = key_hash
+        self.actor = actor  # how the audit log names changes made with this key
 
     def matches(self, key: str | None) -> bool:
         return bool(key) and hashes_match(key, self._key_hash)
@@ -30,24 +32,33 @@ def ensure_admin_identity(
 ) -> tuple[AdminIdentity, str | None]:
     """The admin identity, and the plaintext key when this call generated it (to show once)."""
     if configured_key:
-        return AdminIdentity(hash_key(configured_key)), None
+        return AdminIdentity(hash_key(configured_key), admin_actor("env", visible_prefix(configured_key))), None
     with sessions() as session:
         stored = session.scalar(select(AdminCredential).order_by(AdminCredential.id).limit(1))
         if stored is not None:
-            return AdminIdentity(stored.key_hash), None
+            return _stored_identity(stored), None
         plaintext = generate_key(ADMIN_KEY_PREFIX)
-        session.add(
-            AdminCredential(
-                id=1, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext), created_at=utcnow()
-            )
+        credential = AdminCredential(
+            id=1, key_hash=hash_key(plaintext), key_prefix=visible_prefix(plaintext), created_at=utcnow()
         )
+        session.add(credential)
         try:
             session.commit()
         except IntegrityError:  # another replica won the race; its key is the admin key
             session.rollback()
             stored = session.scalar(select(AdminCredential).order_by(AdminCredential.id).limit(1))
-            return AdminIdentity(stored.key_hash), None
-    return AdminIdentity(hash_key(plaintext)), plaintext
+            return _stored_identity(stored), None
+    return _stored_identity(credential), plaintext
+
+
+def admin_actor(credential_id: str, key_prefix: str) -> Actor:
+    """The admin key as the audit log names it: its credential's id ("env": TOKENMILL_ADMIN_KEY) and
+    visible prefix, never more of the key."""
+    return Actor("admin_key", credential_id, key_prefix)
+
+
+def _stored_identity(stored: AdminCredential) -> AdminIdentity:
+    return AdminIdentity(stored.key_hash, admin_actor(str(stored.id), stored.key_prefix))
 
 
 CONFIGURED_KEY_TEAM = "default"
@@ -76,8 +87,10 @@ def ensure_configured_key(sessions: sessionmaker[Session], key: str) -> str:
             return f"--api-key is a key of team {team.name!r}" + (
                 ", revoked: requests with it are refused" if row.revoked_at is not None else ""
             )
-        team = get_team_by_name(session, name=CONFIGURED_KEY_TEAM) or create_team(session, name=CONFIGURED_KEY_TEAM)
-        create_key(session, team=team, name=CONFIGURED_KEY_NAME, plaintext=key)
+        team = get_team_by_name(session, name=CONFIGURED_KEY_TEAM) or create_team(
+            session, actor=SYSTEM, name=CONFIGURED_KEY_TEAM
+        )
+        create_key(session, actor=SYSTEM, team=team, name=CONFIGURED_KEY_NAME, plaintext=key)
         try:
             session.commit()
         except IntegrityError:  # another replica stored it first

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.gateway import contract
@@ -54,8 +54,13 @@ def _unix(value: datetime | None) -> float | None:
     return None if value is None else value.replace(tzinfo=UTC).timestamp()
 
 
-def principal_of(key: ApiKey, team: Team) -> KeyPrincipal:
-    expiries = [t for t in (_unix(key.expires_at), _unix(team.expires_at)) if t is not None]
+def principal_of(key: ApiKey, team: Team, key_hash: str | None = None) -> KeyPrincipal:
+    """The principal for `key`'s secret that hashes to `key_hash` (None: its current one). A previous
+    secret (rotated away) expires at the end of its grace period, whatever the key's own expiry says;
+    expiry is checked on every request, so a cached old secret can't outlive its grace."""
+    grace_end = key.previous_key_expires_at if key_hash is not None and key_hash != key.key_hash else None
+    times = (_unix(key.expires_at), _unix(team.expires_at), _unix(grace_end))
+    expiries = [t for t in times if t is not None]
     return KeyPrincipal(
         key_id=key.id,
         key_prefix=key.key_prefix,
@@ -88,7 +93,7 @@ def principal_of(key: ApiKey, team: Team) -> KeyPrincipal:
 def load_principal(sessions: sessionmaker[Session], key_hash: str) -> KeyPrincipal | None:
     with sessions() as session:
         found = find_key(session, key_hash=key_hash)
-    return None if found is None else principal_of(*found)
+    return None if found is None else principal_of(*found, key_hash)
 
 
 def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> dict[str, KeyPrincipal | None]:
@@ -96,13 +101,16 @@ def load_principals(sessions: sessionmaker[Session], key_hashes: list[str]) -> d
     found: dict[str, KeyPrincipal | None] = dict.fromkeys(key_hashes)
     with sessions() as session:
         for start in range(0, len(key_hashes), 500):
+            chunk = key_hashes[start : start + 500]
             rows = session.execute(
                 select(ApiKey, Team)
                 .join(Team, Team.id == ApiKey.team_id)
-                .where(ApiKey.key_hash.in_(key_hashes[start : start + 500]))
+                .where(or_(ApiKey.key_hash.in_(chunk), ApiKey.previous_key_hash.in_(chunk)))
             )
             for key, team in rows:
-                found[key.key_hash] = principal_of(key, team)
+                for key_hash in (key.key_hash, key.previous_key_hash):
+                    if key_hash in found:
+                        found[key_hash] = principal_of(key, team, key_hash)
     return found
 
 

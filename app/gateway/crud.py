@@ -1,14 +1,17 @@
-"""Keyword-only helpers for teams and keys. Callers own the session and the commit."""
+"""Keyword-only helpers for teams and keys. Callers own the session and the commit. Each change adds
+its audit row (app.gateway.audit) to the same session, so the admin API, the dashboard and the CLI,
+which all come through here, record every change once and in the change's own transaction."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from app.gateway.audit import Actor, changed, record_change, snapshot
 from app.gateway.keys import generate_key, hash_key, visible_prefix
 from app.tables import ApiKey, Team
 
@@ -48,13 +51,14 @@ def _clean(fields: dict[str, Any]) -> dict[str, Any]:
 # teams
 
 
-def create_team(session: Session, *, name: str, **limits: Any) -> Team:
+def create_team(session: Session, *, actor: Actor, name: str, **limits: Any) -> Team:
     if get_team_by_name(session, name=name) is not None:
         raise Conflict(f"a team named {name!r} exists already")
     fields = _clean({"allowed_models": [], "budget_period": "month", **limits})
     team = Team(name=name, blocked=False, created_at=utcnow(), **fields)
     session.add(team)
     session.flush()
+    _record(session, actor, "team.create", team, None, snapshot(team))
     return team
 
 
@@ -74,25 +78,30 @@ def list_teams(session: Session, *, limit: int = 100, after: int | None = None) 
     return session.scalars(query).all()
 
 
-def update_team(session: Session, *, team: Team, **fields: Any) -> Team:
+def update_team(session: Session, *, actor: Actor, team: Team, **fields: Any) -> Team:
     fields = _clean(fields)
     if "name" in fields and fields["name"] != team.name and get_team_by_name(session, name=fields["name"]):
         raise Conflict(f"a team named {fields['name']!r} exists already")
+    before = snapshot(team)
     for name, value in fields.items():
         setattr(team, name, value)
     session.flush()
+    _record(session, actor, "team.update", team, *changed(before, snapshot(team)))
     return team
 
 
-def delete_team(session: Session, *, team: Team) -> list[str]:
-    """Soft delete (usage history keeps its team id); revokes the team's keys. Returns their hashes."""
+def delete_team(session: Session, *, actor: Actor, team: Team) -> list[str]:
+    """Soft delete (usage history keeps its team id); revokes the team's keys. Returns the hashes that
+    stop working (rotated keys' previous secrets too)."""
     now = utcnow()
+    before = snapshot(team)
     team.deleted_at = now
-    hashes = list(
-        session.scalars(select(ApiKey.key_hash).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None)))
-    )
+    live = list(session.scalars(select(ApiKey).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None))))
+    hashes = [h for key in live for h in (key.key_hash, key.previous_key_hash) if h]
     session.execute(update(ApiKey).where(ApiKey.team_id == team.id, ApiKey.revoked_at.is_(None)).values(revoked_at=now))
     session.flush()
+    after = {**snapshot(team), "keys_revoked": [key.id for key in live]}
+    _record(session, actor, "team.delete", team, *changed(before, after))
     return hashes
 
 
@@ -100,7 +109,7 @@ def delete_team(session: Session, *, team: Team) -> list[str]:
 
 
 def create_key(
-    session: Session, *, team: Team, name: str = "", plaintext: str | None = None, **limits: Any
+    session: Session, *, actor: Actor, team: Team, name: str = "", plaintext: str | None = None, **limits: Any
 ) -> tuple[ApiKey, str]:
     """Returns the row and the plaintext key (generated unless the operator chose one, as with
     `tokenmill serve --api-key`); the plaintext exists nowhere else afterwards."""
@@ -116,6 +125,7 @@ def create_key(
     )
     session.add(key)
     session.flush()
+    _record(session, actor, "key.create", key, None, snapshot(key))
     return key, plaintext
 
 
@@ -124,8 +134,12 @@ def get_key(session: Session, *, key_id: int) -> ApiKey | None:
 
 
 def find_key(session: Session, *, key_hash: str) -> tuple[ApiKey, Team] | None:
+    """The key whose secret hashes to `key_hash`: its current one, or the one it had before its last
+    rotation (principal_of tells them apart and ends the old one's life at its grace)."""
     row = session.execute(
-        select(ApiKey, Team).join(Team, Team.id == ApiKey.team_id).where(ApiKey.key_hash == key_hash)
+        select(ApiKey, Team)
+        .join(Team, Team.id == ApiKey.team_id)
+        .where(or_(ApiKey.key_hash == key_hash, ApiKey.previous_key_hash == key_hash))
     ).first()
     return (row[0], row[1]) if row else None
 
@@ -148,18 +162,55 @@ def list_keys(
     return session.scalars(query).all()
 
 
-def update_key(session: Session, *, key: ApiKey, **fields: Any) -> ApiKey:
+def update_key(session: Session, *, actor: Actor, key: ApiKey, **fields: Any) -> ApiKey:
+    before = snapshot(key)
     for name, value in _clean(fields).items():
         setattr(key, name, value)
     session.flush()
+    _record(session, actor, "key.update", key, *changed(before, snapshot(key)))
     return key
 
 
-def revoke_key(session: Session, *, key: ApiKey) -> ApiKey:
+def revoke_key(session: Session, *, actor: Actor, key: ApiKey) -> ApiKey:
     if key.revoked_at is None:
+        before = snapshot(key)
         key.revoked_at = utcnow()
         session.flush()
+        _record(session, actor, "key.revoke", key, *changed(before, snapshot(key)))
     return key
+
+
+MAX_GRACE_PERIOD_S = 30 * 86400
+
+
+def rotate_key(session: Session, *, actor: Actor, key: ApiKey, grace_period_s: float) -> tuple[ApiKey, str, list[str]]:
+    """A new secret for the same key (id, limits, usage); the current one keeps working for
+    `grace_period_s` more seconds, and a secret from an earlier rotation stops now. Returns the key, the
+    new plaintext (shown once) and the hashes whose cached principals are stale."""
+    if key.revoked_at is not None:
+        raise Conflict(f"key {key.id} is revoked; create a new key instead")
+    if not 0 <= grace_period_s <= MAX_GRACE_PERIOD_S:  # NaN fails too
+        raise ValueError(f"grace_period_s must be between 0 and {MAX_GRACE_PERIOD_S}")
+    stale = [h for h in (key.key_hash, key.previous_key_hash) if h]
+    before = snapshot(key)
+    plaintext = generate_key()
+    now = utcnow()
+    key.previous_key_hash, key.previous_key_prefix = key.key_hash, key.key_prefix
+    key.previous_key_expires_at = now + timedelta(seconds=grace_period_s)
+    key.key_hash, key.key_prefix = hash_key(plaintext), visible_prefix(plaintext)
+    key.rotated_at = now
+    session.flush()
+    _record(session, actor, "key.rotate", key, *changed(before, snapshot(key)))
+    return key, plaintext, stale
+
+
+def _record(
+    session: Session, actor: Actor, action: str, row: Team | ApiKey, before: dict | None, after: dict | None
+) -> None:
+    target_type = action.partition(".")[0]
+    record_change(
+        session, actor=actor, action=action, target_type=target_type, target_id=str(row.id), before=before, after=after
+    )
 
 
 def touch_last_used(session: Session, *, key_times: dict[int, datetime], team_times: dict[int, datetime]) -> None:

@@ -76,10 +76,20 @@ class KeyUpdate(Limits):
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name"))
 
 
+class KeyRotate(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    grace_period_s: float = Field(
+        86400, ge=0, le=30 * 86400, description="how long the old secret keeps working; default 24 h"
+    )
+
+
 class _View(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
-    @field_serializer("created_at", "last_used_at", "expires_at", check_fields=False)
+    @field_serializer(
+        "created_at", "last_used_at", "expires_at", "rotated_at", "previous_key_expires_at", check_fields=False
+    )
     def _utc(self, value: datetime | None) -> str | None:
         return None if value is None else value.replace(tzinfo=UTC).isoformat()
 
@@ -122,6 +132,9 @@ class KeyView(_View):
     revoked: bool
     created_at: datetime
     last_used_at: datetime | None
+    rotated_at: datetime | None = None
+    previous_key_prefix: str | None = Field(None, description="the secret before the last rotation")
+    previous_key_expires_at: datetime | None = Field(None, description="when that secret stops working")
 
     @classmethod
     def of(cls, key: ApiKey) -> KeyView:
@@ -132,6 +145,10 @@ class KeyView(_View):
 
 class KeyCreated(KeyView):
     key: str = Field(description="the API key itself: shown this once, stored only as a hash")
+
+
+class KeyRotated(KeyCreated):
+    """The rotated key with its new secret (shown this once); previous_key_* say until when the old works."""
 
 
 T = TypeVar("T")

@@ -13,12 +13,14 @@ import gc
 import logging
 import time
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 
 from app.errors import OpenAIError, model_not_found
+from app.gateway.audit import SYSTEM, Actor
 from app.observability.costs import HardwareCostMeter
 from app.registry.inspection import SourceFacts, inspect_source
 from app.registry.loading import preloaded_spec, return_memory_to_os, start_serving
@@ -198,7 +200,7 @@ class ModelPool:
             except Exception as error:  # the store may be away for a while; try again later
                 log.warning("could not re-read the model registry: %s", error)
 
-    async def register(self, fields: Mapping[str, Any], *, load: bool = False) -> ModelSpec:
+    async def register(self, fields: Mapping[str, Any], *, load: bool = False, actor: Actor = SYSTEM) -> ModelSpec:
         facts = await self._inspect(fields.get("kind") or "chat", str(fields.get("path")))
         async with self._changes:
             await self.refresh()
@@ -207,7 +209,7 @@ class ModelPool:
             )
             if self.store is not None:
                 try:
-                    spec = await run_in_threadpool(self.store.insert, spec=spec)
+                    spec = await run_in_threadpool(partial(self.store.insert, spec=spec, actor=actor))
                 except IntegrityError:  # another replica registered the name in between
                     raise RegistryError(
                         f"{spec.name!r} is already a registered model.", param="name", code="conflict"
@@ -215,10 +217,10 @@ class ModelPool:
             self.specs[spec.name] = spec
             self._tell_costs()
         if load:
-            await self.load(spec.name)
+            await self.load(spec.name, actor=actor)
         return spec
 
-    async def update(self, name: str, changes: Mapping[str, Any]) -> ModelSpec:
+    async def update(self, name: str, changes: Mapping[str, Any], *, actor: Actor = SYSTEM) -> ModelSpec:
         facts = None
         if changes.get("path") is not None:
             facts = await self._inspect(self._known(name).kind, str(changes["path"]))
@@ -229,7 +231,7 @@ class ModelPool:
                 changed_spec, spec, changes, base=self.base, others=list(self.specs.values()), facts=facts
             )
             if self.store is not None:
-                updated = await run_in_threadpool(self.store.replace, name=name, spec=updated)
+                updated = await run_in_threadpool(partial(self.store.replace, name=name, spec=updated, actor=actor))
             self.specs[name] = updated
             served = self.served.get(name)
             if served is not None:
@@ -241,13 +243,13 @@ class ModelPool:
             log.info("%s: engine changes take effect at its next load", name)
         return updated
 
-    async def remove(self, name: str) -> None:
+    async def remove(self, name: str, *, actor: Actor = SYSTEM) -> None:
         """Unload (drain, waiting for it) and delete the registry row."""
         self._known(name)
         await self.unload(name, wait=True)
         async with self._changes:
             if self.store is not None:
-                await run_in_threadpool(self.store.remove, name=name)
+                await run_in_threadpool(partial(self.store.remove, name=name, actor=actor))
             self.specs.pop(name, None)
 
     # ---- load and unload ---------------------------------------------------------------------
@@ -262,7 +264,8 @@ class ModelPool:
         except RegistryError as error:
             log.warning("load on demand: %s", error)
 
-    async def load(self, name: str) -> ServedModel:
+    async def load(self, name: str, *, actor: Actor | None = None) -> ServedModel:
+        """Loads it (an admin's load, with `actor`, is audited once it serves; one on demand is not)."""
         spec = self._known(name)
         if not spec.enabled:
             raise RegistryError(f"model {name!r} is disabled; enable it first.", param="enabled", code="model_disabled")
@@ -272,11 +275,18 @@ class ModelPool:
         served = self.served.get(name)
         if served is not None:
             return served
+        state = self.state(name)
         task = self._loading.get(name) or self._start_loading(spec)
-        return await asyncio.shield(task)
+        loaded: ServedModel = await asyncio.shield(task)
+        await self._audit(actor, "model.load", name, state, LOADED)
+        return loaded
 
-    async def unload(self, name: str, *, wait: bool = False) -> None:
-        """Stop taking requests for `name` now; stop its engine once those in flight are done."""
+    async def unload(self, name: str, *, wait: bool = False, actor: Actor | None = None) -> None:
+        """Stop taking requests for `name` now; stop its engine once those in flight are done. An
+        admin's unload (`actor`) is audited when it changes anything."""
+        state = self.state(name)
+        if actor is not None and state in (LOADED, LOADING):
+            await self._audit(actor, "model.unload", name, state, DRAINING)
         loading = self._loading.get(name)
         if loading is not None:
             await asyncio.gather(asyncio.shield(loading), return_exceptions=True)
@@ -291,6 +301,14 @@ class ModelPool:
             await asyncio.shield(drain)
 
     # ---- internals ---------------------------------------------------------------------------
+    async def _audit(self, actor: Actor | None, action: str, name: str, before: str, after: str) -> None:
+        if actor is None or self.store is None:
+            return
+        record = partial(
+            self.store.record, actor=actor, action=action, name=name, before={"state": before}, after={"state": after}
+        )
+        await run_in_threadpool(record)
+
     async def _inspect(self, kind: str, source: str) -> SourceFacts | None:
         """The source's facts, read before the registry lock is taken (a slow disk must not hold up every
         other change) and given up after inspect_timeout_s. None for a kind the registration refuses."""

@@ -1,13 +1,14 @@
 """Registry rows <-> ModelSpecs. Keyword-only, blocking (run off the event loop); each call is its own
-transaction, so a refused change leaves the table as it was."""
+transaction, its audit row included, so a refused change leaves the table (and the log) as it was."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.gateway.audit import SYSTEM, Actor, changed, record_change
 from app.gateway.crud import utcnow
 from app.registry.spec import ModelSpec, price_of
 from app.tables import RegisteredModel
@@ -70,26 +71,50 @@ class RegistryStore:
         with self.sessions() as session:
             return [spec_of(row) for row in session.scalars(select(RegisteredModel).order_by(RegisteredModel.id))]
 
-    def insert(self, *, spec: ModelSpec) -> ModelSpec:
+    def insert(self, *, spec: ModelSpec, actor: Actor = SYSTEM) -> ModelSpec:
         now = utcnow()
         with self.sessions() as session, session.begin():
             row = RegisteredModel(**columns_of(spec), created_at=now, updated_at=now)
             session.add(row)
             session.flush()
+            _record(session, actor, "model.register", spec.name, None, columns_of(spec))
             return spec_of(row)
 
-    def replace(self, *, name: str, spec: ModelSpec) -> ModelSpec:
+    def replace(self, *, name: str, spec: ModelSpec, actor: Actor = SYSTEM) -> ModelSpec:
         """Overwrite the row named `name` (renames included) with `spec`."""
         with self.sessions() as session, session.begin():
             row = session.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if row is None:
                 raise LookupError(name)
+            before = columns_of(spec_of(row))
             for column, value in columns_of(spec).items():
                 setattr(row, column, value)
             row.updated_at = utcnow()
             session.flush()
+            _record(session, actor, model_action(before, columns_of(spec)), name, *changed(before, columns_of(spec)))
             return spec_of(row)
 
-    def remove(self, *, name: str) -> None:
+    def remove(self, *, name: str, actor: Actor = SYSTEM) -> None:
         with self.sessions() as session, session.begin():
-            session.execute(delete(RegisteredModel).where(RegisteredModel.name == name))
+            row = session.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
+            if row is None:
+                return
+            before = columns_of(spec_of(row))
+            session.delete(row)
+            _record(session, actor, "model.remove", name, before, None)
+
+    def record(self, *, actor: Actor, action: str, name: str, before: dict | None, after: dict | None) -> None:
+        """A change that is not a row (a load, an unload), in a transaction of its own."""
+        with self.sessions() as session, session.begin():
+            _record(session, actor, action, name, before, after)
+
+
+def model_action(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """model.enable / model.disable when that is what changed, else model.update."""
+    if before.get("enabled") != after.get("enabled"):
+        return "model.enable" if after.get("enabled") else "model.disable"
+    return "model.update"
+
+
+def _record(session: Session, actor: Actor, action: str, name: str, before: dict | None, after: dict | None) -> None:
+    record_change(session, actor=actor, action=action, target_type="model", target_id=name, before=before, after=after)

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from app.gateway.audit import SYSTEM
 from app.gateway.keys import hash_key
 from app.tables import ApiKey
 from tests.support.gateway import (
@@ -207,8 +208,8 @@ def make_keys(gateway, count: int = 2) -> list[tuple[int, str]]:
     from app.gateway import crud
 
     with gateway.sessions() as session, session.begin():
-        team = crud.create_team(session, name=f"team-{count}")
-        made = [crud.create_key(session, team=team) for _ in range(count)]
+        team = crud.create_team(session, actor=SYSTEM, name=f"team-{count}")
+        made = [crud.create_key(session, actor=SYSTEM, team=team) for _ in range(count)]
         return [(key.id, plaintext) for key, plaintext in made]
 
 
@@ -217,7 +218,7 @@ def revoke_elsewhere(gateway, key_id: int) -> None:
     from app.gateway import crud
 
     with gateway.sessions() as session, session.begin():
-        crud.revoke_key(session, key=crud.get_key(session, key_id=key_id))
+        crud.revoke_key(session, actor=SYSTEM, key=crud.get_key(session, key_id=key_id))
 
 
 def test_keys_in_use_are_reloaded_ahead_of_their_ttl_in_one_round(make_gateway):

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
+from app.gateway.audit import SYSTEM
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters, Scope, format_duration
 from tests.support.gateway import (
     FakeClock,
@@ -302,8 +303,11 @@ def test_budget_spends_in_use_are_read_again_in_one_round(make_gateway):
 
     gateway = make_gateway()
     with gateway.sessions() as session, session.begin():
-        team = crud.create_team(session, name="alpha")
-        (key, _), (idle, _) = crud.create_key(session, team=team), crud.create_key(session, team=team)
+        team = crud.create_team(session, actor=SYSTEM, name="alpha")
+        (key, _), (idle, _) = (
+            crud.create_key(session, actor=SYSTEM, team=team),
+            crud.create_key(session, actor=SYSTEM, team=team),
+        )
         team_id, key_id, idle_id = team.id, key.id, idle.id
     tracker = BudgetTracker(gateway.sessions, cache_ttl_s=2.0)
     scopes = [

@@ -31,6 +31,7 @@ TABLES = (
     "api_keys",
     "teams",
     "models",
+    "audit_log",
     "alembic_version",
 )
 

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from app.gateway import crud
+from app.gateway.audit import SYSTEM
 from app.gateway.config import GatewayConfig
 from app.gateway.service import TeamGateway
 from tests.support.gateway import admin_headers, bearer, build_app, serve_in_thread
@@ -29,9 +30,9 @@ schema = schemathesis.openapi.from_dict(our_schema()).include(path_regex=r"^/(v1
 def live(make_gateway):
     gateway = make_gateway(auth_failures_per_minute=0)
     with gateway.sessions() as session:
-        team = crud.create_team(session, name="fuzz")
+        team = crud.create_team(session, actor=SYSTEM, name="fuzz")
         session.flush()
-        _, team_key = crud.create_key(session, team=team)
+        _, team_key = crud.create_key(session, actor=SYSTEM, team=team)
         session.commit()
     with serve_in_thread(build_app(gateway)) as url:
         yield url, team_key
