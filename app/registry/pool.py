@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -240,6 +241,29 @@ class ModelPool:
         if set(changes) - set(LIVE_FIELDS) and name in self.served:
             log.info("%s: engine changes take effect at its next load", name)
         return updated
+
+    async def set_server_hardware_cost(self, cost_per_hour: float) -> float:
+        """The server's hardware cost per hour (USD), shared by the models without their own, from now on
+        in this process; TOKENMILL_HARDWARE_COST_PER_HOUR again after a restart."""
+        if not 0 <= cost_per_hour < math.inf:
+            raise RegistryError(
+                "hardware_cost_per_hour must be a finite number, not negative.", param="hardware_cost_per_hour"
+            )
+        if self.cost_meter is None:
+            self.cost_meter = HardwareCostMeter(cost_per_hour)
+        else:
+            self.cost_meter.set_server_cost(cost_per_hour)
+        return cost_per_hour
+
+    @property
+    def server_hardware_cost(self) -> float:
+        return self.cost_meter.cost_per_hour if self.cost_meter is not None else 0.0
+
+    def hardware_cost_of(self, name: str) -> float:
+        """What `name`'s hardware costs per hour: its own cost, or else the server's."""
+        spec = self.specs.get(name)
+        own = spec.hardware_cost_per_hour if spec is not None else None
+        return self.server_hardware_cost if own is None else own
 
     async def remove(self, name: str) -> None:
         """Unload (drain, waiting for it) and delete the registry row."""
