@@ -275,3 +275,15 @@ class BatchLine(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512))
     status_code: Mapped[int] = mapped_column(Integer)  # 200: the output file; anything else: the error file
     result: Mapped[dict] = mapped_column(JSON)  # the output or error file's line, as written there
+
+
+class ServerSetting(Base):
+    """A server-wide setting an administrator changed at run time (the dashboard or the admin API): it
+    outlives a restart and reaches every replica sharing the database. Only the names the code reads:
+    hardware_cost_per_hour (USD, the real-cost view's numerator)."""
+
+    __tablename__ = "server_settings"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(DateTime)

@@ -70,8 +70,9 @@ async def costs(request: Request) -> dict:
 
 @router.patch("/costs")
 async def change_costs(body: ServerCostChange, request: Request) -> dict:
-    """Sets the server's hardware cost per hour (the real cost per token's numerator) in this process,
-    from now on; a model's own hardware_cost_per_hour still wins for that model."""
+    """Sets the server's hardware cost per hour (the real cost per token's numerator) from now on. It is
+    stored with the registry, so it outlives a restart (winning over TOKENMILL_HARDWARE_COST_PER_HOUR) and
+    reaches the other replicas; a model's own hardware_cost_per_hour still wins for that model."""
     await operations.set_server_hardware_cost(_pool(request), body)
     return _costs(request)
 

@@ -73,7 +73,8 @@ async def remove_model(pool: ModelPool, name: str) -> None:
 
 
 async def set_server_hardware_cost(pool: ModelPool, body: ServerCostChange) -> float:
-    """The server's hardware cost per hour (what models without their own cost share), from now on."""
+    """The server's hardware cost per hour (what models without their own cost share), from now on, and
+    stored (see ModelPool.set_server_hardware_cost)."""
     try:
         return await pool.set_server_hardware_cost(body.hardware_cost_per_hour)
     except RegistryError as error:

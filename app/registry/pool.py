@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 log = logging.getLogger("tokenmill.registry")
 
 LOADING, UNLOADED, DISABLED = "loading", "unloaded", "disabled"
+SERVER_COST = "hardware_cost_per_hour"  # the server setting that holds the server's hardware cost
 
 
 def model_not_loaded(name: str, state: str) -> OpenAIError:
@@ -143,6 +144,7 @@ class ModelPool:
                     stored[name] = await run_in_threadpool(self.store.insert, spec=served.spec)
                 served.spec = stored[name]
             self.specs = stored
+            self._use_server_cost(await run_in_threadpool(self.store.setting, SERVER_COST))
         for fields in self.first_start:
             await self.ensure_registered(fields)
         self._tell_costs()
@@ -187,6 +189,7 @@ class ModelPool:
             stored.setdefault(name, served.spec)  # until it is unloaded
             served.spec = stored[name]
         self.specs = stored
+        self._use_server_cost(await run_in_threadpool(self.store.setting, SERVER_COST))
         self._tell_costs()
         for name in switched_off:
             await self.unload(name)
@@ -243,17 +246,28 @@ class ModelPool:
         return updated
 
     async def set_server_hardware_cost(self, cost_per_hour: float) -> float:
-        """The server's hardware cost per hour (USD), shared by the models without their own, from now on
-        in this process; TOKENMILL_HARDWARE_COST_PER_HOUR again after a restart."""
+        """The server's hardware cost per hour (USD), shared by the models without their own, from now on.
+        Stored with the registry (it then wins over TOKENMILL_HARDWARE_COST_PER_HOUR, here, after a
+        restart and on the other replicas at their next refresh)."""
         if not 0 <= cost_per_hour < math.inf:
             raise RegistryError(
                 "hardware_cost_per_hour must be a finite number, not negative.", param="hardware_cost_per_hour"
             )
+        async with self._changes:
+            if self.store is not None:
+                await run_in_threadpool(self.store.set_setting, SERVER_COST, cost_per_hour)
+            self._use_server_cost(cost_per_hour)
+        return cost_per_hour
+
+    def _use_server_cost(self, cost_per_hour: float | None) -> None:
+        """Tell the meter the stored server cost, if there is one and it changed (the meter counts a cost
+        from when it is set)."""
+        if cost_per_hour is None:
+            return
         if self.cost_meter is None:
             self.cost_meter = HardwareCostMeter(cost_per_hour)
-        else:
+        elif self.cost_meter.cost_per_hour != cost_per_hour:
             self.cost_meter.set_server_cost(cost_per_hour)
-        return cost_per_hour
 
     @property
     def server_hardware_cost(self) -> float:

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.gateway.crud import utcnow
 from app.registry.spec import ModelSpec, price_of
-from app.tables import RegisteredModel
+from app.tables import RegisteredModel, ServerSetting
 
 PRICE_COLUMNS = (
     "price_input_per_1m",
@@ -93,3 +93,17 @@ class RegistryStore:
     def remove(self, *, name: str) -> None:
         with self.sessions() as session, session.begin():
             session.execute(delete(RegisteredModel).where(RegisteredModel.name == name))
+
+    def setting(self, name: str) -> float | None:
+        """A server setting an administrator set (None: never set, the server's flag applies)."""
+        with self.sessions() as session:
+            row = session.get(ServerSetting, name)
+            return None if row is None else row.value
+
+    def set_setting(self, name: str, value: float) -> None:
+        with self.sessions() as session, session.begin():
+            row = session.get(ServerSetting, name)
+            if row is None:
+                session.add(ServerSetting(name=name, value=value, updated_at=utcnow()))
+            else:
+                row.value, row.updated_at = value, utcnow()

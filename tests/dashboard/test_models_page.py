@@ -10,11 +10,12 @@ import re
 import struct
 
 import pytest
+from fastapi.testclient import TestClient
 
 from app.registry.registration import PRICE_FIELDS
 from tests.registry.test_registry import checkpoint
-from tests.support.dashboard import bearer, chat
-from tests.support.gateway import FAKE_MODEL, admin_headers
+from tests.support.dashboard import BASE_URL, bearer, chat, make_dashboard_gateway
+from tests.support.gateway import FAKE_MODEL, FakeEngine, admin_headers, build_app
 
 
 def submit(client, url: str, /, **fields):
@@ -247,6 +248,15 @@ def test_the_server_hardware_cost_is_set_from_the_page_and_the_overview_links_to
         assert (refused.status_code, page_error(refused.text)) == (400, expected["message"])
         assert expected["param"] == "hardware_cost_per_hour"
     assert dashboard.client.get("/admin/api/costs", headers=admin_headers()).json()["hardware_cost_per_hour"] == 3.5
+
+
+def test_the_server_hardware_cost_outlives_a_restart(dashboard, tmp_path):
+    dashboard.log_in()
+    assert submit(dashboard, "/admin/hardware-cost", hardware_cost_per_hour="4.25").status_code == 303
+    restarted = build_app(make_dashboard_gateway(tmp_path), FakeEngine(), hardware_cost_per_hour=2.0)
+    with TestClient(restarted, base_url=BASE_URL) as client:
+        costs = client.get("/admin/api/costs", headers=admin_headers()).json()
+    assert costs["hardware_cost_per_hour"] == costs["real"]["cost_per_hour"] == 4.25  # the flag's 2.0 lost
 
 
 def test_a_models_own_hardware_cost_and_price_reach_the_overviews_numbers(admin):

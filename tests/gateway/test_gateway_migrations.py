@@ -30,6 +30,7 @@ TABLES = {
     "files",
     "batches",
     "batch_lines",
+    "server_settings",
     "alembic_version",
 }
 
@@ -137,4 +138,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0011_batch_lease"
+    assert result.stdout.strip() == "0016_models_ui"
