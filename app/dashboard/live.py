@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from app.dashboard.histograms import HistogramCounts, quantile
+from app.observability.costs import usd_per_million
 from engine.stats import EngineStats
 
 log = logging.getLogger("tokenmill.dashboard")
@@ -150,6 +151,9 @@ class ModelHistory:
         self.snapshots: deque[Snapshot] = deque(maxlen=max_snapshots)
         self.points: deque[dict] = deque(maxlen=max_snapshots)
         self.day_start: Snapshot | None = None  # the first snapshot of the current UTC day
+        # The hardware cost since day_start, summed per interval at the rate in force then: a cost set on
+        # the Models page at noon does not reprice the morning.
+        self.day_cost_usd = 0.0
 
     def back(self, seconds: float) -> Snapshot:
         """The newest snapshot at least `seconds` older than the latest (or the oldest there is)."""
@@ -206,6 +210,9 @@ class LiveSampler:
                 history.day_start = (
                     previous if previous is not None and _utc_day(previous.at) == _utc_day(now) else snapshot
                 )
+                history.day_cost_usd = 0.0
+            if previous is not None and previous.at >= history.day_start.at:
+                history.day_cost_usd += self.cost_of(source) * (now - previous.at) / 3600
             if previous is not None:
                 point = {
                     "t": now,
@@ -223,7 +230,6 @@ class LiveSampler:
         cost_per_hour = self.cost_of(history.source)
         latest = history.snapshots[-1]
         day_start = history.day_start or latest
-        day_seconds = latest.at - day_start.at
         day_tokens = latest.stats.generation_tokens_total - day_start.stats.generation_tokens_total
         day_tokens_all = day_tokens + latest.stats.prompt_tokens_total - day_start.stats.prompt_tokens_total
         minute = history.back(MINUTE_S)
@@ -242,9 +248,9 @@ class LiveSampler:
             "cost_per_1m_all": cost_per_million(cost_per_hour, latest.at - minute.at, minute_tokens_all),
             "today_since": day_start.at,
             "today_tokens_out": day_tokens,
-            "today_cost_usd": cost_per_hour * day_seconds / 3600,
-            "today_cost_per_1m_out": cost_per_million(cost_per_hour, day_seconds, day_tokens),
-            "today_cost_per_1m_all": cost_per_million(cost_per_hour, day_seconds, day_tokens_all),
+            "today_cost_usd": history.day_cost_usd,
+            "today_cost_per_1m_out": usd_per_million(history.day_cost_usd, day_tokens),
+            "today_cost_per_1m_all": usd_per_million(history.day_cost_usd, day_tokens_all),
             "hardware_cost_per_hour": cost_per_hour,
             "price": history.source.price(),
         }
