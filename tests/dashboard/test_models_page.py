@@ -102,6 +102,9 @@ def test_registering_a_model_with_prices_aliases_and_settings(admin, tmp_path):
         ({"engine.block_size": "7"}, {"engine_settings": {"block_size": 7}}, "engine_settings"),
         ({"max_model_len": "100000"}, {"max_model_len": 100000}, "max_model_len"),
         ({"aliases": FAKE_MODEL}, {"aliases": [FAKE_MODEL]}, "aliases"),
+        ({"kind": "audio"}, {"kind": "audio"}, "kind"),
+        ({"dtype": "float16"}, {"dtype": "float16"}, "dtype"),
+        ({"hardware_cost_per_hour": "1e999"}, {"hardware_cost_per_hour": "1e999"}, "hardware_cost_per_hour"),
     ],
 )
 def test_a_refused_registration_shows_the_admin_apis_error(admin, tmp_path, fields, body, param):
