@@ -305,3 +305,15 @@ class AuditEntry(Base):
         Index("ix_audit_log_actor", "actor_id", "created_at"),
         Index("ix_audit_log_target", "target_type", "target_id", "created_at"),
     )
+
+
+class ServerSetting(Base):
+    """A server-wide setting an administrator changed at run time (the dashboard or the admin API): it
+    outlives a restart and reaches every replica sharing the database. Only the names the code reads:
+    hardware_cost_per_hour (USD, the real-cost view's numerator)."""
+
+    __tablename__ = "server_settings"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(DateTime)

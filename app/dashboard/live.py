@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from app.dashboard.histograms import HistogramCounts, quantile
+from app.observability.costs import usd_per_million
 from engine.stats import EngineStats
 
 log = logging.getLogger("tokenmill.dashboard")
@@ -33,6 +34,9 @@ class ModelSource:
     stats: Callable[[], EngineStats]
     ttft: Callable[[], HistogramCounts] = HistogramCounts.empty
     inter_token: Callable[[], HistogramCounts] = HistogramCounts.empty
+    # Read at every sample, so a change made on the Models page shows at the next one.
+    hardware_cost_per_hour: Callable[[], float] | None = None  # its own, or the server's; None: the sampler's
+    price: Callable[[], dict | None] = lambda: None  # its price sheet (USD per 1M tokens), if any
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,9 @@ class ModelHistory:
         self.snapshots: deque[Snapshot] = deque(maxlen=max_snapshots)
         self.points: deque[dict] = deque(maxlen=max_snapshots)
         self.day_start: Snapshot | None = None  # the first snapshot of the current UTC day
+        # The hardware cost since day_start, summed per interval at the rate in force then: a cost set on
+        # the Models page at noon does not reprice the morning.
+        self.day_cost_usd = 0.0
 
     def back(self, seconds: float) -> Snapshot:
         """The newest snapshot at least `seconds` older than the latest (or the oldest there is)."""
@@ -162,19 +169,29 @@ class LiveSampler:
         self,
         sources: Callable[[], list[ModelSource]],
         *,
-        hardware_cost_per_hour: float = 0.0,
+        hardware_cost_per_hour: float | Callable[[], float] = 0.0,
         interval_s: float = 1.0,
         history_s: float = HISTORY_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.sources = sources
-        self.hardware_cost_per_hour = hardware_cost_per_hour
+        # The server's; a callable where an administrator can change it while we run.
+        self._server_cost = (
+            hardware_cost_per_hour if callable(hardware_cost_per_hour) else lambda: hardware_cost_per_hour
+        )
         self.interval_s = interval_s
         self.history_s = history_s
         self.clock = clock
         self.max_snapshots = int((history_s + MINUTE_S) / interval_s) + 2
         self.models: dict[str, ModelHistory] = {}
         self._task: asyncio.Task | None = None
+
+    @property
+    def hardware_cost_per_hour(self) -> float:
+        return self._server_cost()
+
+    def cost_of(self, source: ModelSource) -> float:
+        return self._server_cost() if source.hardware_cost_per_hour is None else source.hardware_cost_per_hour()
 
     def sample(self) -> None:
         now = self.clock()
@@ -193,11 +210,14 @@ class LiveSampler:
                 history.day_start = (
                     previous if previous is not None and _utc_day(previous.at) == _utc_day(now) else snapshot
                 )
+                history.day_cost_usd = 0.0
+            if previous is not None and previous.at >= history.day_start.at:
+                history.day_cost_usd += self.cost_of(source) * (now - previous.at) / 3600
             if previous is not None:
                 point = {
                     "t": now,
                     **rates(previous, snapshot),
-                    **latencies(history.back(MINUTE_S), snapshot, self.hardware_cost_per_hour),
+                    **latencies(history.back(MINUTE_S), snapshot, self.cost_of(source)),
                     "running": snapshot.stats.num_running,
                     "waiting": snapshot.stats.num_waiting,
                     "swapped": snapshot.stats.num_swapped,
@@ -207,9 +227,9 @@ class LiveSampler:
     def current(self, name: str) -> dict:
         """The headline numbers for one model: now, the last seconds, the last minute, and today."""
         history = self.models[name]
+        cost_per_hour = self.cost_of(history.source)
         latest = history.snapshots[-1]
         day_start = history.day_start or latest
-        day_seconds = latest.at - day_start.at
         day_tokens = latest.stats.generation_tokens_total - day_start.stats.generation_tokens_total
         day_tokens_all = day_tokens + latest.stats.prompt_tokens_total - day_start.stats.prompt_tokens_total
         minute = history.back(MINUTE_S)
@@ -224,13 +244,15 @@ class LiveSampler:
             "at": latest.at,
             **gauges(latest.stats),
             **rates(history.back(RECENT_S), latest),
-            **latencies(minute, latest, self.hardware_cost_per_hour),
-            "cost_per_1m_all": cost_per_million(self.hardware_cost_per_hour, latest.at - minute.at, minute_tokens_all),
+            **latencies(minute, latest, cost_per_hour),
+            "cost_per_1m_all": cost_per_million(cost_per_hour, latest.at - minute.at, minute_tokens_all),
             "today_since": day_start.at,
             "today_tokens_out": day_tokens,
-            "today_cost_usd": self.hardware_cost_per_hour * day_seconds / 3600,
-            "today_cost_per_1m_out": cost_per_million(self.hardware_cost_per_hour, day_seconds, day_tokens),
-            "today_cost_per_1m_all": cost_per_million(self.hardware_cost_per_hour, day_seconds, day_tokens_all),
+            "today_cost_usd": history.day_cost_usd,
+            "today_cost_per_1m_out": usd_per_million(history.day_cost_usd, day_tokens),
+            "today_cost_per_1m_all": usd_per_million(history.day_cost_usd, day_tokens_all),
+            "hardware_cost_per_hour": cost_per_hour,
+            "price": history.source.price(),
         }
 
     def series(self, name: str, *, after: float | None = None) -> dict[str, list]:

@@ -1,4 +1,4 @@
-"""/admin: the live overview (the page polls /admin/data/live every second) and the models page."""
+"""/admin: the live overview (the page polls /admin/data/live every second)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from fastapi.responses import JSONResponse, Response
 
 from app.dashboard.deps import DashboardDep, DataSession, PageSession
 from app.dashboard.rendering import NO_STORE, render
-from app.dashboard.sources import model_cards
 
 router = APIRouter()
 
@@ -19,7 +18,7 @@ def overview(request: Request, session: PageSession, dashboard: DashboardDep) ->
         "overview.html",
         session,
         section="overview",
-        hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour,
+        hardware_cost_per_hour=request.app.state.context.models.server_hardware_cost,
         interval_ms=int(dashboard.sampler.interval_s * 1000),
     )
 
@@ -28,15 +27,3 @@ def overview(request: Request, session: PageSession, dashboard: DashboardDep) ->
 async def live_data(session: DataSession, dashboard: DashboardDep, after: float | None = None) -> Response:
     """The latest numbers per model, and the chart points newer than `after` (all 15 minutes without it)."""
     return JSONResponse(dashboard.sampler.live(after=after), headers=NO_STORE)
-
-
-@router.get("/admin/models", include_in_schema=False)
-def models(request: Request, session: PageSession, dashboard: DashboardDep) -> Response:
-    return render(
-        request,
-        "models.html",
-        session,
-        section="models",
-        models=model_cards(request.app),
-        hardware_cost_per_hour=dashboard.settings.hardware_cost_per_hour,
-    )

@@ -8,20 +8,37 @@ from dataclasses import asdict
 from app.dashboard.histograms import HistogramCounts
 from app.dashboard.live import ModelSource
 from app.registry.served import ServedModel
+from app.registry.store import PRICE_COLUMNS, columns_of
 
 
-def _source(served: ServedModel) -> ModelSource:
-    engine, metrics = served.engine, served.metrics
+def _source(app, served: ServedModel) -> ModelSource:
+    engine, metrics, pool, name = served.engine, served.metrics, app.state.context.models, served.name
     return ModelSource(
-        name=served.name,
+        name=name,
         stats=engine.stats,
         ttft=lambda: HistogramCounts.of(metrics.time_to_first_token),
         inter_token=lambda: HistogramCounts.of(metrics.inter_token_latency),
+        hardware_cost_per_hour=lambda: pool.hardware_cost_of(name),
+        price=lambda: price_sheet(app, name),
     )
 
 
 def model_sources(app) -> list[ModelSource]:  # FastAPI
-    return [_source(served) for served in app.state.context.models.loaded() if served.engine is not None]
+    return [_source(app, served) for served in app.state.context.models.loaded() if served.engine is not None]
+
+
+def price_sheet(app, name: str) -> dict | None:
+    """What usage of `name` is charged at: its registry price sheet, else the gateway's --model-prices
+    (the same order the gateway charges by), with the batch prices as batch lines pay them."""
+    spec = app.state.context.models.specs.get(name)
+    gateway = getattr(app.state, "gateway", None)
+    price = spec.price if spec is not None else None
+    if price is None and gateway is not None:
+        price = gateway.config.prices.get(name) or gateway.config.prices.get("*")
+    if price is None:
+        return None
+    batch = price.for_batch()
+    return {**asdict(price), "batch_input_per_1m": batch.input_per_1m, "batch_output_per_1m": batch.output_per_1m}
 
 
 ENGINE_SETTING_NOTES = {
@@ -42,12 +59,10 @@ ENGINE_SETTING_NOTES = {
 def model_cards(app) -> list[dict]:
     """Every registered model; the engine's numbers for those loaded here."""
     pool = app.state.context.models
-    gateway = getattr(app.state, "gateway", None)
     cards = []
     for spec in list(pool.specs.values()):
         served = pool.served.get(spec.name)
         engine = served.engine if served is not None else None
-        price = spec.price or (gateway.config.price(spec.name) if gateway is not None else None)
         card = {
             "name": spec.name,
             "kind": spec.kind,
@@ -58,7 +73,12 @@ def model_cards(app) -> list[dict]:
             "enabled": spec.enabled,
             "in_flight": served.in_flight if served is not None else 0,
             "max_model_len": spec.max_model_len,
-            "price": None if price is None else asdict(price),
+            "price": price_sheet(app, spec.name),
+            "price_fields": {column: columns_of(spec)[column] for column in PRICE_COLUMNS},  # the registry's own
+            "hardware_cost_per_hour": spec.hardware_cost_per_hour,
+            "engine_settings": dict(spec.engine_settings),
+            "dtype": spec.dtype,
+            "registered_max_model_len": spec.max_model_len,
             "sampling_defaults": dict(spec.sampling_defaults),
             "settings": [
                 (name, value, ENGINE_SETTING_NOTES.get(name, "")) for name, value in spec.engine_settings.items()

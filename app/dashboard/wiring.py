@@ -57,8 +57,11 @@ def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: 
     """Routers, static files, headers and handlers; the caller starts and stops `dashboard.sampler` with
     the app's lifespan."""
     settings = app.state.context.settings
+    pool = app.state.context.models
     sampler = LiveSampler(
-        lambda: model_sources(app), hardware_cost_per_hour=settings.hardware_cost_per_hour, interval_s=sample_interval_s
+        lambda: model_sources(app),
+        hardware_cost_per_hour=lambda: pool.server_hardware_cost,  # the Models page may change it
+        interval_s=sample_interval_s,
     )
     dashboard = Dashboard(
         settings=settings,

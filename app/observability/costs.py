@@ -58,8 +58,9 @@ def usd_per_million(cost_usd: float, tokens: int) -> float | None:
 class HardwareCostMeter:
     """Thread-safe: `record` runs wherever tokens come out, `snapshot` wherever the dashboard asks.
 
-    `cost_per_hour` is the server's (TOKENMILL_HARDWARE_COST_PER_HOUR); `model_costs_per_hour` are
-    per-model overrides, counted from when they are set."""
+    `cost_per_hour` is the server's (TOKENMILL_HARDWARE_COST_PER_HOUR, or what an administrator set
+    since); `model_costs_per_hour` are per-model overrides. Both count from when they are set: a cost
+    set now does not reprice the hours before it."""
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class HardwareCostMeter:
         self.clock = clock
         self._lock = threading.Lock()
         self.started_at = clock()
+        self._server_since = self.started_at
         # Seconds for the minute and hour windows; minutes for the day (at most 1 minute off at its edge).
         self._seconds = TokenBuckets(1.0, WINDOWS_S["hour"])
         self._minutes = TokenBuckets(60.0, WINDOWS_S["day"])
@@ -90,6 +92,14 @@ class HardwareCostMeter:
             if cost_per_hour < 0:
                 raise ValueError(f"the cost per hour of {model!r} must not be negative")
             self._model_costs[model] = (cost_per_hour, self.clock())
+
+    def set_server_cost(self, cost_per_hour: float) -> None:
+        """The server's hardware cost per hour from now on."""
+        if not 0 <= cost_per_hour < math.inf:
+            raise ValueError("cost_per_hour must be a finite number, not negative")
+        with self._lock:
+            self.cost_per_hour = cost_per_hour
+            self._server_since = self.clock()
 
     def record(self, tokens: int, model: str | None = None) -> None:
         if tokens <= 0:
@@ -111,7 +121,7 @@ class HardwareCostMeter:
 
     def _window(self, now: float, window_s: float, tokens_by_model: Counter) -> dict:
         elapsed = min(window_s, max(now - self.started_at, 0.0))
-        server_cost = self.cost_per_hour * elapsed / 3600
+        server_cost = self.cost_per_hour * min(elapsed, max(now - self._server_since, 0.0)) / 3600
         own_costs = {
             model: rate * min(window_s, max(now - since, 0.0)) / 3600
             for model, (rate, since) in self._model_costs.items()

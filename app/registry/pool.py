@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import time
 from collections.abc import Mapping
 from functools import partial
@@ -34,6 +35,7 @@ from engine.config import EngineConfig
 log = logging.getLogger("tokenmill.registry")
 
 LOADING, UNLOADED, DISABLED = "loading", "unloaded", "disabled"
+SERVER_COST = "hardware_cost_per_hour"  # the server setting that holds the server's hardware cost
 
 
 def model_not_loaded(name: str, state: str) -> OpenAIError:
@@ -144,6 +146,7 @@ class ModelPool:
                     stored[name] = await run_in_threadpool(self.store.insert, spec=served.spec)
                 served.spec = stored[name]
             self.specs = stored
+            self._use_server_cost(await run_in_threadpool(self.store.setting, SERVER_COST))
         for fields in self.first_start:
             await self.ensure_registered(fields)
         self._tell_costs()
@@ -188,6 +191,7 @@ class ModelPool:
             stored.setdefault(name, served.spec)  # until it is unloaded
             served.spec = stored[name]
         self.specs = stored
+        self._use_server_cost(await run_in_threadpool(self.store.setting, SERVER_COST))
         self._tell_costs()
         for name in switched_off:
             await self.unload(name)
@@ -242,6 +246,40 @@ class ModelPool:
         if set(changes) - set(LIVE_FIELDS) and name in self.served:
             log.info("%s: engine changes take effect at its next load", name)
         return updated
+
+    async def set_server_hardware_cost(self, cost_per_hour: float, *, actor: Actor = SYSTEM) -> float:
+        """The server's hardware cost per hour (USD), shared by the models without their own, from now on.
+        Stored with the registry (it then wins over TOKENMILL_HARDWARE_COST_PER_HOUR, here, after a
+        restart and on the other replicas at their next refresh)."""
+        if not 0 <= cost_per_hour < math.inf:
+            raise RegistryError(
+                "hardware_cost_per_hour must be a finite number, not negative.", param="hardware_cost_per_hour"
+            )
+        async with self._changes:
+            if self.store is not None:
+                await run_in_threadpool(partial(self.store.set_setting, SERVER_COST, cost_per_hour, actor=actor))
+            self._use_server_cost(cost_per_hour)
+        return cost_per_hour
+
+    def _use_server_cost(self, cost_per_hour: float | None) -> None:
+        """Tell the meter the stored server cost, if there is one and it changed (the meter counts a cost
+        from when it is set)."""
+        if cost_per_hour is None:
+            return
+        if self.cost_meter is None:
+            self.cost_meter = HardwareCostMeter(cost_per_hour)
+        elif self.cost_meter.cost_per_hour != cost_per_hour:
+            self.cost_meter.set_server_cost(cost_per_hour)
+
+    @property
+    def server_hardware_cost(self) -> float:
+        return self.cost_meter.cost_per_hour if self.cost_meter is not None else 0.0
+
+    def hardware_cost_of(self, name: str) -> float:
+        """What `name`'s hardware costs per hour: its own cost, or else the server's."""
+        spec = self.specs.get(name)
+        own = spec.hardware_cost_per_hour if spec is not None else None
+        return self.server_hardware_cost if own is None else own
 
     async def remove(self, name: str, *, actor: Actor = SYSTEM) -> None:
         """Unload (drain, waiting for it) and delete the registry row."""

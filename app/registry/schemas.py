@@ -56,6 +56,14 @@ class ModelCreate(ModelChanges):
     load: bool = Field(False, description="load it now (the response waits for it)")
 
 
+class ServerCostChange(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    hardware_cost_per_hour: float = Field(
+        ge=0, description="USD per hour of this server's hardware, shared by models without their own"
+    )
+
+
 class PriceView(BaseModel):
     input_per_1m: float
     cached_input_per_1m: float

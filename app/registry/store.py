@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.gateway.audit import SYSTEM, Actor, changed, record_change
 from app.gateway.crud import utcnow
 from app.registry.spec import ModelSpec, price_of
-from app.tables import RegisteredModel
+from app.tables import RegisteredModel, ServerSetting
 
 PRICE_COLUMNS = (
     "price_input_per_1m",
@@ -102,6 +102,30 @@ class RegistryStore:
             before = columns_of(spec_of(row))
             session.delete(row)
             _record(session, actor, "model.remove", name, before, None)
+
+    def setting(self, name: str) -> float | None:
+        """A server setting an administrator set (None: never set, the server's flag applies)."""
+        with self.sessions() as session:
+            row = session.get(ServerSetting, name)
+            return None if row is None else row.value
+
+    def set_setting(self, name: str, value: float, *, actor: Actor = SYSTEM) -> None:
+        with self.sessions() as session, session.begin():
+            row = session.get(ServerSetting, name)
+            before = None if row is None else {name: row.value}
+            if row is None:
+                session.add(ServerSetting(name=name, value=value, updated_at=utcnow()))
+            else:
+                row.value, row.updated_at = value, utcnow()
+            record_change(
+                session,
+                actor=actor,
+                action="setting.update",
+                target_type="setting",
+                target_id=name,
+                before=before,
+                after={name: value},
+            )
 
     def record(self, *, actor: Actor, action: str, name: str, before: dict | None, after: dict | None) -> None:
         """A change that is not a row (a load, an unload), in a transaction of its own."""

@@ -112,6 +112,36 @@ def test_real_cost_is_the_hardware_cost_over_the_tokens_produced(model):
     assert current["today_tokens_out"] == 60_000
 
 
+def test_a_hardware_cost_set_while_running_counts_from_then(model):
+    """Set on the Models page: the minute's cost per token follows at once; today's is not repriced."""
+    cost = {"per_hour": 0.0}
+    sampler = sampler_for(model, hardware_cost_per_hour=lambda: cost["per_hour"])
+    sampler.sample()
+    for _ in range(60):
+        model.stats.generation_tokens_total += 1000
+        tick(sampler, model)
+    assert sampler.current("m")["cost_per_1m_out"] == 0 and sampler.current("m")["today_cost_usd"] == 0
+    cost["per_hour"] = 3.6
+    for _ in range(60):
+        model.stats.generation_tokens_total += 1000
+        tick(sampler, model)
+    current = sampler.current("m")
+    assert current["cost_per_1m_out"] == pytest.approx(1.0) and current["hardware_cost_per_hour"] == 3.6
+    assert current["today_cost_usd"] == pytest.approx(0.06)  # the second minute only
+    assert current["today_cost_per_1m_out"] == pytest.approx(0.5)  # over both minutes' tokens
+    assert sampler.live()["hardware_cost_per_hour"] == 3.6
+
+
+def test_a_models_own_hardware_cost_wins_over_the_servers(model):
+    own = ModelSource(name="m", stats=model.source().stats, hardware_cost_per_hour=lambda: 36.0)
+    sampler = LiveSampler(lambda: [own], hardware_cost_per_hour=3.6, clock=lambda: model.now)
+    sampler.sample()
+    for _ in range(60):
+        model.stats.generation_tokens_total += 1000
+        tick(sampler, model)
+    assert sampler.current("m")["cost_per_1m_out"] == pytest.approx(10.0)
+
+
 def test_a_fuller_batch_makes_tokens_cheaper(model):
     sampler = sampler_for(model, hardware_cost_per_hour=3.6)
     sampler.sample()

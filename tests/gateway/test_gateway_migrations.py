@@ -31,6 +31,7 @@ TABLES = {
     "batches",
     "batch_lines",
     "audit_log",
+    "server_settings",
     "alembic_version",
 }
 
@@ -138,4 +139,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0012_audit_rotation"
+    assert result.stdout.strip() == "0013_models_ui"

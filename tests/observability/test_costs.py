@@ -128,6 +128,21 @@ def test_a_model_cost_set_later_counts_only_from_then():
     assert "late" not in meter.snapshot()["windows"]["hour"]["models"]
 
 
+def test_a_server_cost_set_later_counts_only_from_then():
+    """An administrator sets the cost on the Models page an hour in: the hours before it stay at $0."""
+    clock = SyntheticClock()
+    meter = HardwareCostMeter(0.0, clock)
+    clock.advance(3000)
+    meter.set_server_cost(3.6)
+    serve(meter, clock, concurrent_requests=1, seconds=600)
+    hour = meter.snapshot()["windows"]["hour"]
+    assert hour["cost_usd"] == pytest.approx(0.6)  # 10 minutes at $3.60/h, not the 60 minutes of uptime
+    assert hour["models"]["m"]["usd_per_1m_tokens"] == pytest.approx(0.6 / 6000 * 1e6)
+    assert meter.snapshot()["cost_per_hour"] == 3.6
+    with pytest.raises(ValueError):
+        meter.set_server_cost(float("inf"))
+
+
 def test_tokens_without_a_model_count_in_the_totals_only():
     clock = SyntheticClock()
     meter = HardwareCostMeter(1.0, clock)

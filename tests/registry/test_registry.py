@@ -11,6 +11,7 @@ import pytest
 
 from app.db import make_engine, migrate, session_factory
 from app.errors import OpenAIError
+from app.observability.costs import HardwareCostMeter
 from app.registry.inspection import inspect_source
 from app.registry.pool import ModelPool
 from app.registry.spec import RegistryError
@@ -169,3 +170,28 @@ def test_a_replica_picks_up_aliases_and_a_disable_made_on_another(store):
         return aliased, here.state("shared")
 
     assert run(go()) == ("shared", "disabled")
+
+
+def test_the_server_hardware_cost_is_stored_and_read_by_every_pool(store):
+    """Set on one replica (PATCH /admin/api/costs or the Models page): a pool started later, and one that
+    was running already, use it; a negative or infinite one is refused and changes nothing."""
+
+    async def go():
+        running = ModelPool(BASE, store=store)
+        running.cost_meter = HardwareCostMeter(2.0)  # TOKENMILL_HARDWARE_COST_PER_HOUR
+        await running.start()
+        setter = ModelPool(BASE, store=store)
+        setter.cost_meter = HardwareCostMeter(2.0)
+        await setter.start()
+        await setter.set_server_hardware_cost(4.5)
+        for bad in (-1.0, float("inf")):
+            with pytest.raises(RegistryError) as refused:
+                await setter.set_server_hardware_cost(bad)
+            assert refused.value.param == "hardware_cost_per_hour"
+        await running.refresh()
+        restarted = ModelPool(BASE, store=store)
+        restarted.cost_meter = HardwareCostMeter(2.0)
+        await restarted.start()
+        return running.server_hardware_cost, restarted.server_hardware_cost, restarted.hardware_cost_of("x")
+
+    assert run(go()) == (4.5, 4.5, 4.5)

@@ -81,6 +81,7 @@ def test_non_finite_numbers_are_refused_everywhere_in_the_admin_api(client, numb
             f'{{"engine_settings": {{"kv_cache_memory_gb": {number}}}}}',
             "engine_settings",
         ),
+        ("PATCH", "/admin/api/costs", f'{{"hardware_cost_per_hour": {number}}}', "hardware_cost_per_hour"),
     ]
     for method, path, body, field in attempts:
         response = send(client, method, path, body)
@@ -88,3 +89,4 @@ def test_non_finite_numbers_are_refused_everywhere_in_the_admin_api(client, numb
         assert field in (response.json()["error"]["param"] or ""), response.json()
     assert client.get(f"/admin/api/teams/{team['id']}", headers=admin_headers()).json()["max_budget_usd"] is None
     assert [t["name"] for t in client.get("/admin/api/teams", headers=admin_headers()).json()["data"]] == ["alpha"]
+    assert client.get("/admin/api/costs", headers=admin_headers()).json()["hardware_cost_per_hour"] == 0

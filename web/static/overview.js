@@ -35,6 +35,10 @@
      sub: (c) => c.cost_per_1m_out === null ? "no tokens in the last minute" : `${f.usd(c.cost_per_1m_all)} per 1M in+out`},
     {title: "Real cost / 1M out, today", value: (c) => f.usd(c.today_cost_per_1m_out), field: "cost_today", cls: "cost",
      sub: (c) => `${f.num(c.today_tokens_out)} tokens for ${f.usd(c.today_cost_usd)} since ${f.clock(c.today_since)}`},
+    {title: "Charged / 1M tokens", field: "price", cls: "cost",
+     value: (c) => c.price ? `${f.usd(c.price.input_per_1m)} in · ${f.usd(c.price.output_per_1m)} out` : "—",
+     sub: (c) => c.price ? `price sheet · batch ${f.usd(c.price.batch_input_per_1m)} in · ${f.usd(c.price.batch_output_per_1m)} out`
+                         : "no price sheet: usage costs $0"},
   ];
 
   const CHARTS = [
