@@ -8,14 +8,17 @@ import asyncio
 import json
 
 import pytest
+from sqlalchemy import select
 
 from app.db import make_engine, migrate, session_factory
 from app.errors import OpenAIError
+from app.gateway.audit import Actor
 from app.observability.costs import HardwareCostMeter
 from app.registry.inspection import inspect_source
 from app.registry.pool import ModelPool
 from app.registry.spec import RegistryError
 from app.registry.store import RegistryStore
+from app.tables import AuditEntry
 from engine.config import EngineConfig
 
 BASE = EngineConfig(num_kv_blocks=64)
@@ -195,3 +198,28 @@ def test_the_server_hardware_cost_is_stored_and_read_by_every_pool(store):
         return running.server_hardware_cost, restarted.server_hardware_cost, restarted.hardware_cost_of("x")
 
     assert run(go()) == (4.5, 4.5, 4.5)
+
+
+def test_setting_the_server_hardware_cost_is_audited_with_who_and_the_old_value(store):
+    """The audit log names the admin and shows the cost before and after; a refused value leaves no row."""
+    admin = Actor("admin_key", "1", "admin key")
+    earlier = store.setting("hardware_cost_per_hour")  # a PostgreSQL database outlives one test
+    first_before = None if earlier is None else {"hardware_cost_per_hour": earlier}
+
+    async def go():
+        pool = ModelPool(BASE, store=store)
+        await pool.start()
+        await pool.set_server_hardware_cost(1.5, actor=admin)
+        await pool.set_server_hardware_cost(3.0, actor=admin)
+        with pytest.raises(RegistryError):
+            await pool.set_server_hardware_cost(-1.0, actor=admin)
+
+    run(go())
+    with store.sessions() as session:
+        rows = list(
+            session.scalars(select(AuditEntry).where(AuditEntry.target_type == "setting").order_by(AuditEntry.id))
+        )
+    assert [(row.action, row.actor_id, row.before, row.after) for row in rows] == [
+        ("setting.update", "1", first_before, {"hardware_cost_per_hour": 1.5}),
+        ("setting.update", "1", {"hardware_cost_per_hour": 1.5}, {"hardware_cost_per_hour": 3.0}),
+    ]
