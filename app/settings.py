@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from app.dashboard.sso_config import DEFAULT_SCOPES, SsoConfig
 from engine.config import EngineConfig
 
 
@@ -67,7 +68,17 @@ class Settings:
     max_file_bytes: int = 100 * 1024 * 1024  # largest upload to /v1/files
     max_batch_lines: int = 50_000  # most requests in one batch's input file
     batch_max_in_flight: int = 8  # batch lines in the engine at once (all batches together)
+    # Single sign-on to the dashboard (OpenID Connect); empty issuer: the admin key is the only login.
+    oidc_issuer: str = ""
+    oidc_client_id: str = ""
+    oidc_client_secret: str | None = None
+    oidc_allowed_domains: str = ""  # "example.com, ops.example.com=admin": who may sign in, and a role by domain
+    oidc_group_claim: str = ""  # the ID token claim that lists a user's groups, e.g. "groups"
+    oidc_group_roles: str = ""  # "tokenmill-admins=admin, analysts=viewer, ml-team=team:ml"
+    oidc_scopes: str = DEFAULT_SCOPES
+    oidc_redirect_url: str = ""  # the callback URL registered at the provider; empty: from the request
     engine: EngineConfig = field(default_factory=EngineConfig)
+    sso: SsoConfig | None = field(default=None, init=False, compare=False)  # parsed from the oidc_* fields
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -109,6 +120,21 @@ class Settings:
             raise SettingsError("max_batch_lines must be at least 1")
         if self.batch_max_in_flight < 1:
             raise SettingsError("batch_max_in_flight must be at least 1")
+        if self.oidc_issuer:
+            try:
+                sso = SsoConfig.parse(
+                    issuer=self.oidc_issuer,
+                    client_id=self.oidc_client_id,
+                    client_secret=self.oidc_client_secret,
+                    allowed_domains=self.oidc_allowed_domains,
+                    group_claim=self.oidc_group_claim,
+                    group_roles=self.oidc_group_roles,
+                    scopes=self.oidc_scopes,
+                    redirect_url=self.oidc_redirect_url,
+                )
+            except ValueError as error:
+                raise SettingsError(str(error)) from None
+            object.__setattr__(self, "sso", sso)
         if not self.files_dir:
             object.__setattr__(self, "files_dir", str(Path(self.data_dir) / "files"))
         if not self.database_url:
@@ -272,6 +298,31 @@ OPTIONS: tuple[Option, ...] = (
         "batch_max_in_flight",
         int,
         "batch lines in the engine at once; each runs at the lowest priority",
+    ),
+    Option(
+        "--oidc-issuer", "oidc_issuer", str, "OpenID Connect issuer URL for dashboard single sign-on (off when empty)"
+    ),
+    Option("--oidc-client-id", "oidc_client_id", str, "the dashboard's client id at the identity provider"),
+    Option("--oidc-client-secret", "oidc_client_secret", str, "the dashboard's client secret (none: a public client)"),
+    Option(
+        "--oidc-allowed-domains",
+        "oidc_allowed_domains",
+        str,
+        "email domains that may sign in, each with an optional role: example.com, ops.example.com=admin",
+    ),
+    Option("--oidc-group-claim", "oidc_group_claim", str, "the ID token claim listing a user's groups (e.g. groups)"),
+    Option(
+        "--oidc-group-roles",
+        "oidc_group_roles",
+        str,
+        "group=role pairs: tokenmill-admins=admin, analysts=viewer, ml-team=team:ml",
+    ),
+    Option("--oidc-scopes", "oidc_scopes", str, f"scopes asked for (default: {DEFAULT_SCOPES})"),
+    Option(
+        "--oidc-redirect-url",
+        "oidc_redirect_url",
+        str,
+        "the callback registered at the provider, https://HOST/admin/sso/callback (default: from the request)",
     ),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),

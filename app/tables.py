@@ -207,13 +207,19 @@ class StoredResponseItem(Base):
 
 class AdminSession(Base):
     """A dashboard login: one row while it is open, so that logging out ends it on every replica and
-    process. Keyed by the SHA-256 of the session id (the id itself only ever lives in the cookie)."""
+    process. Keyed by the SHA-256 of the session id (the id itself only ever lives in the cookie). The
+    role lives here, not in the cookie: the database says what a session may do."""
 
     __tablename__ = "admin_sessions"
 
     id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     expires_at: Mapped[datetime] = mapped_column(DateTime, index=True)
+    # Who: the admin key (subject None) or an SSO login; role "admin", "viewer" or "team" (of team_id).
+    role: Mapped[str] = mapped_column(String(16), server_default="admin")
+    subject: Mapped[str | None] = mapped_column(String(255))
+    email: Mapped[str | None] = mapped_column(String(320))
+    team_id: Mapped[int | None] = mapped_column(Integer)
 
 
 class StoredFile(Base):

@@ -1,4 +1,5 @@
-"""/admin/batches: every team's batches (Batch API), newest first, with their progress; cancel one."""
+"""/admin/batches: every team's batches (Batch API), newest first, with their progress; cancel one
+(admins). A team member sees their own team's batches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import select, tuple_
 
 from app.batches.jobs import BatchStore
-from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession
+from app.dashboard.deps import CheckedForm, DashboardDep, MemberPage, PageActor, PageSession
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
 from app.tables import BatchJob, Team
@@ -22,12 +23,14 @@ ERRORS = {"not_found": "No such batch.", "not_cancellable": "That batch has alre
 @router.get("/admin/batches", include_in_schema=False)
 def list_batches(
     request: Request,
-    session: PageSession,
+    session: MemberPage,
     dashboard: DashboardDep,
     team: int | None = None,
     after: str | None = None,
     error: str | None = None,
 ) -> Response:
+    if not session.sees_every_team:  # a team member sees their team's batches only
+        team = session.team_id
     query = select(BatchJob, Team.name).outerjoin(Team, Team.id == BatchJob.team_id)
     if team is not None:
         query = query.where(BatchJob.team_id == team)

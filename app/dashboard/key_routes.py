@@ -1,4 +1,5 @@
-"""/admin/keys: every key (keyset pages, by team), create (the key is shown once), edit limits, revoke."""
+"""/admin/keys: every key (keyset pages, by team), create (the key is shown once), edit limits, revoke.
+A team member (SSO) sees, creates and revokes their own team's keys only; limits are the admin's."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import select
 
-from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession, safe_next
+from app.dashboard.deps import CheckedForm, DashboardDep, MemberForm, MemberPage, PageActor, PageRefused, safe_next
 from app.dashboard.limit_forms import FormError, body_from
 from app.dashboard.rendering import render
 from app.dashboard.team_routes import PAGE_SIZE, team_page
@@ -27,12 +28,14 @@ def team_names(session, team_ids: set[int]) -> dict[int, str]:
 @router.get("/admin/keys", include_in_schema=False)
 def list_keys(
     request: Request,
-    session: PageSession,
+    session: MemberPage,
     dashboard: DashboardDep,
     after: int | None = None,
     team_id: int | None = None,
     revoked: bool = False,
 ) -> Response:
+    if not session.sees_every_team:
+        team_id = session.team_id
     with dashboard.gateway.sessions() as db:
         keys = list(crud.list_keys(db, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1, after=after))
         names = team_names(db, {key.team_id for key in keys})
@@ -53,10 +56,14 @@ def list_keys(
 
 @router.post("/admin/keys", include_in_schema=False)
 def create_key(
-    request: Request, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+    request: Request, session: MemberPage, dashboard: DashboardDep, change: MemberForm, actor: PageActor
 ) -> Response:
-    """Answers with the page that shows the key: once, never cached, never in a URL."""
+    """Answers with the page that shows the key: once, never cached, never in a URL. A team member's key
+    is bounded by the team's limits like any other (they apply on top of a key's own)."""
+    form = change.form
     team_id = int(form["team_id"]) if form.get("team_id", "").isdigit() else 0
+    if not change.session.may_manage_team(team_id):
+        raise PageRefused(404, f"No team with id {team_id}.")
     try:
         body = body_from(form, KeyCreate, team_id=team_id, name=form.get("name", "").strip())
         with dashboard.gateway.sessions() as db:
@@ -71,7 +78,7 @@ def create_key(
 def show_key(
     request: Request,
     key_id: int,
-    session: PageSession,
+    session: MemberPage,
     dashboard: DashboardDep,
     done: str | None = None,
     error: str | None = None,
@@ -79,6 +86,7 @@ def show_key(
 ) -> Response:
     with dashboard.gateway.sessions() as db:
         key = crud.get_key(db, key_id=key_id)
+        key = key if key is not None and session.may_see_team(key.team_id) else None
         team = crud.get_team(db, team_id=key.team_id) if key is not None else None
     if key is None:
         return render(request, "error.html", session, status_code=404, message=f"No key with id {key_id}.")
@@ -97,7 +105,7 @@ def show_key(
 
 @router.post("/admin/keys/{key_id}", include_in_schema=False)
 def update_key(
-    request: Request, key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+    request: Request, key_id: int, session: MemberPage, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
 ) -> Response:
     try:
         body = body_from(form, KeyUpdate, name=form.get("name", "").strip())
@@ -111,9 +119,13 @@ def update_key(
 
 @router.post("/admin/keys/{key_id}/revoke", include_in_schema=False)
 def revoke_key(
-    key_id: int, session: PageSession, dashboard: DashboardDep, form: CheckedForm, actor: PageActor
+    key_id: int, session: MemberPage, dashboard: DashboardDep, change: MemberForm, actor: PageActor
 ) -> Response:
+    form = change.form
     with dashboard.gateway.sessions() as db:
+        found = crud.get_key(db, key_id=key_id)
+        if found is None or not change.session.may_manage_team(found.team_id):  # another team's: as absent
+            raise PageRefused(404, f"No key with id {key_id}.")
         key = admin.revoke_key(key_id, db, dashboard.gateway, actor=actor)
     back = safe_next(form.get("back") or f"/admin/teams/{key.team_id}")
     return RedirectResponse(back + ("&" if "?" in back else "?") + "done=revoked", status_code=303)

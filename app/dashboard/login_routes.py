@@ -1,5 +1,6 @@
-"""/admin/login and /admin/logout. The admin key buys a signed, HttpOnly, SameSite=Strict session
-cookie that expires; the login form carries its own CSRF token (double submit) before a session exists."""
+"""/admin/login and /admin/logout. The admin key (the break-glass login; single sign-on is in
+sso_routes.py) buys a signed, HttpOnly, SameSite=Strict session cookie that expires; the login form
+carries its own CSRF token (double submit) before a session exists."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession, current_session, read_form, safe_next
+from app.dashboard.deps import DashboardDep, MemberPage, PageActor, SignedInForm, current_session, read_form, safe_next
 from app.dashboard.rendering import render
 from app.dashboard.sessions import LOGIN_COOKIE, SESSION_COOKIE, AdminSession
 from app.errors import OpenAIError
@@ -20,7 +21,7 @@ from app.gateway.service import client_address
 router = APIRouter()
 
 
-def _secure(request: Request) -> bool:
+def secure_cookies(request: Request) -> bool:
     """Secure cookies over https, and always with --secure-cookies: behind a proxy that ends TLS the app
     sees http (unless --forwarded-allow-ips trusts the proxy's X-Forwarded-Proto)."""
     return request.app.state.context.settings.secure_cookies or request.url.scheme == "https"
@@ -38,6 +39,7 @@ def login_page(
         login_token=token,
         next_path=safe_next(next_path),
         error=error,
+        sso_enabled=dashboard.sso is not None,
     )
     response.set_cookie(
         LOGIN_COOKIE,
@@ -46,9 +48,21 @@ def login_page(
         path="/admin/login",
         httponly=True,
         samesite="strict",
-        secure=_secure(request),
+        secure=secure_cookies(request),
     )
     return response
+
+
+def set_session_cookie(request: Request, response: Response, dashboard, cookie: str) -> None:
+    response.set_cookie(
+        SESSION_COOKIE,
+        cookie,
+        max_age=int(dashboard.signer.lifetime_s),
+        path="/admin",
+        httponly=True,
+        samesite="strict",
+        secure=secure_cookies(request),
+    )
 
 
 @router.get("/admin/login", include_in_schema=False)
@@ -99,26 +113,22 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
         partial(dashboard.session_store.open, session, actor=admin.actor, address=client_address(request))
     )
     response = RedirectResponse(next_path, status_code=303)
-    response.set_cookie(
-        SESSION_COOKIE,
-        cookie,
-        max_age=int(dashboard.signer.lifetime_s),
-        path="/admin",
-        httponly=True,
-        samesite="strict",
-        secure=_secure(request),
+    set_session_cookie(request, response, dashboard, cookie)
+    response.delete_cookie(
+        LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict", secure=secure_cookies(request)
     )
-    response.delete_cookie(LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict", secure=_secure(request))
     return response
 
 
 @router.post("/admin/logout", include_in_schema=False)
 async def log_out(
-    request: Request, dashboard: DashboardDep, session: PageSession, form: CheckedForm, actor: PageActor
+    request: Request, dashboard: DashboardDep, session: MemberPage, form: SignedInForm, actor: PageActor
 ) -> Response:
     address = client_address(request)
     await run_in_threadpool(partial(dashboard.session_store.end, session, actor=actor, address=address))  # everywhere
     await run_in_threadpool(dashboard.playground.forget, session.session_id, actor)
     response = RedirectResponse("/admin/login", status_code=303)
-    response.delete_cookie(SESSION_COOKIE, path="/admin", httponly=True, samesite="strict", secure=_secure(request))
+    response.delete_cookie(
+        SESSION_COOKIE, path="/admin", httponly=True, samesite="strict", secure=secure_cookies(request)
+    )
     return response

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from app.dashboard.deps import DashboardDep, DataSession, PageSession
+from app.dashboard.deps import DashboardDep, DataSession, MemberPage
 from app.dashboard.rendering import NO_STORE, render
 
 router = APIRouter()
 
 
 @router.get("/admin", include_in_schema=False)
-def overview(request: Request, session: PageSession, dashboard: DashboardDep) -> Response:
+def overview(request: Request, session: MemberPage, dashboard: DashboardDep) -> Response:
+    if not session.sees_every_team:  # the machine's numbers are every team's: a member starts on their team
+        return RedirectResponse(f"/admin/teams/{session.team_id}", status_code=303)
     return render(
         request,
         "overview.html",

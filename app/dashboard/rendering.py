@@ -65,6 +65,11 @@ def render(
     context = {
         "csrf_token": signer.csrf_token(session) if session is not None else "",
         "logged_in": session is not None,
+        # What the page offers (the server refuses the rest anyway: see deps.py).
+        "role": session.role if session is not None else None,
+        "can_change": session is not None and session.is_admin,
+        "signed_in_as": session.who if session is not None else None,
+        "member_team_id": session.team_id if session is not None and session.role == "team" else None,
         **context,
     }
     return templates.TemplateResponse(request, name, context, status_code=status_code, headers=NO_STORE)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import func, select
 
-from app.dashboard.deps import CheckedForm, DashboardDep, PageActor, PageSession
+from app.dashboard.deps import CheckedForm, DashboardDep, MemberPage, PageActor, PageSession
 from app.dashboard.limit_forms import FormError, body_from, share_from
 from app.dashboard.rendering import render
 from app.errors import OpenAIError
@@ -110,8 +110,8 @@ def team_page(
     status_code: int = 200,
 ) -> Response:
     with dashboard.gateway.sessions() as session:
-        team = crud.get_team(session, team_id=team_id)
-        if team is None:
+        team = crud.get_team(session, team_id=team_id) if session_.may_see_team(team_id) else None
+        if team is None:  # another team's page is as absent as a missing one: its name stays unknown
             return render(request, "error.html", session_, status_code=404, message=f"No team with id {team_id}.")
         keys = list(crud.list_keys(session, team_id=team_id, include_revoked=revoked, limit=PAGE_SIZE + 1, after=after))
     return render(
@@ -136,7 +136,7 @@ def team_page(
 def show_team(
     request: Request,
     team_id: int,
-    session: PageSession,
+    session: MemberPage,
     dashboard: DashboardDep,
     after: int | None = None,
     revoked: bool = False,

@@ -1,5 +1,6 @@
 """/admin/usage: usage by team / key / model / day over a date range, as a table (pages of 100), a
-daily chart (JSON for the page's script) and a CSV download. The gateway's reports do the SQL."""
+daily chart (JSON for the page's script) and a CSV download. The gateway's reports do the SQL. A team
+member (SSO) gets their own team's usage whatever the query asks for."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.dashboard.deps import DashboardDep, DataSession, PageSession
+from app.dashboard.deps import DashboardDep, MemberData, MemberPage
 from app.dashboard.rendering import NO_STORE, render
+from app.dashboard.sessions import AdminSession
 from app.gateway import crud
 from app.gateway.reports import GROUPS, report_columns, to_csv, usage_report
 
@@ -93,10 +95,15 @@ class UsageFilter:
         )
 
 
+def scoped_team(session: AdminSession, team_id: str | None) -> str | None:
+    """The team filter a session may use: any for admins and viewers, always its own for a member."""
+    return team_id if session.sees_every_team else str(session.team_id)
+
+
 @router.get("/admin/usage", include_in_schema=False)
 def usage_page(
     request: Request,
-    session: PageSession,
+    session: MemberPage,
     dashboard: DashboardDep,
     since: str | None = None,
     until: str | None = None,
@@ -106,6 +113,7 @@ def usage_page(
     model: str | None = None,
     offset: int = 0,
 ) -> Response:
+    team_id = scoped_team(session, team_id)
     query = UsageFilter.of(
         since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model, offset=offset
     )
@@ -114,7 +122,11 @@ def usage_page(
             db, group_by=query.group_by, limit=PAGE_SIZE + 1, offset=query.offset, **query.report_args()
         )
         [totals] = usage_report(db, group_by=(), **query.report_args())
-        teams = list(crud.list_teams(db, limit=TEAM_CHOICES))
+        if session.sees_every_team:
+            teams = list(crud.list_teams(db, limit=TEAM_CHOICES))
+        else:
+            own = crud.get_team(db, team_id=session.team_id) if session.team_id is not None else None
+            teams = [own] if own is not None else []
     return render(
         request,
         "usage.html",
@@ -133,7 +145,7 @@ def usage_page(
 
 @router.get("/admin/usage.csv", include_in_schema=False)
 def usage_csv(
-    session: PageSession,
+    session: MemberPage,
     dashboard: DashboardDep,
     since: str | None = None,
     until: str | None = None,
@@ -142,7 +154,9 @@ def usage_csv(
     key_id: str | None = None,
     model: str | None = None,
 ) -> Response:
-    query = UsageFilter.of(since=since, until=until, group=group, team_id=team_id, key_id=key_id, model=model)
+    query = UsageFilter.of(
+        since=since, until=until, group=group, team_id=scoped_team(session, team_id), key_id=key_id, model=model
+    )
     with dashboard.gateway.sessions() as db:
         rows = usage_report(db, group_by=query.group_by, **query.report_args())
     name = f"usage-{query.first_day}-{query.last_day}.csv"
@@ -155,7 +169,7 @@ def usage_csv(
 
 @router.get("/admin/data/usage", include_in_schema=False)
 def usage_chart_data(
-    session: DataSession,
+    session: MemberData,
     dashboard: DashboardDep,
     since: str | None = None,
     until: str | None = None,
@@ -164,7 +178,9 @@ def usage_chart_data(
     model: str | None = None,
 ) -> Response:
     """Tokens and cost per day over the range (every day present, zeros included), for the chart."""
-    query = UsageFilter.of(since=since, until=until, group=["day"], team_id=team_id, key_id=key_id, model=model)
+    query = UsageFilter.of(
+        since=since, until=until, group=["day"], team_id=scoped_team(session, team_id), key_id=key_id, model=model
+    )
     with dashboard.gateway.sessions() as db:
         rows = {row["day"]: row for row in usage_report(db, group_by=("day",), **query.report_args())}
     days = [

@@ -15,20 +15,23 @@ from app.dashboard import (
     model_routes,
     overview_routes,
     playground_routes,
+    sso_routes,
     team_routes,
     usage_routes,
 )
-from app.dashboard.deps import CsrfRejected, Dashboard, LoginRequired, login_url
+from app.dashboard.deps import CsrfRejected, Dashboard, LoginRequired, PageRefused, login_url
 from app.dashboard.headers import DashboardHeadersMiddleware
 from app.dashboard.live import LiveSampler
 from app.dashboard.playground_keys import PlaygroundKeys
 from app.dashboard.rendering import WEB_DIR, render
 from app.dashboard.sessions import SessionSigner, SessionStore
 from app.dashboard.sources import model_sources
+from app.dashboard.sso import OidcClient
 from app.gateway.service import TeamGateway
 
 ROUTERS = (
     login_routes,
+    sso_routes,
     overview_routes,
     team_routes,
     key_routes,
@@ -53,6 +56,10 @@ async def _csrf_rejected(request: Request, error: CsrfRejected) -> Response:
     )
 
 
+async def _page_refused(request: Request, error: PageRefused) -> Response:
+    return render(request, "error.html", None, status_code=error.status, message=error.message)
+
+
 def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: float = 1.0) -> Dashboard:
     """Routers, static files, headers and handlers; the caller starts and stops `dashboard.sampler` with
     the app's lifespan."""
@@ -70,6 +77,7 @@ def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: 
         session_store=SessionStore(gateway.sessions),
         sampler=sampler,
         playground=PlaygroundKeys(gateway),
+        sso=OidcClient(settings.sso) if settings.sso is not None else None,
     )
     app.state.dashboard = dashboard
     for module in ROUTERS:
@@ -78,4 +86,5 @@ def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: 
     app.add_middleware(DashboardHeadersMiddleware)
     app.add_exception_handler(LoginRequired, _to_login)
     app.add_exception_handler(CsrfRejected, _csrf_rejected)
+    app.add_exception_handler(PageRefused, _page_refused)
     return dashboard
