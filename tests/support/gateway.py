@@ -227,10 +227,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_in_thread(app, **config) -> Iterator[str]:
+def serve_in_thread(app, port: int | None = None, **config) -> Iterator[str]:
+    """`port`: one picked beforehand, when the app must know its own URL (an SSO callback)."""
     import uvicorn
 
-    port = free_port()
+    port = port or free_port()
     config = {"log_level": "warning", "lifespan": "on", **config}
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
     thread = threading.Thread(target=server.run, daemon=True)
