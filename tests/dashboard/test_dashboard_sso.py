@@ -355,3 +355,22 @@ def test_the_role_is_read_from_the_database_not_the_cookie(dashboard, provider):
         db.commit()
     assert dashboard.post("/admin/teams", name="after", budget_period="month").status_code == 403
     assert page_csrf(dashboard.client.get("/admin").text) == dashboard.csrf
+
+
+def test_the_readme_example_config_is_valid():
+    """The README's SSO example, exactly as written there, parses into the roles it describes."""
+    from pathlib import Path
+
+    from app.settings import settings_from
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## SSO", 1)[1].split("\n## ", 1)[0]
+    env = {}
+    for name, value in re.findall(r"export (TOKENMILL_\w+)=(\"[^\"]*\"|\S+)", section):
+        env[name] = value.strip('"')
+    assert env["TOKENMILL_OIDC_ISSUER"].startswith("https://")
+    sso = settings_from({}, env).sso
+    assert sso is not None and sso.client_secret == "..."
+    assert sso.domains == {"acme.com": "viewer", "contractor.io": None}
+    assert sso.group_roles["tokenmill-admins"] == "admin" and sso.group_roles["ml-platform"] == "team:ml"
+    assert sso.discovery_url == "https://id.example.com/realms/acme/.well-known/openid-configuration"
