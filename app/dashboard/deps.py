@@ -223,6 +223,6 @@ def safe_next(next_path: str | None) -> str:
     """Only our own pages: never another host ('//evil', 'https://...') and never the login itself."""
     if not next_path or not next_path.startswith("/admin") or next_path.startswith("//") or "\\" in next_path:
         return "/admin"
-    if next_path.startswith("/admin/login") or next_path.startswith("/admin/logout"):
+    if next_path.startswith(("/admin/login", "/admin/logout", "/admin/sso/")):  # no loop back into a login
         return "/admin"
     return next_path

@@ -175,6 +175,12 @@ def test_a_callback_in_another_browser_is_refused(dashboard, provider):
     assert victim.get("/admin", follow_redirects=False).status_code == 303
 
 
+def test_after_sign_in_the_next_page_is_never_a_login_again(dashboard, provider):
+    provider.set_user("carol-sub", email="carol@ops.example.com")
+    response = sso_log_in(dashboard, provider, "carol-sub", next_path="/admin/sso/login")
+    assert 'content="0;url=/admin"' in response.text  # not back to the provider in a loop
+
+
 def test_a_code_is_good_once(dashboard, provider):
     provider.set_user("carol-sub", email="carol@ops.example.com")
     start = dashboard.client.get("/admin/sso/login", follow_redirects=False)
