@@ -154,6 +154,15 @@ def test_an_expired_id_token_is_refused(dashboard, provider):
     assert not signed_in(dashboard)
 
 
+def test_denying_at_the_provider_comes_back_as_a_refusal(dashboard, provider):
+    start = dashboard.client.get("/admin/sso/login", follow_redirects=False)
+    denied = provider.http.post(start.headers["location"], data={"action": "deny"})
+    assert denied.status_code == 302 and "error=access_denied" in denied.headers["location"]
+    response = dashboard.client.get(path_of(denied.headers["location"]), follow_redirects=False)
+    assert response.status_code == 401 and "denied the request" in alert(response)
+    assert not signed_in(dashboard)
+
+
 def test_a_forged_state_is_refused(dashboard, provider):
     provider.set_user("carol-sub", email="carol@ops.example.com")
     start = dashboard.client.get("/admin/sso/login", follow_redirects=False)
