@@ -389,3 +389,55 @@ def test_the_readme_example_config_is_valid():
     assert sso.domains == {"acme.com": "viewer", "contractor.io": None}
     assert sso.group_roles["tokenmill-admins"] == "admin" and sso.group_roles["ml-platform"] == "team:ml"
     assert sso.discovery_url == "https://id.example.com/realms/acme/.well-known/openid-configuration"
+
+
+# ---- the audit log ----
+
+
+def audit_rows(dashboard) -> list:
+    from sqlalchemy import select
+
+    from app.tables import AuditEntry
+
+    with dashboard.gateway.sessions() as db:
+        return list(db.scalars(select(AuditEntry).order_by(AuditEntry.id)))
+
+
+def test_sso_logins_changes_and_logouts_are_audited_under_the_subject(dashboard, provider):
+    provider.set_user("alice-sub", email="alice@partner.test", groups=[ADMIN_GROUP])
+    sso_log_in(dashboard, provider, "alice-sub")
+    team_id = dashboard.create_team("audited")
+    dashboard.post("/admin/logout")
+
+    rows = [row for row in audit_rows(dashboard) if row.actor_kind == "sso"]
+    assert [row.action for row in rows] == ["session.login", "team.create", "session.logout"]
+    assert {(row.actor_id, row.actor_display) for row in rows} == {("alice-sub", "alice@partner.test")}
+    assert rows[0].after["role"] == "admin" and rows[1].target_id == str(team_id)
+
+
+def test_a_refused_sso_sign_in_is_audited_with_the_reason(dashboard, provider):
+    provider.set_user("eve-sub", email="eve@evil.test")
+    sso_log_in(dashboard, provider, "eve-sub")
+    provider.set_user("mallory-sub", email="mallory@ops.example.com", aud="another-app")
+    sso_log_in(dashboard, provider, "mallory-sub")
+
+    failed = [row for row in audit_rows(dashboard) if row.action == "session.login_failed"]
+    assert [(row.actor_kind, row.actor_id, row.actor_display) for row in failed][0] == (
+        "sso",
+        "eve-sub",
+        "eve@evil.test",
+    )
+    assert "domain not allowed" in failed[0].after["reason"]
+    # an ID token that failed its checks names nobody: its claims are not believed
+    assert failed[1].actor_id == "unknown" and "aud" in failed[1].after["reason"]
+    assert not any(row.action == "session.login" for row in audit_rows(dashboard))
+
+
+def test_a_team_members_key_is_audited_under_them(dashboard, provider):
+    ml_id, _ = new_team_with_key(dashboard, "ml")
+    provider.set_user("tom-sub", email="tom@partner.test", groups=[ML_GROUP])
+    sso_log_in(dashboard, provider, "tom-sub")
+    assert dashboard.post("/admin/keys", team_id=str(ml_id), name="mine", budget_period="month").status_code == 200
+    [created] = [row for row in audit_rows(dashboard) if row.action == "key.create" and row.actor_kind == "sso"]
+    assert created.actor_display == "tom@partner.test" and created.after["name"] == "mine"
+    assert "key_hash" not in created.after or created.after["key_hash"] == "[redacted]"
