@@ -1,7 +1,7 @@
 """Dashboard sessions say who is signed in and with what role: the admin key (break-glass) or an SSO
 login (the identity provider's subject and email), as admin, viewer or a member of one team.
 
-Revision ID: 0013_sso_sessions
+Revision ID: 0014_sso_sessions
 Revises: 0013_models_ui
 Create Date: 2026-12-01
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013_sso_sessions"
+revision = "0014_sso_sessions"
 down_revision = "0013_models_ui"
 branch_labels = None
 depends_on = None
