@@ -67,6 +67,7 @@ class Settings:
     max_file_bytes: int = 100 * 1024 * 1024  # largest upload to /v1/files
     max_batch_lines: int = 50_000  # most requests in one batch's input file
     batch_max_in_flight: int = 8  # batch lines in the engine at once (all batches together)
+    batch_lease_s: float = 30.0  # how long a killed replica's batch waits before another takes it over
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -109,6 +110,8 @@ class Settings:
             raise SettingsError("max_batch_lines must be at least 1")
         if self.batch_max_in_flight < 1:
             raise SettingsError("batch_max_in_flight must be at least 1")
+        if self.batch_lease_s < 1:
+            raise SettingsError("batch_lease_s must be at least 1")
         if not self.files_dir:
             object.__setattr__(self, "files_dir", str(Path(self.data_dir) / "files"))
         if not self.database_url:
@@ -272,6 +275,12 @@ OPTIONS: tuple[Option, ...] = (
         "batch_max_in_flight",
         int,
         "batch lines in the engine at once; each runs at the lowest priority",
+    ),
+    Option(
+        "--batch-lease-s",
+        "batch_lease_s",
+        float,
+        "seconds a batch stays with a replica that stopped renewing it (one killed) before another resumes it",
     ),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),

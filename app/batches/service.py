@@ -27,7 +27,9 @@ class BatchService:
     def create(cls, app: ASGIApp, sessions: sessionmaker[Session], settings: Settings) -> BatchService:
         files = FileStore(sessions, Path(settings.files_dir), settings.max_file_bytes)
         jobs = BatchStore(sessions)
-        runner = BatchRunner(app, jobs=jobs, files=files, max_in_flight=settings.batch_max_in_flight)
+        runner = BatchRunner(
+            app, jobs=jobs, files=files, max_in_flight=settings.batch_max_in_flight, lease_s=settings.batch_lease_s
+        )
         return cls(files, jobs, runner, settings.max_batch_lines)
 
     @property
