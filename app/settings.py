@@ -67,6 +67,7 @@ class Settings:
     max_file_bytes: int = 100 * 1024 * 1024  # largest upload to /v1/files
     max_batch_lines: int = 50_000  # most requests in one batch's input file
     batch_max_in_flight: int = 8  # batch lines in the engine at once (all batches together)
+    files_sweep_interval_s: float = 60.0  # how often expired files are deleted (they are 404 from expiry on)
     batch_lease_s: float = 30.0  # how long a killed replica's batch waits before another takes it over
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -110,6 +111,8 @@ class Settings:
             raise SettingsError("max_batch_lines must be at least 1")
         if self.batch_max_in_flight < 1:
             raise SettingsError("batch_max_in_flight must be at least 1")
+        if self.files_sweep_interval_s <= 0:
+            raise SettingsError("files_sweep_interval_s must be positive")
         if self.batch_lease_s < 1:
             raise SettingsError("batch_lease_s must be at least 1")
         if not self.files_dir:

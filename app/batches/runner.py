@@ -297,14 +297,17 @@ class BatchRunner:
         outputs = [encode(r.result) for r in results if 200 <= r.status_code < 300]
         errors = [encode(r.result) for r in results if not 200 <= r.status_code < 300]
         values: dict[str, object] = {"total": len(lines)}
-        if outputs:
-            values["output_file_id"] = self.files.write(
-                team_id=job.team_id, purpose="batch_output", filename=f"{job.id}_output.jsonl", lines=outputs
-            ).id
-        if errors:
-            values["error_file_id"] = self.files.write(
-                team_id=job.team_id, purpose="batch_output", filename=f"{job.id}_error.jsonl", lines=errors
-            ).id
+        seconds = job.output_expires_after_s
+        expires_after = None if seconds is None else timedelta(seconds=seconds)
+        for kind, found in (("output", outputs), ("error", errors)):
+            if found:
+                values[f"{kind}_file_id"] = self.files.write(
+                    team_id=job.team_id,
+                    purpose="batch_output",
+                    filename=f"{job.id}_{kind}.jsonl",
+                    lines=found,
+                    expires_after=expires_after,
+                ).id
         self.jobs.set_status(job.id, final, only_from=("in_progress", "finalizing", "cancelling"), **values)
 
     async def fail(self, job: BatchJob, code: str, message: str) -> None:

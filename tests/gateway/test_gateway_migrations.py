@@ -137,4 +137,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0011_batch_lease"
+    assert result.stdout.strip() == "0015_batch_expiry"
