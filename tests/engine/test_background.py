@@ -75,3 +75,19 @@ def test_foreground_requests_starting_every_step_leave_the_background_half_the_s
         engine.add_request(f"chat{number}", prompt_of(number + 2, 8), SamplingParams(max_tokens=1), FOREGROUND)
         step_collecting(engine, outputs)
     assert len(outputs["bg"]) == 1 + 10
+
+
+def test_the_engine_counts_the_background_seats_and_tokens(tiny):
+    engine = engine_of(tiny)
+    for number in range(3):
+        engine.add_request(f"bg{number}", prompt_of(number), GREEDY, BACKGROUND)
+    engine.add_request("chat", prompt_of(9), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), FOREGROUND)
+    outputs: dict[str, list[int]] = {}
+    step_collecting(engine, outputs)
+    assert engine.stats.num_running == 4 and engine.stats.num_running_background == 3
+    while engine.has_unfinished:
+        step_collecting(engine, outputs)
+    assert engine.stats.generation_tokens_background_total == 3 * GREEDY.max_tokens
+    assert engine.stats.generation_tokens_total == 3 * GREEDY.max_tokens + 5
+    assert engine.stats.scheduled_background_seqs_total >= 3 * GREEDY.max_tokens
+    assert engine.stats.num_running_background == 0
