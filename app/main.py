@@ -95,6 +95,7 @@ def create_app(
         app.state.batches = batch_service = BatchService.create(app, gateway.sessions, settings)
         path_caps["/v1/files"] = batch_service.upload_cap
         parts.append((batch_service.runner.start, batch_service.runner.stop))
+        parts.append((batch_service.sweeper.start, batch_service.sweeper.stop))
     parts.append((freeze_startup_heap, thaw))  # last: once all the rest has started
     app.router.lifespan_context = lifespan_of(parts, app.router.lifespan_context)
     install_body_limit(app, settings.max_request_bytes, path_caps)  # last added runs first: before any other middleware

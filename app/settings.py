@@ -77,6 +77,8 @@ class Settings:
     oidc_group_roles: str = ""  # "tokenmill-admins=admin, analysts=viewer, ml-team=team:ml"
     oidc_scopes: str = DEFAULT_SCOPES
     oidc_redirect_url: str = ""  # the callback URL registered at the provider; empty: from the request
+    files_sweep_interval_s: float = 60.0  # how often expired files are deleted (they are 404 from expiry on)
+    batch_lease_s: float = 30.0  # how long a killed replica's batch waits before another takes it over
     engine: EngineConfig = field(default_factory=EngineConfig)
     sso: SsoConfig | None = field(default=None, init=False, compare=False)  # parsed from the oidc_* fields
 
@@ -135,6 +137,10 @@ class Settings:
             except ValueError as error:
                 raise SettingsError(str(error)) from None
             object.__setattr__(self, "sso", sso)
+        if self.files_sweep_interval_s <= 0:
+            raise SettingsError("files_sweep_interval_s must be positive")
+        if self.batch_lease_s < 1:
+            raise SettingsError("batch_lease_s must be at least 1")
         if not self.files_dir:
             object.__setattr__(self, "files_dir", str(Path(self.data_dir) / "files"))
         if not self.database_url:
@@ -323,6 +329,12 @@ OPTIONS: tuple[Option, ...] = (
         "oidc_redirect_url",
         str,
         "the callback registered at the provider, https://HOST/admin/sso/callback (default: from the request)",
+    ),
+    Option(
+        "--batch-lease-s",
+        "batch_lease_s",
+        float,
+        "seconds a batch stays with a replica that stopped renewing it (one killed) before another resumes it",
     ),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),

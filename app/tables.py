@@ -233,8 +233,12 @@ class StoredFile(Base):
     filename: Mapped[str] = mapped_column(String(256))
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime)  # gone from then on; None: kept until deleted
 
-    __table_args__ = (Index("ix_files_team_created", "team_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_files_team_created", "team_id", "created_at"),
+        Index("ix_files_expires_at", "expires_at"),
+    )
 
 
 class BatchJob(Base):
@@ -256,6 +260,7 @@ class BatchJob(Base):
     failed: Mapped[int] = mapped_column(Integer, default=0)
     batch_metadata: Mapped[dict | None] = mapped_column("metadata", JSON)
     errors: Mapped[list | None] = mapped_column(JSON)  # why the whole batch failed, OpenAI's `errors.data`
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)  # its output / error files expire then
     created_at: Mapped[datetime] = mapped_column(DateTime)
     expires_at: Mapped[datetime] = mapped_column(DateTime)
     in_progress_at: Mapped[datetime | None] = mapped_column(DateTime)

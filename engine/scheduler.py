@@ -70,6 +70,7 @@ class Scheduler:
         self.ledger = TeamLedger(config.fair_prompt_weight, config.fair_output_weight)
         self.num_steps = 0
         self._next_arrival_seq = 0
+        self.background_sat_out = False  # the last step left background requests out
 
     @property
     def num_unfinished(self) -> int:
@@ -113,6 +114,7 @@ class Scheduler:
         else:
             self._admit_in_arrival_order(batch, scheduled, bool(preempted), budget)
         self.blocks.release_held_cpu_blocks()
+        self._background_sits_out(scheduled)
         batch.requests = list(scheduled)
         batch.num_new_tokens = list(scheduled.values())
         return batch
@@ -143,6 +145,23 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _background_sits_out(self, scheduled: dict[Request, int]) -> None:
+        """A step that computes a foreground request's first token carries no background work (Batch API
+        lines): on a CPU every token of a step costs time, and that step is the request's time to first
+        token. The background requests keep their seats and blocks and go on next step (num_computed_tokens
+        moves only for what is scheduled). Never two steps running, so that foreground requests starting
+        on every step still leave the background half the steps. SmolLM2, 8 background lines, a chat request
+        every 5 steps (bench/background_ttft.py): TTFT p99 2.97x -> 0.80x of the no-batch value in CPU
+        time, for 20% fewer background tokens over the same steps."""
+        sat_out_last_step, self.background_sat_out = self.background_sat_out, False
+        if sat_out_last_step:
+            return
+        if any(not request.tenancy.background and not request.output_token_ids for request in scheduled):
+            background = [request for request in scheduled if request.tenancy.background]
+            for request in background:
+                del scheduled[request]
+            self.background_sat_out = bool(background)
 
     def _admit_in_arrival_order(
         self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted_any: bool, budget: int

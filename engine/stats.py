@@ -50,6 +50,10 @@ class EngineStats:
     scheduled_tokens_total: int = 0
     kv_blocks_used_step_sum: int = 0
     num_preemptions_fair: int = 0  # of the preemptions, those that gave another team its turn
+    # Background work (Batch API lines): its seats now, its sequences summed over steps, its output tokens.
+    num_running_background: int = 0
+    scheduled_background_seqs_total: int = 0
+    generation_tokens_background_total: int = 0
     # Per team; rebuilt (not mutated) on every refresh, so a snapshot's dict stays as it was.
     teams: dict[str, TeamStats] = field(default_factory=dict)
 
@@ -80,11 +84,18 @@ class EngineStats:
         self.scheduled_tokens_last_step = batch.num_tokens
         self.scheduled_seqs_total += len(batch.requests)
         self.scheduled_tokens_total += batch.num_tokens
+        background = [request for request in batch.requests if request.tenancy.background]
+        self.scheduled_background_seqs_total += len(background)
+        # A request that sampled this step is one token ahead of what it has computed; a prompt chunk is more.
+        self.generation_tokens_background_total += sum(
+            1 for request in background if request.num_tokens - request.num_computed_tokens == 1
+        )
         self.refresh(scheduler, blocks)
         self.kv_blocks_used_step_sum += self.kv_blocks_used
 
     def refresh(self, scheduler, blocks) -> None:
         self.num_running = len(scheduler.running)
+        self.num_running_background = sum(1 for request in scheduler.running if request.tenancy.background)
         self.num_waiting = len(scheduler.waiting)
         self.num_swapped = len(scheduler.swapped)
         self.kv_blocks_used = blocks.num_used_blocks

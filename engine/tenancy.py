@@ -21,6 +21,9 @@ class Tenancy:
     team: str = DEFAULT_TEAM
     weight: float = 1.0  # the team's share relative to other teams (fair scheduling)
     priority: int = 0  # lower runs first (vLLM's convention); classes are served strictly in order
+    # Background work (a Batch API line) sits out each step in which a foreground request computes its
+    # first token (engine/scheduler.py), so it adds nothing to interactive time to first token.
+    background: bool = False
     # Requests reuse each other's cached prefix blocks only when their salts are equal. None: the team's
     # own cache; "": the global cache everyone shares. Cross-team sharing lets one team learn by timing
     # what another team's prompts begin with (vLLM's CVE-2025-46570), so it is an explicit choice.

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import BatchesDep, PrincipalDep
+from app.batches.files import expiry_after
 from app.batches.jobs import ENDPOINTS, batch_view, completion_window_length
 from app.batches.lines import count_lines
 from app.errors import invalid_request
 from app.serving.body import read_body
 
 router = APIRouter()
+
+
+class ExpiresAfter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]  # the output file's own creation, as OpenAI counts it
+    seconds: int
 
 
 class BatchCreate(BaseModel):
@@ -24,7 +32,7 @@ class BatchCreate(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
-    output_expires_after: dict | None = None  # accepted for the client's sake; outputs are kept until deleted
+    output_expires_after: ExpiresAfter | None = None  # the output and error files expire that long after written
 
 
 @router.post("/v1/batches")
@@ -33,6 +41,9 @@ async def create_batch(request: Request, principal: PrincipalDep, batches: Batch
     if body.endpoint not in ENDPOINTS:
         raise invalid_request(f"endpoint must be one of {list(ENDPOINTS)}; got {body.endpoint!r}.", param="endpoint")
     completion_window_length(body.completion_window)
+    expires_after = body.output_expires_after
+    if expires_after is not None:
+        expiry_after(expires_after.seconds, "output_expires_after")
     row, path = await run_in_threadpool(batches.files.open, team_id=principal.team_id, file_id=body.input_file_id)
     if row.purpose != "batch":
         raise invalid_request(
@@ -56,6 +67,7 @@ async def create_batch(request: Request, principal: PrincipalDep, batches: Batch
         completion_window=body.completion_window,
         metadata=body.metadata,
         total=total,
+        output_expires_after_s=None if expires_after is None else expires_after.seconds,
     )
     batches.runner.wake()
     return batch_view(job)

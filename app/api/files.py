@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -10,7 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.datastructures import UploadFile
 
 from app.api.deps import BatchesDep, PrincipalDep
-from app.batches.files import UPLOAD_PURPOSES, file_view
+from app.batches.files import UPLOAD_PURPOSES, expiry_after, file_view
 from app.errors import invalid_request
 
 router = APIRouter()
@@ -32,10 +33,25 @@ async def upload_file(request: Request, principal: PrincipalDep, batches: Batche
             purpose=str(purpose),
             filename=upload.filename or "upload",
             source=upload.file,
+            expires_after=upload_expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]")),
         )
     finally:
         await form.close()
     return JSONResponse(file_view(row))
+
+
+def upload_expiry(anchor: object, seconds: object) -> timedelta | None:
+    """The upload's expires_after, as the openai client sends it (form fields expires_after[anchor] and
+    expires_after[seconds]); None when it sent none."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise invalid_request("expires_after.anchor must be 'created_at'.", param="expires_after.anchor")
+    try:
+        whole = int(str(seconds))
+    except ValueError:
+        whole = -1
+    return expiry_after(whole, "expires_after")
 
 
 @router.get("/v1/files")

@@ -1,17 +1,18 @@
 """Files of the Files API: bytes in the files folder under the file's id, a row in the database saying
 whose it is. Everything here is keyword-only and blocking (routes run it in a thread); a file another
-team owns is as absent as one that never existed."""
+team owns, or one past its expires_at, is as absent as one that never existed (the sweep deletes the
+expired ones for good)."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import BinaryIO
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import or_, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import OpenAIError, invalid_request
@@ -20,10 +21,24 @@ from app.tables import StoredFile
 
 UPLOAD_PURPOSES = ("batch", "user_data")  # what a client may upload; batch_output is ours
 COPY_CHUNK = 1024 * 1024
+EXPIRY_SECONDS = (3600, 30 * 24 * 3600)  # OpenAI's bounds on expires_after / output_expires_after
+SWEEP_BATCH = 500  # expired files deleted per database round trip
 
 
 def unix(value: datetime | None) -> int | None:
     return None if value is None else int(value.replace(tzinfo=UTC).timestamp())
+
+
+def expiry_after(seconds: object, param: str) -> timedelta:
+    """An expiry policy's `seconds` ({"anchor": "created_at", "seconds": ...}), checked as OpenAI does."""
+    low, high = EXPIRY_SECONDS
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not low <= seconds <= high:
+        raise invalid_request(f"{param}.seconds must be a whole number from {low} to {high}.", param=f"{param}.seconds")
+    return timedelta(seconds=seconds)
+
+
+def live(row: StoredFile | None, now: datetime) -> bool:
+    return row is not None and (row.expires_at is None or row.expires_at > now)
 
 
 def file_not_found(file_id: str) -> OpenAIError:
@@ -40,7 +55,7 @@ def file_view(row: StoredFile) -> dict:
         "filename": row.filename,
         "purpose": row.purpose,
         "status": "processed",
-        "expires_at": None,
+        "expires_at": unix(row.expires_at),
         "status_details": None,
     }
 
@@ -54,7 +69,15 @@ class FileStore:
     def path_of(self, file_id: str) -> Path:
         return self.folder / file_id
 
-    def save(self, *, team_id: int | None, purpose: str, filename: str, source: BinaryIO) -> StoredFile:
+    def save(
+        self,
+        *,
+        team_id: int | None,
+        purpose: str,
+        filename: str,
+        source: BinaryIO,
+        expires_after: timedelta | None = None,
+    ) -> StoredFile:
         """Copy `source` in under a new id; refused (400) past max_bytes, with nothing left behind."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -74,9 +97,24 @@ class FileStore:
             os.replace(partial, self.path_of(file_id))
         finally:
             partial.unlink(missing_ok=True)
-        return self.record(file_id=file_id, team_id=team_id, purpose=purpose, filename=filename, size=size)
+        return self.record(
+            file_id=file_id,
+            team_id=team_id,
+            purpose=purpose,
+            filename=filename,
+            size=size,
+            expires_after=expires_after,
+        )
 
-    def write(self, *, team_id: int | None, purpose: str, filename: str, lines: list[bytes]) -> StoredFile:
+    def write(
+        self,
+        *,
+        team_id: int | None,
+        purpose: str,
+        filename: str,
+        lines: list[bytes],
+        expires_after: timedelta | None = None,
+    ) -> StoredFile:
         """A file we make ourselves (a batch's output or errors); no cap."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -90,11 +128,28 @@ class FileStore:
             purpose=purpose,
             filename=filename,
             size=self.path_of(file_id).stat().st_size,
+            expires_after=expires_after,
         )
 
-    def record(self, *, file_id: str, team_id: int | None, purpose: str, filename: str, size: int) -> StoredFile:
+    def record(
+        self,
+        *,
+        file_id: str,
+        team_id: int | None,
+        purpose: str,
+        filename: str,
+        size: int,
+        expires_after: timedelta | None,
+    ) -> StoredFile:
+        now = utcnow()
         row = StoredFile(
-            id=file_id, team_id=team_id, purpose=purpose, filename=filename[:256], bytes=size, created_at=utcnow()
+            id=file_id,
+            team_id=team_id,
+            purpose=purpose,
+            filename=filename[:256],
+            bytes=size,
+            created_at=now,
+            expires_at=None if expires_after is None else now + expires_after,
         )
         with self.sessions() as session, session.begin():
             session.add(row)
@@ -103,7 +158,7 @@ class FileStore:
     def get(self, *, team_id: int | None, file_id: str) -> StoredFile:
         with self.sessions() as session:
             row = session.get(StoredFile, file_id)
-        if row is None or row.team_id != team_id:
+        if row is None or row.team_id != team_id or not live(row, utcnow()):
             raise file_not_found(file_id)
         return row
 
@@ -111,7 +166,8 @@ class FileStore:
         self, *, team_id: int | None, purpose: str | None, after: str | None, limit: int, ascending: bool
     ) -> tuple[list[StoredFile], bool]:
         """A page of the team's files and whether more follow, newest first unless `ascending`."""
-        query = select(StoredFile).where(StoredFile.team_id == team_id)
+        unexpired = or_(StoredFile.expires_at.is_(None), StoredFile.expires_at > utcnow())
+        query = select(StoredFile).where(StoredFile.team_id == team_id, unexpired)
         if purpose is not None:
             query = query.where(StoredFile.purpose == purpose)
         order = (StoredFile.created_at, StoredFile.id)
@@ -128,7 +184,7 @@ class FileStore:
     def delete(self, *, team_id: int | None, file_id: str) -> None:
         with self.sessions() as session, session.begin():
             row = session.get(StoredFile, file_id)
-            if row is None or row.team_id != team_id:
+            if row is None or row.team_id != team_id or not live(row, utcnow()):
                 raise file_not_found(file_id)
             session.delete(row)
         self.path_of(file_id).unlink(missing_ok=True)
@@ -139,3 +195,20 @@ class FileStore:
         if not path.exists():  # the row outlived its bytes (a folder restored without them)
             raise file_not_found(file_id)
         return row, path
+
+    def sweep_expired(self) -> int:
+        """Delete the files past their expires_at, rows and bytes; how many went. The row goes first: a
+        crash between the two leaves bytes no row names (harmless), never a row without its bytes."""
+        swept = 0
+        while True:
+            with self.sessions() as session, session.begin():
+                rows = list(
+                    session.scalars(select(StoredFile).where(StoredFile.expires_at <= utcnow()).limit(SWEEP_BATCH))
+                )
+                for row in rows:
+                    session.delete(row)
+            for row in rows:
+                self.path_of(row.id).unlink(missing_ok=True)
+            swept += len(rows)
+            if len(rows) < SWEEP_BATCH:
+                return swept

@@ -84,6 +84,7 @@ class BatchStore:
         completion_window: str,
         metadata: dict | None,
         total: int,
+        output_expires_after_s: int | None = None,
     ) -> BatchJob:
         now = utcnow()
         row = BatchJob(
@@ -98,6 +99,7 @@ class BatchStore:
             completed=0,
             failed=0,
             batch_metadata=metadata,
+            output_expires_after_s=output_expires_after_s,
             created_at=now,
             expires_at=now + completion_window_length(completion_window),
         )

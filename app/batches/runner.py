@@ -3,8 +3,10 @@ priority, a bounded number at a time, so interactive requests are scheduled ahea
 
 Each finished line is written to the database as it finishes (jobs.BatchStore.record_line); a restart
 skips the lines found there and runs the rest, so no line is lost or recorded twice. A cancel stops the
-feeding, lets the lines in flight finish and writes the output so far; past its completion window a
-batch does the same and ends `expired`. Lines that never ran go to the error file, saying why.
+feeding and aborts the lines in flight (the route sees its client go away: the engine frees their KV
+blocks and the tokens they made are metered), then writes the output so far; past its completion window
+a batch does the same and ends `expired`. Lines that never ran or were cut short go to the error file,
+saying why.
 
 A runner holds a lease on the batch it runs (renewed while it runs, released when it stops), so replicas
 sharing the database never run one batch at once; one that was killed lets go when its lease runs out."""
@@ -17,6 +19,7 @@ import logging
 import socket
 import time
 import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from sqlalchemy import select
@@ -37,6 +40,33 @@ log = logging.getLogger("tokenmill.batches")
 # Lower runs first; a request body may ask for at most 1000, so every interactive request outranks this.
 BATCH_PRIORITY = 1_000_000
 STATUS_CHECK_S = 0.5  # how stale a cancel made by another replica may be seen while feeding
+CUT_SHORT = {
+    "cancelled": ("batch_cancelled", "The batch was cancelled while this request ran; the tokens it made are billed."),
+    "expired": ("batch_expired", "The batch's completion window ended while this request ran; its tokens are billed."),
+}
+
+
+@dataclass
+class Halt:
+    """Why a batch's feeding stopped early ("cancelled", "expired", or "lost": another runner has the
+    batch); setting it reads to each line in flight as its client going away."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self.event.set()
+
+
+def cut_short(body: dict) -> bool:
+    """Whether a 2xx response is one the engine aborted before it finished (chat and completions say so
+    per choice, a response by its status)."""
+    choices = body.get("choices")
+    if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices):
+        return True
+    return body.get("object") == "response" and body.get("status") in ("incomplete", "cancelled")
 
 
 def batch_principal(sessions: sessionmaker[Session], key_id: int | None) -> KeyPrincipal | None:
@@ -75,6 +105,7 @@ class BatchRunner:
         self.max_in_flight = max_in_flight
         self.poll_s = poll_s
         self.cancelled: set[str] = set()  # cancels made in this process, seen at once
+        self.halts: dict[str, Halt] = {}  # the batches being fed here, to stop their lines in flight
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -91,6 +122,8 @@ class BatchRunner:
     def wake(self, cancelled: str | None = None) -> None:
         if cancelled is not None:
             self.cancelled.add(cancelled)
+            if cancelled in self.halts:
+                self.halts[cancelled].set("cancelled")
         self.wakeup.set()
 
     async def run_forever(self) -> None:
@@ -153,24 +186,23 @@ class BatchRunner:
 
     async def feed(self, job: BatchJob, lines: list[InputLine], principal: KeyPrincipal, lost: asyncio.Event) -> None:
         """Runs the lines not yet finished, at most max_in_flight at once, until they are all done or the
-        batch is cancelled or expires."""
+        batch is cancelled or expires: then the lines in flight are aborted too."""
         done = await run_in_threadpool(self.jobs.finished_lines, job.id)
         seats = asyncio.Semaphore(self.max_in_flight)
         in_flight: set[asyncio.Task] = set()
-        checked_at = time.monotonic()
+        halt = self.halts[job.id] = Halt()
+        if job.id in self.cancelled:
+            halt.set("cancelled")
+        watcher = asyncio.create_task(self.watch(job, halt, lost))
         try:
             for line in lines:
                 if line.number in done:
                     continue
                 await seats.acquire()
-                if time.monotonic() - checked_at > STATUS_CHECK_S:
-                    checked_at = time.monotonic()
-                    if await run_in_threadpool(self.jobs.status_of, job.id) != "in_progress":
-                        self.cancelled.add(job.id)
-                if job.id in self.cancelled or expired(job, utcnow()) or lost.is_set():
+                if halt.reason is not None:
                     seats.release()
                     break
-                task = asyncio.create_task(self.run_line(job, line, principal))
+                task = asyncio.create_task(self.run_line(job, line, principal, halt))
                 in_flight.add(task)
 
                 def free_seat(finished: asyncio.Task) -> None:
@@ -184,14 +216,43 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
             raise
+        finally:
+            watcher.cancel()
+            self.halts.pop(job.id, None)
 
-    async def run_line(self, job: BatchJob, line: InputLine, principal: KeyPrincipal) -> None:
+    async def watch(self, job: BatchJob, halt: Halt, lost: asyncio.Event) -> None:
+        """Halts the feeding when the batch is cancelled (here or by another replica), runs past its window
+        or is lost to another runner; a cancel made in this process halts it at once (wake)."""
+        while halt.reason is None:
+            try:
+                status = await run_in_threadpool(self.jobs.status_of, job.id)
+            except Exception:  # a database hiccup: look again next time
+                log.exception("batch %s: status check failed", job.id)
+                status = "in_progress"
+            if lost.is_set():
+                halt.set("lost")
+            elif status != "in_progress":
+                self.cancelled.add(job.id)
+                halt.set("cancelled")
+            elif expired(job, utcnow()):
+                halt.set("expired")
+            else:
+                await asyncio.sleep(STATUS_CHECK_S)
+
+    async def run_line(self, job: BatchJob, line: InputLine, principal: KeyPrincipal, halt: Halt) -> None:
         if line.body is None:
             result = error_line(line.custom_id, "invalid_request", line.problem or "The line is malformed.")
             status = 400
         else:
-            status, body = await dispatch(self.app, job.endpoint, line.body, principal)
+            status, body = await dispatch(self.app, job.endpoint, line.body, principal, stop=halt.event)
             result = output_line(line.custom_id, status, body)
+            if halt.reason is not None and 200 <= status < 300 and cut_short(body):
+                if halt.reason not in CUT_SHORT:  # lost: the runner that has the batch now runs it again
+                    return
+                status = 499  # a client gone before the answer: a failed line, its partial answer kept
+                code, why = CUT_SHORT[halt.reason]
+                result = {**result, "response": {**result["response"], "status_code": status}}
+                result["error"] = {"code": code, "message": why}
         await run_in_threadpool(
             self.jobs.record_line,
             job.id,
@@ -236,14 +297,17 @@ class BatchRunner:
         outputs = [encode(r.result) for r in results if 200 <= r.status_code < 300]
         errors = [encode(r.result) for r in results if not 200 <= r.status_code < 300]
         values: dict[str, object] = {"total": len(lines)}
-        if outputs:
-            values["output_file_id"] = self.files.write(
-                team_id=job.team_id, purpose="batch_output", filename=f"{job.id}_output.jsonl", lines=outputs
-            ).id
-        if errors:
-            values["error_file_id"] = self.files.write(
-                team_id=job.team_id, purpose="batch_output", filename=f"{job.id}_error.jsonl", lines=errors
-            ).id
+        seconds = job.output_expires_after_s
+        expires_after = None if seconds is None else timedelta(seconds=seconds)
+        for kind, found in (("output", outputs), ("error", errors)):
+            if found:
+                values[f"{kind}_file_id"] = self.files.write(
+                    team_id=job.team_id,
+                    purpose="batch_output",
+                    filename=f"{job.id}_{kind}.jsonl",
+                    lines=found,
+                    expires_after=expires_after,
+                ).id
         self.jobs.set_status(job.id, final, only_from=("in_progress", "finalizing", "cancelling"), **values)
 
     async def fail(self, job: BatchJob, code: str, message: str) -> None:

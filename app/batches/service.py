@@ -1,4 +1,5 @@
-"""What the /v1/files and /v1/batches routes share with the runner: the stores, the limits, the runner."""
+"""What the /v1/files and /v1/batches routes share with the runner: the stores, the limits, the runner and
+the sweep of expired files."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from starlette.types import ASGIApp
 from app.batches.files import FileStore
 from app.batches.jobs import BatchStore
 from app.batches.runner import BatchRunner
+from app.batches.sweeper import FileSweeper
 from app.settings import Settings
 
 MULTIPART_OVERHEAD = 64 * 1024  # the form around the file: boundaries, headers, the purpose field
@@ -21,14 +23,17 @@ class BatchService:
     files: FileStore
     jobs: BatchStore
     runner: BatchRunner
+    sweeper: FileSweeper
     max_batch_lines: int
 
     @classmethod
     def create(cls, app: ASGIApp, sessions: sessionmaker[Session], settings: Settings) -> BatchService:
         files = FileStore(sessions, Path(settings.files_dir), settings.max_file_bytes)
         jobs = BatchStore(sessions)
-        runner = BatchRunner(app, jobs=jobs, files=files, max_in_flight=settings.batch_max_in_flight)
-        return cls(files, jobs, runner, settings.max_batch_lines)
+        runner = BatchRunner(
+            app, jobs=jobs, files=files, max_in_flight=settings.batch_max_in_flight, lease_s=settings.batch_lease_s
+        )
+        return cls(files, jobs, runner, FileSweeper(files, settings.files_sweep_interval_s), settings.max_batch_lines)
 
     @property
     def upload_cap(self) -> int:

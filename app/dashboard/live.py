@@ -3,7 +3,9 @@ stats and latency histograms); rates, means over engine steps, hit rates, percen
 per token over any window come from the two snapshots at its ends. 15 minutes are kept in memory.
 
 Real cost: the machine costs `hardware_cost_per_hour` whether it is busy or not, so what a token costs
-is that cost over the window divided by the tokens generated in it. Batch occupancy moves it."""
+is that cost over the window divided by the tokens generated in it. Batch occupancy moves it; the share of
+seats Batch API lines hold, and what the cost would be without their tokens, show how much of that is the
+batch filling idle seats."""
 
 from __future__ import annotations
 
@@ -69,15 +71,19 @@ def rates(older: Snapshot, newer: Snapshot) -> dict:
     steps = b.steps_total - a.steps_total
     if steps > 0:
         seq_occupancy = (b.scheduled_seqs_total - a.scheduled_seqs_total) / steps / b.max_num_seqs
+        background = b.scheduled_background_seqs_total - a.scheduled_background_seqs_total
+        batch_seq_occupancy = background / steps / b.max_num_seqs
         token_occupancy = (b.scheduled_tokens_total - a.scheduled_tokens_total) / steps / b.max_num_batched_tokens
         kv_usage = (b.kv_blocks_used_step_sum - a.kv_blocks_used_step_sum) / steps / b.kv_blocks_total
     else:  # idle: nothing scheduled; KV holds what it holds (prefix cache blocks are free, not used)
         seq_occupancy, token_occupancy, kv_usage = 0.0, 0.0, b.kv_usage
+        batch_seq_occupancy = 0.0
     return {
         "tokens_in_per_s": (b.prompt_tokens_total - a.prompt_tokens_total) / seconds,
         "tokens_out_per_s": (b.generation_tokens_total - a.generation_tokens_total) / seconds,
         "steps_per_s": steps / seconds,
         "seq_occupancy": seq_occupancy,
+        "batch_seq_occupancy": batch_seq_occupancy,  # of the seats, those Batch API lines held
         "token_occupancy": token_occupancy,
         "kv_usage": kv_usage,
     }
@@ -100,12 +106,21 @@ def latencies(older: Snapshot, newer: Snapshot, cost_per_hour: float) -> dict:
         "cost_per_1m_out": cost_per_million(
             cost_per_hour, seconds, b.generation_tokens_total - a.generation_tokens_total
         ),
+        # the same hours over the interactive tokens alone: what a token would have cost without the batch
+        "cost_per_1m_out_without_batch": cost_per_million(
+            cost_per_hour,
+            seconds,
+            b.generation_tokens_total
+            - a.generation_tokens_total
+            - (b.generation_tokens_background_total - a.generation_tokens_background_total),
+        ),
     }
 
 
 def gauges(stats: EngineStats) -> dict:
     return {
         "running": stats.num_running,
+        "running_batch": stats.num_running_background,
         "waiting": stats.num_waiting,
         "swapped": stats.num_swapped,
         "max_num_seqs": stats.max_num_seqs,
@@ -128,6 +143,7 @@ SERIES_FIELDS = (
     "waiting",
     "swapped",
     "seq_occupancy",
+    "batch_seq_occupancy",
     "token_occupancy",
     "kv_usage",
     "tokens_in_per_s",
@@ -138,6 +154,7 @@ SERIES_FIELDS = (
     "itl_p99",
     "prefix_hit_rate",
     "cost_per_1m_out",
+    "cost_per_1m_out_without_batch",
 )
 
 

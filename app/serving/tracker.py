@@ -88,7 +88,13 @@ class RequestTracker:
             cache_salt = team
         # A key may always ask to go later; going earlier than its floor is quietly capped.
         priority = max(self.priority, principal.priority_floor)
-        return Tenancy(team=team, weight=principal.team_weight, priority=priority, cache_salt=cache_salt)
+        return Tenancy(
+            team=team,
+            weight=principal.team_weight,
+            priority=priority,
+            cache_salt=cache_salt,
+            background=principal.batch,
+        )
 
     @property
     def prompt_tokens(self) -> int:

@@ -5,6 +5,7 @@ cancel, expiry, restart, limits and metering."""
 from __future__ import annotations
 
 import io
+import time
 from datetime import timedelta
 
 import openai
@@ -14,7 +15,16 @@ from openai.types import FileObject
 from app.batches.jobs import BatchStore
 from app.batches.runner import BATCH_PRIORITY
 from app.gateway.config import parse_prices
-from tests.support.batches import download, jsonl, line, serving, submit, team_client, wait_for
+from tests.support.batches import (
+    StoppableEngine,
+    download,
+    jsonl,
+    line,
+    serving,
+    submit,
+    team_client,
+    wait_for,
+)
 from tests.support.gateway import FAKE_MODEL, FakeEngine, chat_body, usage_rows
 
 
@@ -116,6 +126,40 @@ def test_cancel_mid_way_stops_feeding_and_writes_the_partial_output(make_gateway
         assert len(engine.tenancies) == len(done)  # nothing past the cancel reached the engine
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(wait_for(client, submit(client, [line("x")]).id).id)
+
+
+def test_cancel_aborts_the_lines_in_flight_and_bills_the_tokens_they_made(make_gateway, tmp_path):
+    gateway = make_gateway()
+    engine = StoppableEngine(token_delay_s=0.02)
+    with serving(gateway, tmp_path, engine, batch_max_in_flight=3) as http:
+        client = team_client(http)
+        created = submit(client, [line(f"r{i}", max_tokens=500) for i in range(6)])  # 10 s a line if let run
+        deadline = time.monotonic() + 10
+        while len(engine.running) < 3:
+            assert time.monotonic() < deadline, "the batch never filled its seats"
+            time.sleep(0.01)
+        time.sleep(0.2)  # each line in flight has made some tokens
+        started = time.monotonic()
+        assert client.batches.cancel(created.id).status == "cancelling"
+        batch = wait_for(client, created.id)
+        assert time.monotonic() - started < 5  # not the ~10 s the lines in flight had left
+        assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (6, 0, 6)
+        assert batch.output_file_id is None
+        errors = {e["custom_id"]: e for e in download(client, batch.error_file_id)}
+    assert sorted(errors) == [f"r{i}" for i in range(6)]
+    assert len(engine.aborted) == 3 and not engine.running  # the engine stopped every line in flight
+    cut = [e for e in errors.values() if e["response"] is not None]
+    assert {e["custom_id"] for e in cut} == {"r0", "r1", "r2"}
+    assert all(e["error"]["code"] == "batch_cancelled" and e["response"]["status_code"] == 499 for e in cut)
+    made = sorted(e["response"]["body"]["usage"]["completion_tokens"] for e in cut)
+    assert 0 < made[0] and made[-1] < 500
+    never_ran = [e for e in errors.values() if e["response"] is None]
+    assert {e["error"]["code"] for e in never_ran} == {"batch_cancelled"}
+    rows = [row for row in usage_rows(gateway) if row.batch]  # metered once each, as far as they got
+    assert sorted(row.completion_tokens for row in rows) == made
+    assert {row.status for row in rows} == {"aborted"}
 
 
 def test_a_restart_resumes_without_redoing_or_losing_a_line(make_gateway, tmp_path):

@@ -139,4 +139,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0014_sso_sessions"
+    assert result.stdout.strip() == "0015_batch_expiry"

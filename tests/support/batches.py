@@ -3,6 +3,7 @@ and wait for, their files to download."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import time
@@ -13,9 +14,36 @@ import openai
 from fastapi.testclient import TestClient
 from openai.types import Batch
 
+from engine.outputs import RequestOutput, SequenceDelta
 from tests.support.gateway import FakeEngine, build_app, chat_body, create_key, create_team
 
 FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class StoppableEngine(FakeEngine):
+    """A fake engine whose abort() ends a request as the real one does: a last delta with finish_reason
+    "abort" after the tokens made so far. `running` holds the requests generating now."""
+
+    def __init__(self, token_delay_s: float = 0.02) -> None:
+        super().__init__(token_delay_s=token_delay_s)
+        self.running: set[str] = set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):
+        self.tenancies.append(tenancy)
+        total = params.max_tokens or 16
+        self.running.add(request_id)
+        try:
+            for i in range(total):
+                await asyncio.sleep(self.token_delay_s)
+                if request_id in self.aborted:
+                    deltas = [SequenceDelta(index, "", [], None, "abort") for index in range(params.n)]
+                    yield RequestOutput(request_id, len(prompt_token_ids), 0, deltas, finished=True)
+                    return
+                reason = "length" if i == total - 1 else None
+                deltas = [SequenceDelta(index, " tok", [3], None, reason) for index in range(params.n)]
+                yield RequestOutput(request_id, len(prompt_token_ids), 0, deltas, finished=reason is not None)
+        finally:
+            self.running.discard(request_id)
 
 
 @contextmanager

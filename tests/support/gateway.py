@@ -23,6 +23,9 @@ PG_SERVER = os.environ.get("TOKENMILL_TEST_PG", "postgresql+psycopg://postgres@1
 REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 FAKE_MODEL = "fake-model"
 TABLES = (
+    "batch_lines",
+    "batches",
+    "files",
     "response_input_items",
     "responses",
     "usage_daily",

@@ -13,6 +13,8 @@
   const TILES = [
     {title: "Batch occupancy", value: (c) => f.pct(c.seq_occupancy), meter: (c) => c.seq_occupancy, field: "seq_occupancy",
      sub: (c) => `mean of 10 s · ${c.seqs_last_step} / ${c.max_num_seqs} seqs last step`},
+    {title: "Batch API share", value: (c) => f.pct(c.batch_seq_occupancy), meter: (c) => c.batch_seq_occupancy,
+     field: "batch_seq_occupancy", sub: (c) => `of the seats, mean of 10 s · ${c.running_batch} batch lines running`},
     {title: "Token budget", value: (c) => f.pct(c.token_occupancy), meter: (c) => c.token_occupancy, field: "token_occupancy",
      sub: (c) => `mean of 10 s · ${f.num(c.tokens_last_step)} / ${f.num(c.max_num_batched_tokens)} last step`},
     {title: "KV cache", value: (c) => f.pct(c.kv_usage_now), meter: (c) => c.kv_usage_now, field: "kv_usage_now",
@@ -33,6 +35,9 @@
      sub: () => "p50 · p99, last minute"},
     {title: "Real cost / 1M out, now", value: (c) => f.usd(c.cost_per_1m_out), field: "cost_now", cls: "cost",
      sub: (c) => c.cost_per_1m_out === null ? "no tokens in the last minute" : `${f.usd(c.cost_per_1m_all)} per 1M in+out`},
+    {title: "Batch filling, last minute", value: (c) => batchSaving(c), field: "cost_batch", cls: "cost",
+     sub: (c) => c.cost_per_1m_out_without_batch === c.cost_per_1m_out ? "no Batch API tokens in the last minute"
+       : `real cost / 1M out: ${f.usd(c.cost_per_1m_out_without_batch)} without the batch's tokens → ${f.usd(c.cost_per_1m_out)} with them`},
     {title: "Real cost / 1M out, today", value: (c) => f.usd(c.today_cost_per_1m_out), field: "cost_today", cls: "cost",
      sub: (c) => `${f.num(c.today_tokens_out)} tokens for ${f.usd(c.today_cost_usd)} since ${f.clock(c.today_since)}`},
     {title: "Charged / 1M tokens", field: "price", cls: "cost",
@@ -45,7 +50,8 @@
     {title: "Tokens / s", format: (v) => f.rate(v), series: [
       {label: "in", field: "tokens_in_per_s"}, {label: "out", field: "tokens_out_per_s"}]},
     {title: "Batch occupancy and KV cache", format: (v) => f.pct(v), yMax: 1, series: [
-      {label: "seqs / max", field: "seq_occupancy"}, {label: "tokens / budget", field: "token_occupancy"},
+      {label: "seqs / max", field: "seq_occupancy"}, {label: "batch API seqs / max", field: "batch_seq_occupancy"},
+      {label: "tokens / budget", field: "token_occupancy"},
       {label: "KV blocks", field: "kv_usage"}]},
     {title: "Requests", format: (v) => f.num(v, 1), series: [
       {label: "running", field: "running"}, {label: "waiting", field: "waiting"}, {label: "swapped", field: "swapped"}]},
@@ -53,8 +59,16 @@
       {label: "TTFT p50", field: "ttft_p50"}, {label: "TTFT p99", field: "ttft_p99"},
       {label: "ITL p50", field: "itl_p50"}, {label: "ITL p99", field: "itl_p99"}]},
     {title: "Real cost per 1M output tokens", format: (v) => f.usd(v), series: [
-      {label: "last minute", field: "cost_per_1m_out"}]},
+      {label: "last minute", field: "cost_per_1m_out"},
+      {label: "without the batch's tokens", field: "cost_per_1m_out_without_batch"}]},
   ];
+
+  // What the Batch API's tokens took off the real cost of a token over the last minute.
+  function batchSaving(c) {
+    if (c.cost_per_1m_out === null || c.cost_per_1m_out_without_batch === null) return "—";
+    const saved = 1 - c.cost_per_1m_out / c.cost_per_1m_out_without_batch;
+    return saved > 0 ? `−${f.pct(saved)}` : "no batch";
+  }
 
   function makeCard(name) {
     const card = tm.el("section", {className: "card model", "data-model": name});
