@@ -77,6 +77,8 @@ def test_rotate_shows_the_new_secret_once_and_the_old_works_for_the_grace(admin)
     team_id = admin.create_team()
     old = admin.create_key(team_id)
     key_id = audit_rows(admin.gateway, "key.create")[0].target_id
+    for listing in ("/admin/keys", f"/admin/teams/{team_id}", f"/admin/keys/{key_id}"):
+        assert f'action="/admin/keys/{key_id}/rotate"' in admin.client.get(listing).text
     rotated = admin.post(f"/admin/keys/{key_id}/rotate", grace="1h")
     assert rotated.status_code == 200 and rotated.headers["cache-control"] == "no-store"
     new = shown_key(rotated.text)
