@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
-import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, or_, select
+from sqlalchemy import CursorResult, Text, delete, or_, select
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
@@ -34,7 +34,7 @@ CSV_COLUMNS = (
     "before",
     "after",
 )
-CSV_PAGE = 1000
+CSV_PAGE = 5000
 
 
 @dataclass(frozen=True)
@@ -78,28 +78,37 @@ def list_entries(session: Session, where: AuditFilter, *, limit: int, after: int
 def csv_chunks(sessions: sessionmaker[Session], where: AuditFilter) -> Iterator[str]:
     """The whole filtered log as CSV, a page of rows per chunk (a session per page: a long download
     holds no transaction open)."""
-    yield _csv_line(CSV_COLUMNS)
+    yield _csv_lines([CSV_COLUMNS])
+    # Plain rows, the JSON columns as the database's text: no objects built, no JSON parsed and dumped
+    # again (that was half the time of a 100k-row export).
+    columns = [
+        sql_cast(column, Text).label(name) if name in ("before", "after") else column
+        for name, column in ((name, getattr(AuditEntry, name)) for name in CSV_COLUMNS)
+    ]
     after: int | None = None
     while True:
+        query = select(*columns).where(*where.where()).order_by(AuditEntry.id.desc()).limit(CSV_PAGE)
+        if after is not None:
+            query = query.where(AuditEntry.id < after)
         with sessions() as session:
-            page = list_entries(session, where, limit=CSV_PAGE, after=after)
-        yield "".join(_csv_line(csv_row(entry)) for entry in page)
+            page = session.execute(query).all()
+        yield _csv_lines([csv_row(dict(row._mapping)) for row in page])
         if len(page) < CSV_PAGE:
             return
         after = page[-1].id
 
 
-def csv_row(entry: AuditEntry) -> list[Any]:
-    values = {column: getattr(entry, column) for column in CSV_COLUMNS}
-    values["created_at"] = entry.created_at.isoformat() + "Z"
+def csv_row(values: Mapping[str, Any]) -> list[Any]:
+    cells = dict(values)
+    cells["created_at"] = values["created_at"].isoformat() + "Z"
     for column in ("before", "after"):
-        values[column] = "" if values[column] is None else json.dumps(values[column], sort_keys=True)
-    return [values[column] for column in CSV_COLUMNS]
+        cells[column] = "" if values[column] in (None, "null") else values[column]
+    return [cells[column] for column in CSV_COLUMNS]
 
 
-def _csv_line(cells: Sequence[Any]) -> str:
+def _csv_lines(rows: Sequence[Sequence[Any]]) -> str:
     buffer = io.StringIO()
-    csv.writer(buffer).writerow([_inert(cell) for cell in cells])
+    csv.writer(buffer).writerows([_inert(cell) for cell in row] for row in rows)
     return buffer.getvalue()
 
 
