@@ -104,3 +104,13 @@ def test_rotate_with_no_grace_ends_the_old_secret_and_bad_input_is_refused(admin
     admin.post(f"/admin/keys/{key_id}/revoke")
     again = admin.post(f"/admin/keys/{key_id}/rotate", grace="0")
     assert again.status_code == 409 and "revoked" in again.text
+
+
+def test_a_failed_login_is_still_refused_when_its_row_cannot_be_written(dashboard):
+    with dashboard.gateway.engine.begin() as connection:
+        connection.exec_driver_sql("DROP TABLE audit_log")  # every write to the log now fails
+    page = dashboard.client.get("/admin/login")
+    refused = dashboard.client.post(
+        "/admin/login", data={"admin_key": "sk-admin-wrong", "csrf_token": login_token(page.text), "next": "/admin"}
+    )
+    assert refused.status_code == 401 and "That is not the admin key." in refused.text
