@@ -14,6 +14,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from app.api import (
     admin,
     admin_models,
+    audit,
     batches,
     chat,
     completions,
@@ -28,6 +29,7 @@ from app.api import (
 from app.batches.service import BatchService
 from app.dashboard.wiring import install_dashboard
 from app.errors import install_error_handlers, out_of_range
+from app.gateway.audit_log import AuditPruner
 from app.gateway.contract import Gateway, SingleKeyGateway
 from app.gateway.headers import RateLimitHeadersMiddleware
 from app.gateway.service import TeamGateway
@@ -86,8 +88,10 @@ def create_app(
         app.state.gateway = gateway
         app.add_exception_handler(OverflowError, out_of_range)
         app.add_exception_handler(DataError, out_of_range)
-        for module in (admin, usage, admin_models, files, batches):
+        for module in (admin, audit, usage, admin_models, files, batches):
             app.include_router(module.router)
+        pruner = AuditPruner(gateway.sessions, retention_days=settings.audit_retention_days)
+        parts.append((pruner.astart, pruner.astop))
         app.add_middleware(RateLimitHeadersMiddleware)
         dashboard = install_dashboard(app, gateway)  # /admin pages
         parts.append((dashboard.sampler.astart, dashboard.sampler.stop))

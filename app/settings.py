@@ -56,6 +56,7 @@ class Settings:
     # Clients that never send a temperature (Codex CLI) sample at OpenAI's 1.0 unless this says otherwise.
     default_temperature: float | None = None
     response_retention_days: float = 30.0  # stored responses (Responses API, store=true) are deleted after this
+    audit_retention_days: float = 365.0  # audit log rows (who changed what) are pruned after this
     # The gateway's knobs (app.gateway.config.GatewayConfig.from_settings takes them from here).
     model_prices: str = ""  # JSON, USD per 1M tokens per model for models the registry has no price for
     rate_window_s: float = 60.0  # rpm / tpm window
@@ -99,6 +100,8 @@ class Settings:
             raise SettingsError("default_temperature must be between 0 and 2")
         if not 0 < self.response_retention_days < math.inf:
             raise SettingsError("response_retention_days must be a positive, finite number")
+        if not 0 < self.audit_retention_days < math.inf:
+            raise SettingsError("audit_retention_days must be a positive, finite number")
         if self.rate_window_s <= 0 or self.usage_flush_interval_s <= 0 or self.key_cache_ttl_s < 0:
             raise SettingsError(
                 "rate_window_s and usage_flush_interval_s must be positive, key_cache_ttl_s not negative"
@@ -290,6 +293,12 @@ OPTIONS: tuple[Option, ...] = (
         "response_retention_days",
         float,
         "how long stored responses (Responses API) are kept before they are pruned",
+    ),
+    Option(
+        "--audit-retention-days",
+        "audit_retention_days",
+        float,
+        "how long audit log rows (who changed what, when) are kept before they are pruned",
     ),
     Option(
         "--files-dir",

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from app.db import make_engine, migrate, session_factory
 from app.gateway import crud
 from app.gateway.audit import Actor
-from app.gateway.reports import parse_group_by, parse_when, report_columns, to_csv, usage_report
+from app.gateway.reports import parse_duration, parse_group_by, parse_when, report_columns, to_csv, usage_report
 
 
 def _open(args: argparse.Namespace):
@@ -225,14 +225,6 @@ def keys_revoke(args: argparse.Namespace) -> int:
         session.commit()
         print(f"revoked key {key.key_prefix}... (id {key.id}); replicas drop it within their cache TTL")
     return 0
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in "90", "90s", "15m", "1h", "2d"."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
-    if not match:
-        raise ValueError(f"{text!r} is not a duration: use e.g. 3600, 90s, 15m, 1h or 2d")
-    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 def keys_rotate(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""/admin/keys: every key (keyset pages, by team), create (the key is shown once), edit limits, revoke.
-A team member (SSO) sees, creates and revokes their own team's keys only; limits are the admin's."""
+"""/admin/keys: every key (keyset pages, by team), create (the key is shown once), edit limits, rotate
+(the new secret is shown once; the old one works for the grace chosen), revoke. A team member (SSO)
+sees, creates, rotates and revokes their own team's keys only; limits are the admin's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from app.dashboard.rendering import render
 from app.dashboard.team_routes import PAGE_SIZE, team_page
 from app.errors import OpenAIError
 from app.gateway import admin, crud
-from app.gateway.schemas import KeyCreate, KeyUpdate
+from app.gateway.reports import parse_duration
+from app.gateway.schemas import KeyCreate, KeyRotate, KeyUpdate
 from app.tables import Team
 
 router = APIRouter()
@@ -115,6 +117,30 @@ def update_key(
         message = error.message if isinstance(error, OpenAIError) else str(error)
         return show_key(request, key_id, session, dashboard, error=message, status_code=400)
     return RedirectResponse(f"/admin/keys/{key_id}?done=saved", status_code=303)
+
+
+@router.post("/admin/keys/{key_id}/rotate", include_in_schema=False)
+def rotate_key(
+    request: Request, key_id: int, session: MemberPage, dashboard: DashboardDep, change: MemberForm, actor: PageActor
+) -> Response:
+    """Answers with the page that shows the new secret: once, never cached, never in a URL. A team member
+    rotates their own team's keys (self-service, like revoking); another team's key is as absent."""
+    form = change.form
+    try:
+        body = KeyRotate.model_validate({"grace_period_s": parse_duration(form.get("grace") or "24h")})
+        with dashboard.gateway.sessions() as db:
+            found = crud.get_key(db, key_id=key_id)
+            if found is None or not change.session.may_manage_team(found.team_id):
+                raise PageRefused(404, f"No key with id {key_id}.")
+            rotated = admin.rotate_key(key_id, body, db, dashboard.gateway, actor=actor)
+    except ValueError:  # a pydantic ValidationError is one too
+        message = "The grace period must be a duration from 0 to 30d, e.g. 90s, 15m, 1h or 7d."
+        return show_key(request, key_id, session, dashboard, error=message, status_code=400)
+    except OpenAIError as error:
+        if error.status == 404:
+            return show_key(request, key_id, session, dashboard)
+        return show_key(request, key_id, session, dashboard, error=error.message, status_code=error.status)
+    return render(request, "key_created.html", session, section="keys", key=rotated, rotated=True)
 
 
 @router.post("/admin/keys/{key_id}/revoke", include_in_schema=False)

@@ -4,11 +4,13 @@ carries its own CSRF token (double submit) before a session exists."""
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import RedirectResponse, Response
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
 from app.dashboard.deps import DashboardDep, MemberPage, PageActor, SignedInForm, current_session, read_form, safe_next
@@ -19,6 +21,7 @@ from app.gateway.audit import Actor, record_alone
 from app.gateway.service import client_address
 
 router = APIRouter()
+log = logging.getLogger("tokenmill.dashboard")
 
 
 def secure_cookies(request: Request) -> bool:
@@ -94,15 +97,7 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
     if admin is None or not admin.matches(presented):  # the same failure limit as the API's keys
         refused = dashboard.gateway.auth_failure(request, presented, OpenAIError(401, "That is not the admin key."))
         if refused.status == 401:  # once the limiter answers 429, a flood can't fill the audit log
-            await run_in_threadpool(
-                record_alone,
-                dashboard.gateway.sessions,
-                actor=Actor("admin_key", "unknown", client_address(request)),
-                action="session.login_failed",
-                target_type="session",
-                target_id=None,
-                after={"address": client_address(request), "reason": "not the admin key"},
-            )
+            await run_in_threadpool(record_failed_login, dashboard, client_address(request))
         response = login_page(
             request, dashboard, next_path=next_path, status_code=refused.status, error=refused.message
         )
@@ -118,6 +113,21 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
         LOGIN_COOKIE, path="/admin/login", httponly=True, samesite="strict", secure=secure_cookies(request)
     )
     return response
+
+
+def record_failed_login(dashboard, address: str) -> None:
+    """Blocking. A store that is away must not turn a refused login into a 500: it is logged instead."""
+    try:
+        record_alone(
+            dashboard.gateway.sessions,
+            actor=Actor("admin_key", "unknown", address),
+            action="session.login_failed",
+            target_type="session",
+            target_id=None,
+            after={"address": address, "reason": "not the admin key"},
+        )
+    except SQLAlchemyError as error:
+        log.warning("could not record a failed dashboard login from %s: %s", address, type(error).__name__)
 
 
 @router.post("/admin/logout", include_in_schema=False)

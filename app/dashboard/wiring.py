@@ -9,6 +9,7 @@ from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from app.dashboard import (
+    audit_routes,
     batch_routes,
     key_routes,
     login_routes,
@@ -39,6 +40,7 @@ ROUTERS = (
     batch_routes,
     playground_routes,
     model_routes,
+    audit_routes,
 )
 
 

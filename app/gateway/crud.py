@@ -207,6 +207,8 @@ def rotate_key(session: Session, *, actor: Actor, key: ApiKey, grace_period_s: f
 def _record(
     session: Session, actor: Actor, action: str, row: Team | ApiKey, before: dict | None, after: dict | None
 ) -> None:
+    if before == after == {}:  # an update that changed nothing is no change to record
+        return
     target_type = action.partition(".")[0]
     record_change(
         session, actor=actor, action=action, target_type=target_type, target_id=str(row.id), before=before, after=after

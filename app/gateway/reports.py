@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterable, Sequence
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
@@ -36,6 +37,14 @@ def parse_when(value: str | date | datetime | None) -> datetime | None:
     if parsed.tzinfo is not None:
         parsed = parsed.astimezone(UTC).replace(tzinfo=None)
     return parsed
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "90s", "15m", "1h", "2d" (a key rotation's grace, from the CLI or a form)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smhd]?)", text.strip().lower())
+    if not match:
+        raise ValueError(f"{text!r} is not a duration: use e.g. 3600, 90s, 15m, 1h or 2d")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
 
 
 def parse_group_by(value: str | Sequence[str] | None) -> tuple[str, ...]:

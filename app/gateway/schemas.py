@@ -7,6 +7,7 @@ from typing import Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
+from app.gateway.crud import MAX_GRACE_PERIOD_S
 from app.tables import ApiKey, Team
 
 Period = Literal["day", "month"]
@@ -80,7 +81,7 @@ class KeyRotate(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     grace_period_s: float = Field(
-        86400, ge=0, le=30 * 86400, description="how long the old secret keeps working; default 24 h"
+        86400, ge=0, le=MAX_GRACE_PERIOD_S, description="how long the old secret keeps working; default 24 h"
     )
 
 

@@ -141,4 +141,6 @@ def model_action(before: dict[str, Any], after: dict[str, Any]) -> str:
 
 
 def _record(session: Session, actor: Actor, action: str, name: str, before: dict | None, after: dict | None) -> None:
+    if before == after == {}:  # an update that changed nothing is no change to record
+        return
     record_change(session, actor=actor, action=action, target_type="model", target_id=name, before=before, after=after)

@@ -3,6 +3,9 @@ the running batch obeys."""
 
 from __future__ import annotations
 
+from sqlalchemy import select
+
+from app.tables import AuditEntry
 from tests.support.batches import line, serving, submit, team_client, wait_for
 from tests.support.dashboard import DashboardClient, make_dashboard_gateway
 from tests.support.gateway import FakeEngine
@@ -32,5 +35,11 @@ def test_the_batches_page_shows_progress_and_cancels_a_running_batch(tmp_path):
             refused = admin.post(f"/admin/batches/{finished.id}/cancel")
             assert refused.headers["location"] == "/admin/batches?error=not_cancellable"
             assert "already ended" in http.get(refused.headers["location"]).text
+        with gateway.sessions() as session:
+            cancels = list(session.scalars(select(AuditEntry).where(AuditEntry.target_type == "batch")))
+        assert [(row.action, row.target_id, row.actor_kind) for row in cancels] == [
+            ("batch.cancel", created.id, "admin_key")
+        ]  # one row: the refused cancel changed nothing
+        assert (cancels[0].before["status"], cancels[0].after["status"]) == ("in_progress", "cancelling")
     finally:
         gateway.stop()

@@ -319,10 +319,15 @@ def test_a_team_member_sees_and_manages_only_their_team(dashboard, provider):
     assert dashboard.post(f"/admin/teams/{ml_id}/delete").status_code == 403
     created = dashboard.post("/admin/keys", team_id=str(ml_id), name="mine", budget_period="month")
     assert created.status_code == 200 and "data-new-key>" in created.text
+    assert dashboard.post(f"/admin/keys/{other_key}/rotate", grace="1h").status_code == 404
+    rotated = dashboard.post(f"/admin/keys/{ml_key}/rotate", grace="1h")
+    assert rotated.status_code == 200 and "data-new-key>" in rotated.text  # their own key: the new secret, once
     assert dashboard.post(f"/admin/keys/{ml_key}/revoke").status_code == 303
     with dashboard.gateway.sessions() as db:
         from app.gateway import crud
 
+        assert crud.get_key(db, key_id=other_key).rotated_at is None
+        assert crud.get_key(db, key_id=ml_key).rotated_at is not None
         assert crud.get_key(db, key_id=other_key).revoked_at is None
         assert crud.get_key(db, key_id=ml_key).revoked_at is not None
         assert [key.name for key in crud.list_keys(db, team_id=other_id)] == ["finance-key"]

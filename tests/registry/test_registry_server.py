@@ -15,12 +15,14 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families as parse_text
+from sqlalchemy import select
 
 from app.cli.main import main as tokenmill
 from app.gateway.config import GatewayConfig
 from app.gateway.service import TeamGateway
 from app.main import create_app
 from app.settings import Settings
+from app.tables import AuditEntry
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loader import default_model_path
@@ -275,6 +277,14 @@ def test_the_cli_registers_lists_loads_and_unloads_on_the_server(server, tiny_ll
     assert tokenmill(["models", "remove", "cli-tiny", *common]) == 0
     assert tokenmill(["models", "load", "cli-tiny", *common]) == 1
     assert "No model named 'cli-tiny'" in capsys.readouterr().err
+    with server.gateway.sessions() as session:
+        audited = session.scalars(select(AuditEntry).where(AuditEntry.target_id == "cli-tiny").order_by(AuditEntry.id))
+        assert [(row.action, row.after and row.after.get("state")) for row in audited] == [
+            ("model.register", None),
+            ("model.load", "loaded"),
+            ("model.unload", "draining"),
+            ("model.remove", None),
+        ]  # the failed load of a removed model changed nothing, so it has no row
 
 
 def test_health_and_metrics_cover_every_loaded_model(server, tiny_llama_dir):
