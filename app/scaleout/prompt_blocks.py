@@ -89,24 +89,27 @@ class PromptTokens:
         self.clock = clock
         self.tokenizer: Any = None  # a transformers tokenizer, once the model's folder exists
         self._next_try = 0.0
+        self._lock = threading.Lock()
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
     def _load(self):
-        if self.tokenizer is None and self.clock() >= self._next_try:
-            from transformers import AutoTokenizer
+        # One loader at a time: transformers' lazy imports fail when two threads race through them.
+        with self._lock:
+            if self.tokenizer is None and self.clock() >= self._next_try:
+                self._next_try = self.clock() + TOKENIZER_RETRY_S
+                try:
+                    from transformers import AutoTokenizer
 
-            from engine.loader import converted_folder
+                    from engine.loader import converted_folder
 
-            self._next_try = self.clock() + TOKENIZER_RETRY_S
-            try:
-                folder = converted_folder(self.config)  # never converts: the replicas do that
-                if folder is not None:
-                    self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            except Exception:  # no tokenizer: routing by load only, as before this existed
-                log.exception("the ingress could not load the tokenizer; prefix affinity is off")
+                    folder = converted_folder(self.config)  # never converts: the replicas do that
+                    if folder is not None:
+                        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+                except Exception:  # no tokenizer: routing by load only, as before this existed
+                    log.exception("the ingress could not load the tokenizer; prefix affinity is off for now")
         return self.tokenizer
 
     def of(self, path: str, body: bytes) -> list[int] | None:

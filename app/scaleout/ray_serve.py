@@ -15,6 +15,7 @@ Needs the `ray` extra (`pip install -e '.[ray]'`); `tokenmill serve --ray` (app/
 import asyncio
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -46,6 +47,8 @@ from app.scaleout.prompt_blocks import CacheRoot, CacheRoots, PromptTokens, cach
 from app.scaleout.routing_ledger import RoutingCollector
 from app.settings import Settings
 from engine.config import EngineConfig
+
+log = logging.getLogger("tokenmill.scaleout")
 
 REPLICA_HEADER = "x-tokenmill-replica"  # which replica answered: for operators, tests and the bench
 DRAIN_TIMEOUT_S = 60.0  # a stopping replica finishes its requests for this long, then it is killed
@@ -272,19 +275,21 @@ class Ingress:
         return response
 
     async def _forward(self, request: Request) -> Response:
-        if request.method == "GET" and request.url.path == "/metrics":
+        # The path inside this app: Serve keeps an application's route prefix in the path and in root_path.
+        path = request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
+        if request.method == "GET" and path == "/metrics":
             return await self._metrics_of_every_replica(request.headers.get("accept"))
         body = await request.body()
         authorization = request.headers.get("authorization")
         forwarded = ForwardedRequest(
             method=request.method,
-            path=request.url.path,
+            path=path,
             query_string=request.scope.get("query_string", b""),
             headers=list(request.scope["headers"]),
             body=body,
             client=request.scope.get("client"),
-            prefix_key=prefix_key(routing_text(request.url.path, body), self.prefix_chars),
-            prompt_blocks=await self._prompt_blocks(request.url.path, body, authorization),
+            prefix_key=prefix_key(routing_text(path, body), self.prefix_chars),
+            prompt_blocks=await self._prompt_blocks(path, body, authorization),
             scheme=request.url.scheme,
         )
         for _ in range(ATTEMPTS):
@@ -303,8 +308,12 @@ class Ingress:
         known, root = self.cache_roots.of(authorization)
         if not known or self.prompt_tokens is None:
             return ()
-        token_ids = await asyncio.to_thread(self.prompt_tokens.of, path, body)
-        return prompt_blocks(token_ids, self.prompt_tokens.block_size, root) if token_ids else ()
+        try:
+            token_ids = await asyncio.to_thread(self.prompt_tokens.of, path, body)
+            return prompt_blocks(token_ids, self.prompt_tokens.block_size, root) if token_ids else ()
+        except Exception:  # affinity is an optimisation: a request never fails for want of it
+            log.exception("could not hash a prompt's blocks; it routes by load")
+            return ()
 
     async def _metrics_of_every_replica(self, accept: str | None) -> Response:
         """Every replica's /metrics as one exposition; each replica labels its own series (replica=<id>).
