@@ -9,10 +9,10 @@ prompt hashes to (one lucky assignment once made a router look better than it wa
 replicas, deployed once; for each seed both get the same requests in the same order, and which goes first
 alternates from seed to seed, so a machine whose load drifts favours neither. A seed's system prompts
 share at most their opening block with another seed's, so each seed starts as cold as on fresh replicas.
-The hit rate is cached prompt tokens over prompt tokens, from the responses' usage. The defaults (8 tenants
+The hit rate is cached prompt tokens over prompt tokens, from the responses' usage. The defaults (10 tenants
 x 4 chats a seed, 8 tokens each; once 12 x 6 and 16) keep 5 seeds within 15 minutes on a loaded 2-core machine.
 
-    python bench/scale_bench.py              # SmolLM2, 2 replicas, 5 seeds x 8 tenants x 4 chats
+    python bench/scale_bench.py              # SmolLM2, 2 replicas, 5 seeds x 10 tenants x 4 chats
     python bench/scale_bench.py --seeds 1 --tenants 4 --chats-per-tenant 3 --max-tokens 4     # a quick look
 Needs the `ray` extra and PostgreSQL (--database-url; by default a fresh database on the local server).
 Writes bench/results/scale_bench.json and .png.
@@ -289,7 +289,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated: each draws tenants and chat order")
-    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--tenants", type=int, default=10)
     parser.add_argument("--chats-per-tenant", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=300, help="length of each tenant's system prompt")
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -22,8 +22,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CollectorRegistry
-from prometheus_client.openmetrics import exposition as openmetrics
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -44,7 +42,7 @@ from app.scaleout.prefix_routing import (
     routing_text,
 )
 from app.scaleout.prompt_blocks import CacheRoot, CacheRoots, PromptTokens, cache_root_after
-from app.scaleout.routing_ledger import RoutingCollector
+from app.scaleout.routing_ledger import routing_exposition
 from app.settings import Settings
 from engine.config import EngineConfig
 
@@ -325,9 +323,7 @@ class Ingress:
                 _, texts[replica] = await asyncio.wait_for(self._scrape(replica), SCRAPE_TIMEOUT_S)
             except (TimeoutError, RayActorError, ActorUnavailableError):
                 continue  # gone since the router last heard of it: its series go with it
-        routing = CollectorRegistry(auto_describe=False)
-        routing.register(RoutingCollector(routing_ledger(), routed_replica_ids()))
-        texts["router"] = openmetrics.generate_latest(routing).decode()
+        texts["router"] = routing_exposition(routing_ledger(), routed_replica_ids())
         body, content_type = exposition(Expositions(texts.values()), accept)
         return Response(body, media_type=content_type)
 
@@ -403,6 +399,8 @@ def build_application(
     min_replicas and max_replicas (a fixed count when they are equal)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
+    if not epsilon >= 0:
+        raise ValueError("the routing epsilon must be 0 or more")
     max_ongoing = settings.engine.max_num_seqs  # more than the engine batches would only queue inside it
     if settings.min_replicas == settings.max_replicas:
         scaling = {"num_replicas": settings.min_replicas}

@@ -11,8 +11,11 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from app.observability.metrics import OPENMETRICS_ACCEPT, exposition
 
 # A request whose completion the router never heard of (a lost callback) stops counting after this long,
 # so one missed event cannot mark a replica busy for ever. Longer than any generation we serve.
@@ -103,6 +106,13 @@ class RoutingCollector(Collector):
             "Requests in flight on the busiest replica over the mean across replicas (1 = even)",
             value=imbalance_ratio(loads),
         )
+
+
+def routing_exposition(ledger: RoutingLedger, replica_ids: Iterable[str]) -> str:
+    """The router's series in OpenMetrics, to merge with the replicas' (app.observability.metrics.Expositions)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RoutingCollector(ledger, replica_ids))
+    return exposition(registry, OPENMETRICS_ACCEPT)[0].decode()  # keeps the names' colons, as the replicas do
 
 
 LEDGER = RoutingLedger()

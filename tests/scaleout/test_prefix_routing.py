@@ -10,6 +10,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.observability.metrics import Expositions, exposition
 from app.scaleout.prefix_routing import (
     digest,
     matched_blocks,
@@ -18,7 +19,7 @@ from app.scaleout.prefix_routing import (
     prompt_blocks,
     rendezvous_order,
 )
-from app.scaleout.routing_ledger import RoutingCollector, RoutingLedger, imbalance_ratio
+from app.scaleout.routing_ledger import RoutingCollector, RoutingLedger, imbalance_ratio, routing_exposition
 from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -221,3 +222,11 @@ def test_the_routing_metrics_give_each_replica_its_counts_and_the_imbalance():
     assert samples[("tokenmill:routed_requests_in_flight", (("replica", "a"),))] == 2
     assert samples[("tokenmill:routing_imbalance_ratio", ())] == 2 / 1.5
     assert imbalance_ratio({"a": 0, "b": 0}) == 1.0
+
+
+def test_the_routing_metrics_keep_their_names_through_the_ingress_merge():
+    ledger = RoutingLedger()
+    ledger.placed("1", "a", "affinity")
+    merged = exposition(Expositions([routing_exposition(ledger, ["a"])]), None)[0].decode()
+    assert 'tokenmill:routed_requests_total{by="affinity",replica="a"} 1.0' in merged
+    assert "tokenmill:routing_imbalance_ratio 1.0" in merged
