@@ -88,6 +88,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def cached_prefix_digest(self) -> frozenset[bytes]:
+        """The block hashes the prefix cache holds now (LLMEngine.cached_prefix_digest); safe while it steps."""
+        return self.core.cached_prefix_digest()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._commands.put(("stop",))

@@ -86,6 +86,12 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def cached_block_hashes(self) -> list[bytes]:
+        """The hashes of every block the prefix cache holds (in use or free), e.g. for a router to score
+        prompts against. Callable from another thread: dict.copy() runs in C without releasing the GIL,
+        so it never sees the dict mid-change."""
+        return list(self.cached_blocks.copy())
+
     def register_full_blocks(self, request: Request) -> None:
         """Offer the request's newly computed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:

@@ -151,6 +151,11 @@ class LLMEngine:
         self.stats.refresh(self.scheduler, self.blocks)
         return self._output(group, deltas)
 
+    def cached_prefix_digest(self) -> frozenset[bytes]:
+        """What the prefix cache holds, as the block hashes a request's prompt would match (salted per
+        team by Tenancy.cache_root): a router scores replicas with it (app/scaleout/prefix_routing.py)."""
+        return frozenset(self.blocks.cached_block_hashes())
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.groups)

@@ -28,7 +28,10 @@ async def current_principal(request: Request) -> Principal:
     batch_caller = request.scope.get(BATCH_PRINCIPAL)  # a batch line the runner sends in process
     if batch_caller is not None:
         return batch_caller
-    return await server_context(request).gateway.authenticate(request)
+    principal = await server_context(request).gateway.authenticate(request)
+    # A Ray Serve replica reads it after the answer, to tell its router this key's cache salt.
+    request.state.principal = principal
+    return principal
 
 
 def batch_service(request: Request) -> BatchService:

@@ -36,6 +36,12 @@ def add_ray_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("prefix", "round-robin"),
         help="prefix-aware routing (default) or replicas in turn",
     )
+    group.add_argument(
+        "--routing-epsilon",
+        type=float,
+        default=0.25,
+        help="prefix-aware routing's load bound: no replica runs more than (1 + this) x the mean requests in flight",
+    )
     group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     group.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
 
@@ -64,7 +70,7 @@ def serve_on_ray(settings: Settings, args: argparse.Namespace, store: PreparedSt
     ray.init(address=args.ray_address, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(
-        build_application(settings, router=args.router, replica_cpus=args.replica_cpus),
+        build_application(settings, router=args.router, replica_cpus=args.replica_cpus, epsilon=args.routing_epsilon),
         name="tokenmill",
         route_prefix="/",
     )

@@ -22,7 +22,8 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     client: tuple[str, int] | None
-    prefix_key: str | None = None  # what app.scaleout.prefix_routing routes on
+    prefix_key: str | None = None  # app.scaleout.prefix_routing: the hash order of replicas for this prompt
+    prompt_blocks: tuple[bytes, ...] = ()  # ... and its block hashes, matched against the replicas' caches
     scheme: str = "http"
     replica: str | None = None  # a replica's unique id: only it may take the request (the ingress's /metrics)
 
@@ -33,8 +34,9 @@ class ResponseStart:
     headers: list[tuple[bytes, bytes]]
 
 
-def http_scope(request: ForwardedRequest) -> dict:
+def http_scope(request: ForwardedRequest, state: dict | None = None) -> dict:
     return {
+        "state": {} if state is None else state,  # request.state: what the app leaves there, the caller reads
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
@@ -54,6 +56,7 @@ async def run_asgi(
     app,
     request: ForwardedRequest,  # app: any ASGI app
     extra_headers: list[tuple[bytes, bytes]] = (),
+    state: dict | None = None,
 ) -> AsyncIterator[ResponseStart | bytes]:
     messages: asyncio.Queue = asyncio.Queue()
     disconnected = asyncio.Event()
@@ -74,7 +77,7 @@ async def run_asgi(
 
     async def run() -> None:
         try:
-            await app(http_scope(request), receive, send)
+            await app(http_scope(request, state), receive, send)
         finally:
             await messages.put(None)
 

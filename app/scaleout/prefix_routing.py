@@ -1,22 +1,50 @@
-"""Which replica a request should go to: the one that has probably cached its prompt's first blocks.
+"""Which replica a request goes to: the one whose prefix cache holds the most of its prompt, among the
+replicas a load bound still allows.
 
-Requests whose prompts begin alike (a shared system prompt, the same conversation) get the same
-routing key: a hash of the first `prefix_chars` characters of the prompt as the engine will see it.
-A key picks its replica by rendezvous hashing (highest hash of key + replica id), so keys stay put when
-other replicas come and go. The preferred replica is skipped when it is overloaded: busier than the
-least-loaded replica by more than `imbalance` requests; then the least-loaded one wins.
-Pure functions: app.scaleout.ray_serve calls them from its Ray Serve request router; tests call them directly.
+The load bound (consistent hashing with bounded loads: Mirrokni, Thorup and Zadimoghaddam, 2018). Load
+is requests in flight: routed and not yet finished, as the router counts them. A replica may take a
+request only while it runs fewer than ceil((1 + epsilon) * mean), the mean over all replicas with this
+request counted, so after any placement the chosen replica runs at most (1 + epsilon) * mean + 1 (the
++1: rounding to whole requests). Not every replica can be at that cap (they would hold more than all
+requests), so one is always allowed. With only arrivals this bounds every replica at all times;
+completions can lower the mean under a replica that was placed fairly, and the bound then steers new
+requests away from it until the others catch up.
+
+Affinity, measured. Each replica reports the hashes of the blocks its prefix cache holds
+(engine cached_prefix_digest(), refreshed every few seconds). The router hashes the prompt's full blocks
+as the engine does: the same token ids (the served model's tokenizer and chat template), the same block
+size, chained from the team's cache salt (engine.tenancy.Tenancy.cache_root). A team's prompt therefore
+only ever matches blocks its own team (or its cache group) computed. Among allowed replicas the one
+holding the longest run of the prompt's leading blocks wins, when that run is at least
+`min_match_blocks` long: a chat template's few shared opening tokens are not worth piling every request
+onto one replica. Ties go to the less loaded, then to the hash order below.
+
+The fallback, and the tie-break: the prompt's opening characters (`prefix_key`) order the replicas by
+rendezvous hashing, and the first allowed one takes it. So a tenant sticks to one replica before its blocks
+are reported, a new replica takes over only the cold prompts that hash to it (warm ones stay with their
+cache), and a dead replica's prompts spread over all the others.
+
+Pure functions: app.scaleout.ray_serve calls them; tests call them with simulated replicas.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Hashable, Mapping, Sequence
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.block_manager import hash_block
 
 PREFIX_CHARS = 512  # ~128 tokens, 8 KV blocks of 16: long enough to hold a system prompt's start
-IMBALANCE = 4  # requests the preferred replica may run beyond the least-loaded before it is passed over
+EPSILON = 0.25  # a replica may run up to (1 + EPSILON) x the mean requests in flight
+MIN_MATCH_BLOCKS = 4  # 64 tokens of 16-token blocks: less is a chat template's opening, not a shared prompt
+DIGEST_BYTES = 8  # block hashes are compared on their first 8 bytes: replicas report 8 bytes per block
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+RoutedBy = Literal["affinity", "load"]
 
 
 def routing_text(path: str, body: bytes) -> str | None:
@@ -67,16 +95,75 @@ def rendezvous_order(key: str, replica_ids: Sequence[Hashable]) -> list:
     return sorted(replica_ids, key=score, reverse=True)
 
 
-def rank_replicas(key: str | None, loads: Mapping[Hashable, int | None], imbalance: int = IMBALANCE) -> list[list]:
-    """Ranks of replica ids, most preferred first (Ray Serve's choose_replicas shape). `loads`: requests
-    running or queued on each replica, None where unknown (counted as idle)."""
+def prompt_blocks(token_ids: Sequence[int], block_size: int, cache_root: bytes | None) -> tuple[bytes, ...]:
+    """The engine's hash of each full block of the prompt that a prefix-cache hit could cover (never the
+    last token: the engine computes it for its logits), cut to DIGEST_BYTES."""
+    hashes = []
+    parent = cache_root
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent = hash_block(parent, list(token_ids[start : start + block_size]))
+        hashes.append(parent[:DIGEST_BYTES])
+    return tuple(hashes)
+
+
+def digest(block_hashes: Iterable[bytes]) -> frozenset[bytes]:
+    """What a replica reports of its prefix cache: each block hash cut to DIGEST_BYTES."""
+    return frozenset(block_hash[:DIGEST_BYTES] for block_hash in block_hashes)
+
+
+def matched_blocks(blocks: Sequence[bytes], held: frozenset[bytes]) -> int:
+    """How many of the prompt's leading blocks a replica holds, in a row (a hit needs every block before it)."""
+    count = 0
+    for block in blocks:
+        if block not in held:
+            break
+        count += 1
+    return count
+
+
+def allowed_load(loads: Mapping[Hashable, int], epsilon: float) -> int:
+    """A replica takes the request only while it runs fewer than this many: ceil((1 + epsilon) * mean),
+    the mean with this request counted."""
+    return math.ceil((1 + epsilon) * (sum(loads.values()) + 1) / len(loads))
+
+
+@dataclass(frozen=True)
+class Placement:
+    ranks: list[list]  # replica ids, most preferred first (Ray Serve's choose_replicas shape)
+    by: RoutedBy  # "affinity": it holds the prompt's prefix; "load": no allowed replica held enough of it
+
+
+def place(
+    key: str | None,
+    blocks: Sequence[bytes],
+    loads: Mapping[Hashable, int],
+    held: Mapping[Hashable, frozenset[bytes]],
+    *,
+    epsilon: float = EPSILON,
+    min_match_blocks: int = MIN_MATCH_BLOCKS,
+) -> Placement:
+    """Where a request goes. `key`: prefix_key of its prompt (None: no prompt); `blocks`: prompt_blocks
+    (empty when its team's cache salt is not known yet); `loads`: requests in flight per replica;
+    `held`: each replica's reported digest (missing: nothing known)."""
     if not loads:
-        return []
-    load = {replica_id: count or 0 for replica_id, count in loads.items()}
-    by_load = sorted(load, key=lambda replica_id: (load[replica_id], str(replica_id)))
+        return Placement([], "load")
     if key is None:
-        return [by_load]
-    preferred = rendezvous_order(key, list(load))[0]
-    if load[preferred] - load[by_load[0]] > imbalance:
-        return [by_load]
-    return [[preferred], [replica_id for replica_id in by_load if replica_id != preferred]]
+        order = sorted(loads, key=lambda replica_id: (loads[replica_id], str(replica_id)))
+    else:
+        order = rendezvous_order(key, list(loads))
+    cap = allowed_load(loads, epsilon)
+    allowed = [replica_id for replica_id in order if loads[replica_id] < cap]
+    matched = {replica_id: matched_blocks(blocks, held.get(replica_id, frozenset())) for replica_id in allowed}
+    best = max(matched.values(), default=0)
+    if best >= max(min_match_blocks, 1):
+        position = {replica_id: index for index, replica_id in enumerate(order)}
+        holders = [replica_id for replica_id in allowed if matched[replica_id] == best]
+        chosen = min(holders, key=lambda replica_id: (loads[replica_id], position[replica_id]))
+        by: RoutedBy = "affinity"
+    else:
+        chosen = allowed[0]
+        by = "load"
+    rest = [replica_id for replica_id in allowed if replica_id != chosen]
+    rest.sort(key=lambda replica_id: -matched[replica_id])  # stable: hash order among equals
+    over = sorted((r for r in order if r not in matched), key=lambda replica_id: loads[replica_id])
+    return Placement([[chosen], rest + over] if rest or over else [[chosen]], by)

@@ -2,16 +2,20 @@
 HTTP ingress. Replicas share their state through PostgreSQL (keys, usage, registry) and Redis
 (rate-limit counters); Ray Serve starts, scales, health-checks and drains them.
 
-The ingress reads each request's body, keys it on the start of its prompt (app.scaleout.prefix_routing) and
-hands it to a replica through a deployment handle, whose request router (PrefixAwareRouter) sends
-prompts that begin alike to the same replica, so its prefix cache hits. Responses stream back
-chunk by chunk. A request whose replica dies before the response starts is sent to another one.
+The ingress reads each request's body, tokenizes its prompt and hashes its blocks as the engine will
+(app.scaleout.prompt_blocks), and hands it to a replica through a deployment handle, whose request router
+(PrefixAwareRouter) sends it to the replica whose prefix cache holds most of it, within a load bound
+(app.scaleout.prefix_routing). Each replica reports the block hashes its cache holds every
+ROUTING_STATS_PERIOD_S (Serve's record_routing_stats), and after each answer which cache salt the key
+used. Responses stream back chunk by chunk. A request whose replica dies before the response starts is
+sent to another one.
 Needs the `ray` extra (`pip install -e '.[ray]'`); `tokenmill serve --ray` (app/cli/ray.py) runs it.
 """
 
 import asyncio
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -28,13 +32,21 @@ from app.errors import OpenAIError
 from app.observability.metrics import OPENMETRICS_ACCEPT, Expositions, exposition
 from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
 from app.scaleout.prefix_routing import (
-    IMBALANCE,
+    EPSILON,
+    MIN_MATCH_BLOCKS,
     PREFIX_CHARS,
+    digest,
+    place,
     prefix_key,
-    rank_replicas,
+    prompt_blocks,
     routing_text,
 )
+from app.scaleout.prompt_blocks import CacheRoot, CacheRoots, PromptTokens, cache_root_after
+from app.scaleout.routing_ledger import routing_exposition
 from app.settings import Settings
+from engine.config import EngineConfig
+
+log = logging.getLogger("tokenmill.scaleout")
 
 REPLICA_HEADER = "x-tokenmill-replica"  # which replica answered: for operators, tests and the bench
 DRAIN_TIMEOUT_S = 60.0  # a stopping replica finishes its requests for this long, then it is killed
@@ -45,6 +57,12 @@ ROUTERS = {
     "round-robin": "app.scaleout.ray_serve.RoundRobinRouter",
 }
 FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "HF_", "TRANSFORMERS_")
+# How often each replica reports its prefix cache's block hashes to the routers (through Serve's
+# controller; 8 bytes a cached block). Between reports a tenant's cold prompts stay put by hash order,
+# unless its replica is at the load bound: then a stale report costs a duplicate copy elsewhere. In a
+# simulation of the bench's workload (16 seeds), 1 s instead of 3 s raised the worst seeds' hit rates.
+ROUTING_STATS_PERIOD_S = 1.0
+DIGEST_STAT = "prefix_digest"  # the routing_stats entry holding it
 
 
 # ---- request routers (they run in the ingress, beside its handle to the replicas) ----
@@ -55,11 +73,6 @@ def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | Non
         return None
     request = pending_request.args[0]
     return request if isinstance(request, ForwardedRequest) else None
-
-
-def _prefix_key_of(pending_request: PendingRequest | None) -> str | None:
-    request = _forwarded(pending_request)
-    return request.prefix_key if request is not None else None
 
 
 class RoutedReplicas:
@@ -97,13 +110,21 @@ class _RemembersReplicas(RequestRouter):
         ray_serve.RoutedReplicas.ids = frozenset(replica.replica_id.unique_id for replica in replicas)
 
 
-class PrefixAwareRouter(_RemembersReplicas):
-    """The replica the prompt's prefix hashes to, unless it runs `imbalance` more requests than the
-    least-loaded one; then least-loaded first. Serve probes the ranks in order and skips replicas at
-    max_ongoing_requests, so a full replica is passed over too."""
+def routing_ledger():
+    from app.scaleout import routing_ledger  # the imported module, see routed_replica_ids
 
-    def initialize_state(self, imbalance: int = IMBALANCE, **_: object) -> None:
-        self.imbalance = imbalance
+    return routing_ledger.LEDGER
+
+
+class PrefixAwareRouter(_RemembersReplicas):
+    """The replica holding the longest cached prefix of the prompt among those under the load bound,
+    else the prompt's hash order (app.scaleout.prefix_routing.place). Load: the requests this router
+    has placed and Serve has not reported finished (the routing ledger). Serve probes the ranks in order
+    and skips replicas at max_ongoing_requests, so a full replica is passed over too."""
+
+    def initialize_state(self, epsilon: float = EPSILON, min_match_blocks: int = MIN_MATCH_BLOCKS, **_: object) -> None:
+        self.epsilon = epsilon
+        self.min_match_blocks = min_match_blocks
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -111,11 +132,30 @@ class PrefixAwareRouter(_RemembersReplicas):
         if (targeted := _targeted_rank(candidate_replicas, pending_request)) is not None:
             return targeted
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        loads = {
-            unique_id: self.replica_queue_len_cache.get(replica.replica_id) for unique_id, replica in by_id.items()
+        ledger = routing_ledger()
+        held = {
+            unique_id: (replica.routing_stats or {}).get(DIGEST_STAT, frozenset())
+            for unique_id, replica in by_id.items()
         }
-        ranks = rank_replicas(_prefix_key_of(pending_request), loads, self.imbalance)
-        return [[by_id[unique_id] for unique_id in rank] for rank in ranks]
+        request = _forwarded(pending_request)
+        placement = place(
+            request.prefix_key if request else None,
+            request.prompt_blocks if request else (),
+            ledger.loads(by_id),
+            held,
+            epsilon=self.epsilon,
+            min_match_blocks=self.min_match_blocks,
+        )
+        if placement.ranks and pending_request is not None:
+            ledger.placed(pending_request.metadata.internal_request_id, placement.ranks[0][0], placement.by)
+        return [[by_id[unique_id] for unique_id in rank] for rank in placement.ranks]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        # Serve may have passed over the first choice (full): count the request where it went.
+        routing_ledger().moved(pending_request.metadata.internal_request_id, replica_id.unique_id)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        routing_ledger().finished(internal_request_id)
 
 
 class RoundRobinRouter(_RemembersReplicas):
@@ -144,6 +184,7 @@ class TokenmillReplica:
         from app.scaleout.replica_app import build_server
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.prefix_cache_scope = settings.prefix_cache_scope
         # Its usage rows carry its name. The database was migrated once, before the replicas started
         # (app.gateway.wiring.prepare_store): replicas don't migrate.
         settings = dataclasses.replace(settings, instance_id=self.replica_id)
@@ -153,9 +194,20 @@ class TokenmillReplica:
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them
 
-    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
-        async for item in run_asgi(self.app, request, self.identity):
+    async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes | CacheRoot]:
+        state: dict = {}
+        status = None
+        async for item in run_asgi(self.app, request, self.identity, state):
+            if isinstance(item, ResponseStart):
+                status = item.status
             yield item
+        # After the body: the ingress learns which cache root this key's prompts are hashed from.
+        if (note := cache_root_after(request.path, status, state, self.prefix_cache_scope)) is not None:
+            yield note
+
+    def record_routing_stats(self) -> dict:
+        """Serve calls it every ROUTING_STATS_PERIOD_S; the routers read it as replica.routing_stats."""
+        return {DIGEST_STAT: digest(self.engine.cached_prefix_digest())}
 
     async def __del__(self) -> None:
         # Serve calls this after the drain: in-flight requests have finished; flush usage, stop the engine.
@@ -190,9 +242,13 @@ def _replica_lost() -> Response:
 
 
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle, prefix_chars: int = PREFIX_CHARS) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle, prefix_chars: int = PREFIX_CHARS, engine: EngineConfig | None = None
+    ) -> None:
         self.replicas = replicas.options(stream=True, method_name="handle")
         self.prefix_chars = prefix_chars
+        self.prompt_tokens = PromptTokens(engine) if engine is not None else None
+        self.cache_roots = CacheRoots()
         self.draining = False
         self.in_flight = 0  # requests forwarded whose response has not ended
 
@@ -219,17 +275,21 @@ class Ingress:
         return response
 
     async def _forward(self, request: Request) -> Response:
-        if request.method == "GET" and request.url.path == "/metrics":
+        # The path inside this app: Serve keeps an application's route prefix in the path and in root_path.
+        path = request.url.path.removeprefix(request.scope.get("root_path", "")) or "/"
+        if request.method == "GET" and path == "/metrics":
             return await self._metrics_of_every_replica(request.headers.get("accept"))
         body = await request.body()
+        authorization = request.headers.get("authorization")
         forwarded = ForwardedRequest(
             method=request.method,
-            path=request.url.path,
+            path=path,
             query_string=request.scope.get("query_string", b""),
             headers=list(request.scope["headers"]),
             body=body,
             client=request.scope.get("client"),
-            prefix_key=prefix_key(routing_text(request.url.path, body), self.prefix_chars),
+            prefix_key=prefix_key(routing_text(path, body), self.prefix_chars),
+            prompt_blocks=await self._prompt_blocks(path, body, authorization),
             scheme=request.url.scheme,
         )
         for _ in range(ATTEMPTS):
@@ -238,10 +298,22 @@ class Ingress:
                 start = await stream.__anext__()
             except (RayActorError, ActorUnavailableError):
                 continue  # the replica died before it answered: nothing was sent, another one takes it
-            response = StreamingResponse(self._rest_of(stream), status_code=start.status)
+            response = StreamingResponse(self._rest_of(stream, authorization), status_code=start.status)
             response.raw_headers = list(start.headers)  # as the replica sent them, repeated headers too
             return response
         return _replica_lost()
+
+    async def _prompt_blocks(self, path: str, body: bytes, authorization: str | None) -> tuple[bytes, ...]:
+        """The prompt's block hashes under its key's cache root; none while no replica has told us the root."""
+        known, root = self.cache_roots.of(authorization)
+        if not known or self.prompt_tokens is None:
+            return ()
+        try:
+            token_ids = await asyncio.to_thread(self.prompt_tokens.of, path, body)
+            return prompt_blocks(token_ids, self.prompt_tokens.block_size, root) if token_ids else ()
+        except Exception:  # affinity is an optimisation: a request never fails for want of it
+            log.exception("could not hash a prompt's blocks; it routes by load")
+            return ()
 
     async def _metrics_of_every_replica(self, accept: str | None) -> Response:
         """Every replica's /metrics as one exposition; each replica labels its own series (replica=<id>).
@@ -253,6 +325,7 @@ class Ingress:
                 _, texts[replica] = await asyncio.wait_for(self._scrape(replica), SCRAPE_TIMEOUT_S)
             except (TimeoutError, RayActorError, ActorUnavailableError):
                 continue  # gone since the router last heard of it: its series go with it
+        texts["router"] = routing_exposition(routing_ledger(), routed_replica_ids())
         body, content_type = exposition(Expositions(texts.values()), accept)
         return Response(body, media_type=content_type)
 
@@ -273,10 +346,13 @@ class Ingress:
         answered = dict(start.headers)[REPLICA_HEADER.encode()].decode()
         return answered, body.decode()
 
-    async def _rest_of(self, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    async def _rest_of(self, stream: DeploymentResponseGenerator, authorization: str | None) -> AsyncIterator[bytes]:
         finished = False
         try:
             async for chunk in stream:
+                if isinstance(chunk, CacheRoot):
+                    self.cache_roots.learn(authorization, chunk.root)
+                    continue
                 yield chunk
             finished = True
         finally:
@@ -318,13 +394,15 @@ def build_application(
     initial_replicas: int | None = None,
     replica_cpus: float = 1.0,
     prefix_chars: int = PREFIX_CHARS,
-    imbalance: int = IMBALANCE,
+    epsilon: float = EPSILON,
     app_name_suffix: str = "",
 ) -> serve.Application:
     """The Ingress bound to the TokenmillReplica deployment, with autoscaling between the settings'
     min_replicas and max_replicas (a fixed count when they are equal)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}")
+    if not epsilon >= 0:
+        raise ValueError("the routing epsilon must be 0 or more")
     max_ongoing = settings.engine.max_num_seqs  # more than the engine batches would only queue inside it
     if settings.min_replicas == settings.max_replicas:
         scaling = {"num_replicas": settings.min_replicas}
@@ -337,7 +415,7 @@ def build_application(
                 "target_ongoing_requests": max(1, max_ongoing // 2),
             }
         }
-    router_kwargs = {"imbalance": imbalance} if router == "prefix" else {}
+    router_kwargs = {"epsilon": epsilon} if router == "prefix" else {}
     # The classes stay undecorated module names, so Ray pickles them by reference (by value, their
     # methods would not see this module's other functions).
     replica = (
@@ -348,7 +426,9 @@ def build_application(
             graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
             graceful_shutdown_wait_loop_s=0.5,
             request_router_config=RequestRouterConfig(
-                request_router_class=ROUTERS[router], request_router_kwargs=router_kwargs
+                request_router_class=ROUTERS[router],
+                request_router_kwargs=router_kwargs,
+                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             ),
             ray_actor_options={"num_cpus": replica_cpus, "runtime_env": {"env_vars": forwarded_env()}},
             **scaling,
@@ -360,4 +440,4 @@ def build_application(
         num_replicas=1,
         max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0},  # it only forwards: leave the cores to the engines
-    ).bind(replica, prefix_chars)
+    ).bind(replica, prefix_chars, settings.engine)

@@ -58,6 +58,20 @@ class Choice:
         return "".join(self.text_parts)
 
 
+def team_of(principal: Principal) -> str:
+    return DEFAULT_TEAM if principal.team_id is None else f"team:{principal.team_id}"
+
+
+def cache_salt(principal: Principal, prefix_cache_scope: str) -> str:
+    """Whose cached prefixes the principal's requests may reuse (Tenancy.cache_salt). The Ray Serve
+    replicas tell their router the same salt, so that routing never matches another team's blocks."""
+    if prefix_cache_scope == "global":
+        return ""
+    if principal.cache_group:
+        return f"group:{principal.cache_group}"
+    return team_of(principal)
+
+
 class RequestTracker:
     """Counts what the engine reports for one HTTP request (one or more engine requests) and reports it
     once at the end, to /metrics and to the gateway's usage hook."""
@@ -79,20 +93,13 @@ class RequestTracker:
     def tenancy(self) -> Tenancy:
         """Whose share the engine charges, how urgent it is, and which cached prefixes it may reuse."""
         principal = self.principal
-        team = DEFAULT_TEAM if principal.team_id is None else f"team:{principal.team_id}"
-        if self.context.settings.prefix_cache_scope == "global":
-            cache_salt = ""
-        elif principal.cache_group:
-            cache_salt = f"group:{principal.cache_group}"
-        else:
-            cache_salt = team
         # A key may always ask to go later; going earlier than its floor is quietly capped.
         priority = max(self.priority, principal.priority_floor)
         return Tenancy(
-            team=team,
+            team=team_of(principal),
             weight=principal.team_weight,
             priority=priority,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt(principal, self.context.settings.prefix_cache_scope),
             background=principal.batch,
         )
 

@@ -161,3 +161,23 @@ def test_a_request_that_cannot_be_added_fails_alone(smollm2):
         assert after[1][0]
     finally:
         engine.shutdown()
+
+
+def test_the_cached_prefix_digest_holds_a_finished_prompts_blocks_for_its_team_only(engine, smollm2):
+    """What a replica reports to the router (engine.cached_prefix_digest) is what a later prompt would hit."""
+    from app.scaleout.prefix_routing import digest, matched_blocks, prompt_blocks
+    from engine.tenancy import Tenancy
+
+    prompt = chat_prompt(smollm2.tokenizer, "Summarise our refund policy. " * 12)
+    team = Tenancy(team="team:7")
+
+    async def run() -> None:
+        async for _ in engine.generate("digest", prompt, SamplingParams(max_tokens=2), team):
+            pass
+
+    asyncio.run(run())
+    held = digest(engine.cached_prefix_digest())
+    size = engine.config.block_size
+    assert matched_blocks(prompt_blocks(prompt, size, team.cache_root), held) == (len(prompt) - 1) // size
+    other = Tenancy(team="team:8").cache_root
+    assert matched_blocks(prompt_blocks(prompt, size, other), held) == 0

@@ -1,5 +1,5 @@
-"""Prefix-aware routing as pure functions (app.scaleout.prefix_routing) and the ASGI forwarding the replicas run
-(app.scaleout.asgi_forward): no Ray needed."""
+"""Prompt keys and rendezvous hashing (app.scaleout.prefix_routing; the rule: test_prefix_routing.py) and
+the ASGI forwarding the replicas run (app.scaleout.asgi_forward): no Ray needed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
-from app.scaleout.prefix_routing import prefix_key, rank_replicas, rendezvous_order, routing_text
+from app.scaleout.prefix_routing import prefix_key, rendezvous_order, routing_text
 
 SYSTEM = "You are the support assistant of ACME. " * 20
 
@@ -53,23 +53,6 @@ def test_a_key_keeps_its_replica_when_another_replica_leaves():
     moved = [key for key in keys if before[key] != after[key]]
     assert all(before[key] == "c" for key in moved)  # only the keys of the replica that left move
     assert len({before[key] for key in keys}) == 4  # and keys spread over every replica
-
-
-def test_the_preferred_replica_comes_first_while_it_is_not_overloaded():
-    preferred = rendezvous_order("k", ["a", "b"])[0]
-    other = "b" if preferred == "a" else "a"
-    assert rank_replicas("k", {preferred: 3, other: 0}, imbalance=4) == [[preferred], [other]]
-
-
-def test_an_overloaded_preferred_replica_falls_back_to_least_loaded():
-    preferred = rendezvous_order("k", ["a", "b"])[0]
-    other = "b" if preferred == "a" else "a"
-    assert rank_replicas("k", {preferred: 9, other: 1}, imbalance=4) == [[other, preferred]]
-
-
-def test_requests_without_a_key_go_least_loaded_first_and_unknown_load_counts_as_idle():
-    assert rank_replicas(None, {"a": 5, "b": None, "c": 2}) == [["b", "c", "a"]]
-    assert rank_replicas("k", {}) == []
 
 
 def streaming_app() -> FastAPI:

@@ -131,6 +131,41 @@ def test_prompts_sharing_a_system_prompt_go_to_one_replica(cluster):
     assert len(replicas) == 1
 
 
+def routed_counts(text: str) -> dict[tuple[str, str], float]:
+    """(replica, by) -> requests the prefix-aware router placed there, from the ingress's /metrics."""
+    return {
+        (sample.labels["replica"], sample.labels["by"]): sample.value
+        for family in parse_text(text)
+        for sample in family.samples
+        if sample.name == "tokenmill:routed_requests_total"
+    }
+
+
+def test_a_replicas_reported_cache_draws_its_teams_prompts_by_affinity(cluster):
+    """Affinity is measured: once the replica's report holds the prompt's blocks, the router says so."""
+    _, key = cluster.new_key("affinity")
+    system = "You are the help desk of Initech; answer questions about invoices and refunds only. " * 10
+    first = cluster.chat(key, "first question", system=system)
+    assert first.status_code == 200, first.text
+    home = first.headers[REPLICA_HEADER]
+    before = routed_counts(cluster.client.get("/metrics").text)
+    replicas = set()
+    deadline = time.monotonic() + 30  # the replica reports every ROUTING_STATS_PERIOD_S, through Serve's controller
+    while time.monotonic() < deadline:
+        response = cluster.chat(key, "another question", system=system)
+        replicas.add(response.headers[REPLICA_HEADER])
+        after = routed_counts(cluster.client.get("/metrics").text)
+        if after.get((home, "affinity"), 0) > before.get((home, "affinity"), 0):
+            break
+        time.sleep(1.0)
+    assert after.get((home, "affinity"), 0) > before.get((home, "affinity"), 0)
+    assert replicas == {home}
+    text = cluster.client.get("/metrics").text
+    assert {replica for replica, _ in routed_counts(text)} == set(replica_values(text, "vllm:num_requests_running"))
+    imbalance = [s.value for f in parse_text(text) for s in f.samples if s.name == "tokenmill:routing_imbalance_ratio"]
+    assert len(imbalance) == 1 and imbalance[0] >= 1.0
+
+
 def replica_values(text: str, name: str) -> dict[str, float]:
     """replica id -> value of the (one model's) sample `name` in a text exposition."""
     return {
