@@ -275,3 +275,17 @@ class BatchLine(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512))
     status_code: Mapped[int] = mapped_column(Integer)  # 200: the output file; anything else: the error file
     result: Mapped[dict] = mapped_column(JSON)  # the output or error file's line, as written there
+
+
+class ReservationHold(Base):
+    """What one process (holder) has set aside in one scope for requests in flight, where Redis is not
+    configured (app/gateway/holds_store.py): nano USD against a budget, or seats of a key's in-flight
+    cap. A holder's heartbeat keeps alive_until (unix seconds) ahead; past it, a dead replica's rows
+    stop counting."""
+
+    __tablename__ = "reservation_holds"
+
+    scope: Mapped[str] = mapped_column(String(96), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(96), primary_key=True)
+    amount: Mapped[int] = mapped_column(BigInteger, default=0)
+    alive_until: Mapped[float] = mapped_column(Float)

@@ -23,6 +23,7 @@ PG_SERVER = os.environ.get("TOKENMILL_TEST_PG", "postgresql+psycopg://postgres@1
 REDIS_URL = os.environ.get("TOKENMILL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 FAKE_MODEL = "fake-model"
 TABLES = (
+    "reservation_holds",
     "response_input_items",
     "responses",
     "usage_daily",
