@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -119,6 +119,24 @@ def gauges(stats: EngineStats) -> dict:
     }
 
 
+def team_shares(stats: EngineStats, names: Mapping[str, str]) -> list[dict]:
+    """Each team's share of one model: the tokens it was served over the last minute (the number /metrics
+    has as tokenmill:team_tokens_last_minute) and its requests running and waiting now; most served
+    first, teams with none of these left out. `names` maps the engine's "team:<id>" to a team's name."""
+    shares = [
+        {
+            "team": team,
+            "name": names.get(team, team),
+            "tokens_last_minute": counts.tokens_last_minute(),
+            "running": counts.running,
+            "waiting": counts.waiting,
+        }
+        for team, counts in stats.teams.items()
+    ]
+    shown = [s for s in shares if s["tokens_last_minute"] or s["running"] or s["waiting"]]
+    return sorted(shown, key=lambda s: (-s["tokens_last_minute"], s["name"]))
+
+
 SERIES_FIELDS = (
     "running",
     "waiting",
@@ -166,8 +184,10 @@ class LiveSampler:
         interval_s: float = 1.0,
         history_s: float = HISTORY_S,
         clock: Callable[[], float] = time.time,
+        team_names: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.sources = sources
+        self.team_names = team_names
         self.hardware_cost_per_hour = hardware_cost_per_hour
         self.interval_s = interval_s
         self.history_s = history_s
@@ -231,6 +251,7 @@ class LiveSampler:
             "today_cost_usd": self.hardware_cost_per_hour * day_seconds / 3600,
             "today_cost_per_1m_out": cost_per_million(self.hardware_cost_per_hour, day_seconds, day_tokens),
             "today_cost_per_1m_all": cost_per_million(self.hardware_cost_per_hour, day_seconds, day_tokens_all),
+            "teams": team_shares(latest.stats, self.team_names()),
         }
 
     def series(self, name: str, *, after: float | None = None) -> dict[str, list]:
