@@ -106,6 +106,11 @@ class BudgetTracker:
             self.refreshes.soon()
         return False
 
+    def read_at(self, scope: BudgetScope) -> float:
+        """When (monotonic) the cached spend's read began; -inf when none is cached."""
+        entry = self._committed.get((scope.name, period_start(scope.period, self.today())))
+        return entry.fetched_at if entry is not None and entry.fetched_at else float("-inf")
+
     def left_nano_usd(self, scope: BudgetScope) -> int:
         """What is left of the scope's budget before holds (cached: call after needs_refresh is False)."""
         assert scope.max_budget_usd is not None

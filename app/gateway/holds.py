@@ -79,7 +79,7 @@ LocalHolds = Holds
 
 class SharedHolds(Holds):
     """Holds kept in a store replicas share. Subclasses send the store one call per admission
-    (`_take`), one per batch of adjustments (`_apply`) and a heartbeat (`_beat`)."""
+    (`_take`, with the adjustments due), one per batch of other adjustments (`_apply`) and a heartbeat (`_beat`)."""
 
     shared = True
 
@@ -92,14 +92,18 @@ class SharedHolds(Holds):
         self._unsent: dict[str, int] = {}
         self._later: list[tuple[float, dict[str, int]]] = []  # (monotonic due time, deltas)
         self._keeper: asyncio.Task | None = None
-        self._send_lock: asyncio.Lock | None = None
         self._wake = asyncio.Event()
         self._last_beat = 0.0
 
     async def acquire(self, items: Sequence[HoldItem]) -> int:
         self._ensure_keeper()
-        await self.flush()  # what this holder gave back is free before it takes again
-        return await self._take(items)
+        # What this holder gave back goes in the same call, ahead of the check: free before it takes again.
+        deltas = self._take_due()
+        try:
+            return await self._take(items, deltas)
+        except Exception:
+            self._put_back(deltas)
+            raise
 
     def adjust(self, deltas: Mapping[str, int], delay_s: float = 0.0) -> None:
         with self._lock:
@@ -113,38 +117,48 @@ class SharedHolds(Holds):
             self._wake.set()
 
     async def flush(self) -> None:
-        """Send the adjustments that are due, in one call."""
-        assert self._send_lock is not None
-        async with self._send_lock:
-            now = time.monotonic()
-            with self._lock:
-                due = [deltas for at, deltas in self._later if at <= now]
-                self._later = [(at, deltas) for at, deltas in self._later if at > now]
-                for deltas in due:
-                    for scope, delta in deltas.items():
-                        self._unsent[scope] = self._unsent.get(scope, 0) + delta
-                unsent, self._unsent = {s: d for s, d in self._unsent.items() if d}, {}
-            if not unsent:
-                return
-            try:
-                await self._apply(unsent)
-            except Exception:
-                with self._lock:  # try again next tick: a lost release would hold its seat until we die
-                    for scope, delta in unsent.items():
-                        self._unsent[scope] = self._unsent.get(scope, 0) + delta
-                raise
+        """Send the adjustments that are due, in one call (sends may overlap: they only add)."""
+        deltas = self._take_due()
+        if not deltas:
+            return
+        try:
+            await self._apply(deltas)
+        except Exception:
+            self._put_back(deltas)  # again next tick: a lost release would hold its seat until we die
+            raise
+
+    def _take_due(self) -> dict[str, int]:
+        now = time.monotonic()
+        with self._lock:
+            due = [deltas for at, deltas in self._later if at <= now]
+            self._later = [(at, deltas) for at, deltas in self._later if at > now]
+            for deltas in due:
+                for scope, delta in deltas.items():
+                    self._unsent[scope] = self._unsent.get(scope, 0) + delta
+            unsent, self._unsent = {s: d for s, d in self._unsent.items() if d}, {}
+        return unsent
+
+    def _put_back(self, deltas: Mapping[str, int]) -> None:
+        with self._lock:
+            for scope, delta in deltas.items():
+                self._unsent[scope] = self._unsent.get(scope, 0) + delta
 
     def _ensure_keeper(self) -> None:
         loop = asyncio.get_running_loop()
         if self._keeper is None or self._keeper.done() or self._keeper.get_loop() is not loop:
-            self._send_lock, self._wake = asyncio.Lock(), asyncio.Event()
+            self._wake = asyncio.Event()
             self._keeper = loop.create_task(self._keep())
 
     async def _keep(self) -> None:
         """Send adjustments as they come due, and tell the store we are alive."""
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that lands
+            # as the event fires, and then close() would wait on this loop forever.
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=self.tick_s)
+            finally:
+                waiter.cancel()
             self._wake.clear()
             try:
                 await self.flush()
@@ -158,15 +172,16 @@ class SharedHolds(Holds):
         """Stop the heartbeat and give back everything this holder still holds."""
         if self._keeper is not None:
             self._keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
-                await self._keeper
+            with contextlib.suppress(RuntimeError):  # a keeper of another loop (a test's) is not ours to wait on
+                await asyncio.wait({self._keeper}, timeout=2.0)
             self._keeper = None
         with contextlib.suppress(Exception):
             await self._forget()
 
     # what a store implements
 
-    async def _take(self, items: Sequence[HoldItem]) -> int:
+    async def _take(self, items: Sequence[HoldItem], deltas: Mapping[str, int]) -> int:
+        """Apply `deltas` (whatever the answer), then take `items` or none."""
         raise NotImplementedError
 
     async def _apply(self, deltas: Mapping[str, int]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from sqlalchemy import Engine, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -61,7 +61,9 @@ class RedisHolds(SharedHolds):
         self._take_script = self._redis.register_script(_TAKE_LUA)
         self._apply_script = self._redis.register_script(_APPLY_LUA)
 
-    async def _take(self, items: Sequence[HoldItem]) -> int:
+    async def _take(self, items: Sequence[HoldItem], deltas: Mapping[str, int]) -> int:
+        if deltas:
+            await self._apply(deltas)
         args: list = [self.holder, self._alive, int(self.alive_ttl_s * 1000)]
         for item in items:
             args.extend((item.capacity, item.amount))
@@ -79,21 +81,29 @@ class RedisHolds(SharedHolds):
         await self._redis.aclose()
 
 
+HOLD_LOCK_SPACE = 0x746D6872  # "tmhr": advisory locks of holds, apart from every single-key lock
+
+
 def scope_lock_id(scope: str) -> int:
-    """A PostgreSQL advisory lock per scope (a stable 31-bit hash, apart from the migration lock's)."""
-    return 0x7E000000 ^ zlib.crc32(scope.encode())
+    """A PostgreSQL advisory lock per scope (pg_advisory_xact_lock(space, id): a keyspace of its own)."""
+    return zlib.crc32(scope.encode()) - 2**31  # a signed 32-bit integer
 
 
 class DatabaseHolds(SharedHolds):
-    """Holds as rows (scope, holder, amount, alive_until); a holder's heartbeat moves its alive_until."""
+    """Holds as rows (scope, holder, amount, alive_until); a holder's heartbeat moves its alive_until.
+    Every transaction takes its advisory locks, then its row locks, each in scope order: none deadlock."""
 
     def __init__(self, engine: Engine, **options) -> None:
         super().__init__(**options)
         self.engine = engine
         self.postgres = engine.dialect.name == "postgresql"
 
-    def _upsert(self, rows: list[dict]):
+    def _upsert(self, amounts: Mapping[str, int], now: float):
         insert = (postgresql if self.postgres else sqlite).insert(ReservationHold)
+        rows = [
+            {"scope": scope, "holder": self.holder, "amount": amounts[scope], "alive_until": now + self.alive_ttl_s}
+            for scope in sorted(amounts)
+        ]
         return insert.values(rows).on_conflict_do_update(
             index_elements=["scope", "holder"],
             set_={
@@ -102,60 +112,74 @@ class DatabaseHolds(SharedHolds):
             },
         )
 
-    def take_now(self, items: Sequence[HoldItem]) -> int:
-        """Blocking. Add ours first, then read every live holder's total: in SQLite that first write
-        takes the database's one write lock; in PostgreSQL each scope's advisory lock serializes."""
+    def _delete_spent(self, scopes: Iterable[str]):
+        """Our rows of `scopes` that hold nothing any more (rows this transaction has locked already)."""
+        return delete(ReservationHold).where(
+            ReservationHold.holder == self.holder, ReservationHold.scope.in_(list(scopes)), ReservationHold.amount <= 0
+        )
+
+    def take_now(self, items: Sequence[HoldItem], deltas: Mapping[str, int] | None = None) -> int:
+        """Blocking. Add ours (and the adjustments due) first, then read every live holder's total: in
+        SQLite that first write takes the database's one write lock; in PostgreSQL each scope's advisory
+        lock serializes. Refused: the items are taken out again, the adjustments stay."""
         now = time.time()
-        with self.engine.connect() as connection, connection.begin() as transaction:
+        wanted: dict[str, int] = {}
+        for item in items:
+            wanted[item.scope] = wanted.get(item.scope, 0) + item.amount
+        added = dict(deltas or {})
+        for scope, amount in wanted.items():
+            added[scope] = added.get(scope, 0) + amount
+        with self.engine.begin() as connection:
             if self.postgres:
-                for lock in sorted({scope_lock_id(item.scope) for item in items}):
-                    connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock})
-            amounts: dict[str, int] = {}
-            for item in items:
-                amounts[item.scope] = amounts.get(item.scope, 0) + item.amount
-            connection.execute(
-                self._upsert(
-                    [
-                        {"scope": s, "holder": self.holder, "amount": a, "alive_until": now + self.alive_ttl_s}
-                        for s, a in amounts.items()
-                    ]
-                )
-            )
+                for lock in sorted({scope_lock_id(scope) for scope in wanted}):
+                    connection.execute(
+                        text("SELECT pg_advisory_xact_lock(:space, :k)"), {"space": HOLD_LOCK_SPACE, "k": lock}
+                    )
+            connection.execute(self._upsert(added, now))
             held = dict(
                 connection.execute(
                     select(ReservationHold.scope, func.sum(ReservationHold.amount))
-                    .where(ReservationHold.scope.in_(amounts), ReservationHold.alive_until > now)
+                    .where(ReservationHold.scope.in_(wanted), ReservationHold.alive_until > now)
                     .group_by(ReservationHold.scope)
                 ).all()
             )
-            for index, item in enumerate(items):
-                if over(int(held.get(item.scope) or 0) - amounts[item.scope], item):
-                    transaction.rollback()
-                    return index
-        return REFUSED_NONE
+            refused = next(
+                (i for i, item in enumerate(items) if over(int(held.get(item.scope) or 0) - wanted[item.scope], item)),
+                REFUSED_NONE,
+            )
+            if refused != REFUSED_NONE:
+                connection.execute(self._upsert({scope: -amount for scope, amount in wanted.items()}, now))
+            if refused != REFUSED_NONE or deltas:
+                connection.execute(self._delete_spent(added))
+        return refused
 
     def apply_now(self, deltas: Mapping[str, int]) -> None:
-        alive_until = time.time() + self.alive_ttl_s
-        rows = [{"scope": s, "holder": self.holder, "amount": d, "alive_until": alive_until} for s, d in deltas.items()]
         with self.engine.begin() as connection:
-            connection.execute(self._upsert(rows))
-            connection.execute(
-                delete(ReservationHold).where(ReservationHold.holder == self.holder, ReservationHold.amount <= 0)
-            )
+            connection.execute(self._upsert(deltas, time.time()))
+            connection.execute(self._delete_spent(deltas))
 
     def beat_now(self) -> None:
         now = time.time()
         with self.engine.begin() as connection:
-            connection.execute(
-                update(ReservationHold)
-                .where(ReservationHold.holder == self.holder)
-                .values(alive_until=now + self.alive_ttl_s)
-            )
-            # Dead holders' rows no longer count; remove them once they are well past it.
-            connection.execute(delete(ReservationHold).where(ReservationHold.alive_until < now - 3600))
+            mine = select(ReservationHold.scope).where(ReservationHold.holder == self.holder)
+            scopes = list(connection.scalars(mine.order_by(ReservationHold.scope).with_for_update()))
+            if scopes:
+                connection.execute(
+                    update(ReservationHold)
+                    .where(ReservationHold.holder == self.holder, ReservationHold.scope.in_(scopes))
+                    .values(alive_until=now + self.alive_ttl_s)
+                )
+        with self.engine.begin() as connection:
+            # Dead holders' rows no longer count; remove them once they are well past it (rows another
+            # replica's clean-up has locked are left to it).
+            dead = select(ReservationHold.scope, ReservationHold.holder).where(ReservationHold.alive_until < now - 3600)
+            for scope, holder in connection.execute(dead.limit(500).with_for_update(skip_locked=True)).all():
+                connection.execute(
+                    delete(ReservationHold).where(ReservationHold.scope == scope, ReservationHold.holder == holder)
+                )
 
-    async def _take(self, items: Sequence[HoldItem]) -> int:
-        return await run_in_threadpool(self.take_now, items)
+    async def _take(self, items: Sequence[HoldItem], deltas: Mapping[str, int]) -> int:
+        return await run_in_threadpool(self.take_now, items, deltas)
 
     async def _apply(self, deltas: Mapping[str, int]) -> None:
         await run_in_threadpool(self.apply_now, dict(deltas))

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,7 +23,7 @@ from app.db import is_sqlite, make_engine, migrate, session_factory
 from app.errors import OpenAIError, invalid_api_key, model_not_found
 from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_admin_identity
 from app.gateway.auth import FailedAuthLimiter, KeyCache, KeyPrincipal
-from app.gateway.budget import BudgetTracker
+from app.gateway.budget import BudgetScope, BudgetTracker
 from app.gateway.config import GatewayConfig, ModelPrice
 from app.gateway.contract import UsageRecord
 from app.gateway.headers import offer_headers
@@ -77,6 +78,10 @@ class TeamGateway:
         # cache's TTL after its usage row is committed, and a little for the replicas' reads to land.
         self.settled_hold_s = config.budget_cache_ttl_s + 0.25
         self._settled: dict[int, dict[str, int]] = {}  # id(usage event) -> the cost it holds, per scope
+        # (monotonic commit time, cost per scope) of our settled costs committed and still held: a cached
+        # spend read after the commit has them already, so they count once, not twice.
+        self._committed_held: deque[tuple[float, dict[str, int]]] = deque()
+        self._holds_outage_logged = 0.0
         self.writer = UsageWriter(
             self.engine,
             spill_dir=config.spill_dir,
@@ -236,7 +241,10 @@ class TeamGateway:
             try:
                 if any(self.budgets.needs_refresh(s) for s in scopes):
                     await run_in_threadpool(lambda: [self.budgets.spent_nano_usd(s) for s in scopes])
-                items.extend(HoldItem(f"budget:{s.name}", self.budgets.left_nano_usd(s), estimate or 0) for s in scopes)
+                items.extend(
+                    HoldItem(f"budget:{s.name}", self.budgets.left_nano_usd(s) + self._counted_twice(s), estimate or 0)
+                    for s in scopes
+                )
             except SQLAlchemyError as error:
                 raise store_unavailable(error) from None
         if not items:
@@ -246,7 +254,9 @@ class TeamGateway:
         except SQLAlchemyError as error:
             raise store_unavailable(error) from None
         except Exception as error:  # Redis is away: availability over strictness, as for rpm / tpm
-            log.warning("reservation holds unavailable, admitting without: %s", error)
+            if time.monotonic() - self._holds_outage_logged > 10:
+                self._holds_outage_logged = time.monotonic()
+                log.warning("reservation holds unavailable, admitting without: %s", error)
             return ()
         if refused == REFUSED_NONE:
             return tuple(items) if estimate is not None else self._given_back(items)
@@ -338,10 +348,22 @@ class TeamGateway:
         """The usage writer's thread, after a batch is in the database: the costs it held are given
         back once every replica's cached spend has them."""
         self.budgets.committed(events)
+        now = time.monotonic()
         for event in events:
             kept = self._settled.pop(id(event), None)
             if kept:
                 self.holds.adjust({scope: -amount for scope, amount in kept.items()}, delay_s=self.settled_hold_s)
+                self._committed_held.append((now, kept))
+
+    def _counted_twice(self, scope: BudgetScope) -> int:
+        """Our committed costs still held in `scope` that its cached spend, read after their commit,
+        holds too. Forgotten a little before their hold is given back, so never subtracted once gone."""
+        horizon = time.monotonic() - self.settled_hold_s + 0.1
+        while self._committed_held and self._committed_held[0][0] < horizon:
+            self._committed_held.popleft()
+        read_at = self.budgets.read_at(scope)
+        name = f"budget:{scope.name}"
+        return sum(kept.get(name, 0) for at, kept in list(self._committed_held) if at < read_at)
 
     def _scopes_of(self, record: UsageRecord) -> tuple:
         principal = self.keys.by_key_id.get(record.key_id)

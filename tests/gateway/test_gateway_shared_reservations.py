@@ -23,8 +23,10 @@ PER_TOKEN = parse_prices({"*": [0.0, 0.0, 1000.0]})  # $0.001 per generated toke
 
 @pytest.fixture(params=["database", "redis"])
 def two_replicas(request, make_gateway):
-    """Two gateways sharing one store; (gateways, extra config they were made with)."""
-    store = {"reservations": request.param}
+    """Two gateways sharing one store. Their cached spends live 30 s: within a test each replica reads
+    the roll-up once, so what it must know of the other's spend comes through the shared holds alone
+    (and no fresh read lands inside a settled cost's hold, where it would count twice and refuse early)."""
+    store = {"reservations": request.param, "budget_cache_ttl_s": 30.0}
     if request.param == "redis":
         store |= {"redis_url": request.getfixturevalue("redis_url"), "redis_prefix": redis_prefix()}
     return [make_gateway(prices=PER_TOKEN, **store) for _ in range(2)]
@@ -109,3 +111,31 @@ def test_a_dead_replicas_holds_stop_counting_after_its_heartbeats(store, make_ga
     started = time.monotonic()
     assert asyncio.run(scenario()) == REFUSED_NONE
     assert time.monotonic() - started < 5
+
+
+def test_unreachable_redis_admits_budgeted_requests_rather_than_failing(make_gateway):
+    """Availability over strictness, as for rpm / tpm: with Redis away a request is served unheld."""
+    gateway = make_gateway(prices=PER_TOKEN, redis_url="redis://127.0.0.1:1/0")
+    with serve_in_thread(build_app(gateway, FakeEngine())) as url:
+        key = team_and_key(url, max_budget_usd=1.0, max_in_flight=1)
+        responses = asyncio.run(send_together([url], key, [chat_body(max_tokens=2)] * 2))
+    assert [r.status_code for r in responses] == [200, 200]
+
+
+@pytest.mark.parametrize("store", ["database", "redis"])
+def test_a_replica_counts_its_own_settled_costs_once_while_they_are_held(store, make_gateway, request):
+    """A settled cost stays held until every replica's cached spend has it; the replica that committed
+    it knows when its own cache has it too, and does not count it twice: its budget is usable to the
+    last cent, even with the cache read again between every request."""
+    extra = (
+        {"redis_url": request.getfixturevalue("redis_url"), "redis_prefix": redis_prefix()} if store == "redis" else {}
+    )
+    gateway = make_gateway(prices=PER_TOKEN, reservations=store, budget_cache_ttl_s=0.2, **extra)
+    codes = []
+    with serve_in_thread(build_app(gateway, FakeEngine())) as url:
+        key = team_and_key(url, max_budget_usd=0.01)  # five requests of 2 tokens at $0.001
+        for _ in range(6):
+            [response] = asyncio.run(send_together([url], key, [chat_body(max_tokens=2)]))
+            codes.append(response.status_code)
+            time.sleep(0.15)  # its row is committed, and the cached spend read again, within its hold
+    assert codes == [200] * 5 + [429]
