@@ -94,6 +94,7 @@ class SharedHolds(Holds):
         self._keeper: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._last_beat = 0.0
+        self._last_outage_log = float("-inf")
 
     async def acquire(self, items: Sequence[HoldItem]) -> int:
         self._ensure_keeper()
@@ -165,8 +166,12 @@ class SharedHolds(Holds):
                 if time.monotonic() - self._last_beat > self.alive_ttl_s / 3:
                     await self._beat()
                     self._last_beat = time.monotonic()
-            except Exception as error:
-                log.warning("reservation holds unavailable: %s", str(error).splitlines()[0] if str(error) else error)
+            except Exception as error:  # retried next tick; said at most every 10 s
+                if time.monotonic() - self._last_outage_log > 10:
+                    self._last_outage_log = time.monotonic()
+                    log.warning(
+                        "reservation holds unavailable: %s", str(error).splitlines()[0] if str(error) else error
+                    )
 
     async def close(self) -> None:
         """Stop the heartbeat and give back everything this holder still holds."""

@@ -251,9 +251,8 @@ class TeamGateway:
             return ()
         try:
             refused = await self.holds.acquire(items)
-        except SQLAlchemyError as error:
-            raise store_unavailable(error) from None
-        except Exception as error:  # Redis is away: availability over strictness, as for rpm / tpm
+        except Exception as error:  # Redis or the database is away: availability over strictness, as for
+            # rpm / tpm and for budgets read from the last spend seen; this request goes unheld.
             if time.monotonic() - self._holds_outage_logged > 10:
                 self._holds_outage_logged = time.monotonic()
                 log.warning("reservation holds unavailable, admitting without: %s", error)
