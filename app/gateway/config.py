@@ -86,6 +86,9 @@ class GatewayConfig:
     # Where requests in flight hold their budget estimates and in-flight seats: "auto" (Redis when
     # configured, else the database unless it is SQLite, else this process), "redis", "database", "process".
     reservations: str = "auto"
+    # A settled cost stays held this long past the budget cache's TTL after its row is committed, for
+    # the replicas' reads of the roll-up to land.
+    settled_hold_margin_s: float = 0.25
     holder_alive_ttl_s: float = 15.0  # a replica silent this long is taken for dead: its holds stop counting
     run_migrations: bool = True  # False where the caller migrated already (tokenmill serve, Ray replicas)
 

@@ -76,7 +76,7 @@ class TeamGateway:
         )
         # Shared holds keep a finished request's cost until every replica's cached spend has it: the
         # cache's TTL after its usage row is committed, and a little for the replicas' reads to land.
-        self.settled_hold_s = config.budget_cache_ttl_s + 0.25
+        self.settled_hold_s = config.budget_cache_ttl_s + config.settled_hold_margin_s
         self._settled: dict[int, dict[str, int]] = {}  # id(usage event) -> the cost it holds, per scope
         # (monotonic commit time, cost per scope) of our settled costs committed and still held: a cached
         # spend read after the commit has them already, so they count once, not twice.
@@ -356,8 +356,9 @@ class TeamGateway:
 
     def _counted_twice(self, scope: BudgetScope) -> int:
         """Our committed costs still held in `scope` that its cached spend, read after their commit,
-        holds too. Forgotten a little before their hold is given back, so never subtracted once gone."""
-        horizon = time.monotonic() - self.settled_hold_s + 0.1
+        holds too. Forgotten just before their hold comes due (an admission sends what is due ahead of
+        its check), so never subtracted once given back."""
+        horizon = time.monotonic() - self.settled_hold_s + 0.05
         while self._committed_held and self._committed_held[0][0] < horizon:
             self._committed_held.popleft()
         read_at = self.budgets.read_at(scope)

@@ -130,7 +130,10 @@ def test_a_replica_counts_its_own_settled_costs_once_while_they_are_held(store, 
     extra = (
         {"redis_url": request.getfixturevalue("redis_url"), "redis_prefix": redis_prefix()} if store == "redis" else {}
     )
-    gateway = make_gateway(prices=PER_TOKEN, reservations=store, budget_cache_ttl_s=0.2, **extra)
+    # The cache is read again every 0.1-0.2 s; a settled cost is held for 5 s, past the whole test.
+    gateway = make_gateway(
+        prices=PER_TOKEN, reservations=store, budget_cache_ttl_s=0.2, settled_hold_margin_s=5.0, **extra
+    )
     codes = []
     with serve_in_thread(build_app(gateway, FakeEngine())) as url:
         key = team_and_key(url, max_budget_usd=0.01)  # five requests of 2 tokens at $0.001
