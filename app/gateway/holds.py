@@ -79,7 +79,8 @@ LocalHolds = Holds
 
 class SharedHolds(Holds):
     """Holds kept in a store replicas share. Subclasses send the store one call per admission
-    (`_take`, with the adjustments due), one per batch of other adjustments (`_apply`) and a heartbeat (`_beat`)."""
+    (`_take`, with the adjustments due), one per batch of other adjustments (`_apply`) and a
+    heartbeat (`_beat`)."""
 
     shared = True
 
@@ -185,8 +186,9 @@ class SharedHolds(Holds):
 
     # what a store implements
 
-    async def _take(self, items: Sequence[HoldItem], deltas: Mapping[str, int]) -> int:
-        """Apply `deltas` (whatever the answer), then take `items` or none."""
+    async def _take(self, items: Sequence[HoldItem], deltas: dict[str, int]) -> int:
+        """Apply `deltas` (whatever the answer), then take `items` or none. On failure, what is left in
+        `deltas` was not applied (the caller puts it back)."""
         raise NotImplementedError
 
     async def _apply(self, deltas: Mapping[str, int]) -> None:

@@ -61,9 +61,10 @@ class RedisHolds(SharedHolds):
         self._take_script = self._redis.register_script(_TAKE_LUA)
         self._apply_script = self._redis.register_script(_APPLY_LUA)
 
-    async def _take(self, items: Sequence[HoldItem], deltas: Mapping[str, int]) -> int:
+    async def _take(self, items: Sequence[HoldItem], deltas: dict[str, int]) -> int:
         if deltas:
             await self._apply(deltas)
+            deltas.clear()  # sent: not to be put back if what follows fails
         args: list = [self.holder, self._alive, int(self.alive_ttl_s * 1000)]
         for item in items:
             args.extend((item.capacity, item.amount))
@@ -178,7 +179,7 @@ class DatabaseHolds(SharedHolds):
                     delete(ReservationHold).where(ReservationHold.scope == scope, ReservationHold.holder == holder)
                 )
 
-    async def _take(self, items: Sequence[HoldItem], deltas: Mapping[str, int]) -> int:
+    async def _take(self, items: Sequence[HoldItem], deltas: dict[str, int]) -> int:
         return await run_in_threadpool(self.take_now, items, deltas)
 
     async def _apply(self, deltas: Mapping[str, int]) -> None:
