@@ -328,3 +328,17 @@ class ServerSetting(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class ReservationHold(Base):
+    """What one process (holder) has set aside in one scope for requests in flight, where Redis is not
+    configured (app/gateway/holds_store.py): nano USD against a budget, or seats of a key's in-flight
+    cap. A holder's heartbeat keeps alive_until (unix seconds) ahead; past it, a dead replica's rows
+    stop counting."""
+
+    __tablename__ = "reservation_holds"
+
+    scope: Mapped[str] = mapped_column(String(96), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(96), primary_key=True)
+    amount: Mapped[int] = mapped_column(BigInteger, default=0)
+    alive_until: Mapped[float] = mapped_column(Float)

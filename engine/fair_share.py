@@ -7,6 +7,11 @@ counter, and may preempt the team with the highest. A team that turns up (or com
 level with the least-served active team, never below it: idle time earns no credit, so a team can't save
 up service and then starve the others.
 
+A team with nothing queued or running for `forget_after_s` (past the metrics window) is forgotten once its
+counter is no higher than where it would start again (the least-served active team, or the level of the
+last team to go idle): that level never falls, so on its return it starts exactly where it would have,
+and active teams see no difference. Memory then holds the teams of the recent past, not every team ever.
+
 It only counts; the scheduler decides.
 """
 
@@ -18,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 WINDOW_S = 60  # "tokens served over the last minute", in one-second buckets
+FORGET_AFTER_S = 120.0  # how long a team must have been idle before it may be forgotten
 
 
 @dataclass
@@ -29,6 +35,7 @@ class TeamCounts:
     prompt_tokens: int = 0  # prompt tokens admitted, cumulative (a recompute is not counted again)
     output_tokens: int = 0  # tokens generated, cumulative
     recent: deque[tuple[int, int]] = field(default_factory=deque)  # (second, tokens served in it), oldest first
+    idle_since: float = 0.0  # the clock when `active` last fell to zero
 
     def tokens_in_window(self, now_s: int) -> int:
         while self.recent and self.recent[0][0] <= now_s - WINDOW_S:
@@ -38,9 +45,17 @@ class TeamCounts:
 
 class TeamLedger:
     def __init__(
-        self, input_weight: float = 1.0, output_weight: float = 2.0, clock: Callable[[], float] = time.monotonic
+        self,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
+        if forget_after_s < WINDOW_S:
+            raise ValueError("a team must stay known for the metrics window at least")
         self.clock = clock
+        self.forget_after_s = forget_after_s
+        self._last_sweep = float("-inf")
         self.input_weight = input_weight
         self.output_weight = output_weight
         self.teams: dict[str, TeamCounts] = {}
@@ -58,6 +73,7 @@ class TeamLedger:
 
     def join(self, team: str) -> None:
         """One more sequence of `team` is in the engine."""
+        self._forget_departed()
         counts = self.teams.setdefault(team, TeamCounts())
         if counts.active == 0:
             others = [c.service for name, c in self.teams.items() if c.active > 0 and name != team]
@@ -70,6 +86,23 @@ class TeamLedger:
         assert counts.active >= 0, f"team {team!r} left more often than it joined"
         if counts.active == 0:
             self._level_when_idle = counts.service
+            counts.idle_since = self.clock()
+
+    def _forget_departed(self) -> None:
+        """At most once a second: drop the teams long idle whose counter a return would lift anyway."""
+        now = self.clock()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        floor = min((c.service for c in self.teams.values() if c.active > 0), default=self._level_when_idle)
+        departed = [
+            name
+            for name, c in self.teams.items()
+            if c.active == 0 and now - c.idle_since >= self.forget_after_s and c.service <= floor
+        ]
+        for name in departed:
+            del self.teams[name]
+            self.weights.pop(name, None)
 
     def charge(self, team: str, *, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         counts = self.teams.setdefault(team, TeamCounts())

@@ -183,8 +183,14 @@ async def serve_embeddings(
     started_at = time.monotonic()
     token_ids = await run_in_threadpool(input_token_ids, model, body.input)
     prompt_tokens = sum(len(ids) for ids in token_ids)
+    # Reserved like any request: its priced tokens against the budgets, a seat of the key's in-flight cap.
     headers = await context.gateway.admit(
-        principal, model=context.access_name(principal, body.model), prompt_tokens=prompt_tokens, max_tokens=0
+        principal,
+        model=context.access_name(principal, body.model),
+        prompt_tokens=prompt_tokens,
+        max_tokens=0,
+        request_id=request_id,
+        price=context.price,
     )
     status, metered_tokens, vectors = "error", prompt_tokens, None
     try:

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -138,6 +138,24 @@ def gauges(stats: EngineStats) -> dict:
     }
 
 
+def team_shares(stats: EngineStats, names: Mapping[str, str]) -> list[dict]:
+    """Each team's share of one model: the tokens it was served over the last minute (the number /metrics
+    has as tokenmill:team_tokens_last_minute) and its requests running and waiting now; most served
+    first, teams with none of these left out. `names` maps the engine's "team:<id>" to a team's name."""
+    shares = [
+        {
+            "team": team,
+            "name": names.get(team, team),
+            "tokens_last_minute": counts.tokens_last_minute(),
+            "running": counts.running,
+            "waiting": counts.waiting,
+        }
+        for team, counts in stats.teams.items()
+    ]
+    shown = [s for s in shares if s["tokens_last_minute"] or s["running"] or s["waiting"]]
+    return sorted(shown, key=lambda s: (-s["tokens_last_minute"], s["name"]))
+
+
 SERIES_FIELDS = (
     "running",
     "waiting",
@@ -190,12 +208,14 @@ class LiveSampler:
         interval_s: float = 1.0,
         history_s: float = HISTORY_S,
         clock: Callable[[], float] = time.time,
+        team_names: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.sources = sources
         # The server's; a callable where an administrator can change it while we run.
         self._server_cost = (
             hardware_cost_per_hour if callable(hardware_cost_per_hour) else lambda: hardware_cost_per_hour
         )
+        self.team_names = team_names
         self.interval_s = interval_s
         self.history_s = history_s
         self.clock = clock
@@ -270,6 +290,7 @@ class LiveSampler:
             "today_cost_per_1m_all": usd_per_million(history.day_cost_usd, day_tokens_all),
             "hardware_cost_per_hour": cost_per_hour,
             "price": history.source.price(),
+            "teams": team_shares(latest.stats, self.team_names()),
         }
 
     def series(self, name: str, *, after: float | None = None) -> dict[str, list]:

@@ -62,6 +62,12 @@ async def _page_refused(request: Request, error: PageRefused) -> Response:
     return render(request, "error.html", None, status_code=error.status, message=error.message)
 
 
+def known_team_names(gateway: TeamGateway) -> dict[str, str]:
+    """The engine's "team:<id>" to names, from the keys the gateway has loaded (a team with requests in
+    the engine has one there): no database read on the overview's every poll."""
+    return {f"team:{p.team_id}": p.team_name for p in list(gateway.keys.by_key_id.values())}
+
+
 def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: float = 1.0) -> Dashboard:
     """Routers, static files, headers and handlers; the caller starts and stops `dashboard.sampler` with
     the app's lifespan."""
@@ -71,6 +77,7 @@ def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: 
         lambda: model_sources(app),
         hardware_cost_per_hour=lambda: pool.server_hardware_cost,  # the Models page may change it
         interval_s=sample_interval_s,
+        team_names=lambda: known_team_names(gateway),
     )
     dashboard = Dashboard(
         settings=settings,

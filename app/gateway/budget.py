@@ -4,7 +4,12 @@ Spend = what the daily roll-up holds (cached briefly) + what this process has qu
 committed. The roll-up is the ledger, so budgets survive restarts and a Redis flush; replicas see
 each other's spend within a flush interval plus the cache TTL. Spends in use are reloaded ahead of
 their TTL in the background (one grouped query per kind and period), so requests don't wait on the
-database for them. Like any pre-request check it is soft by the requests already in flight.
+database for them.
+
+What requests in flight may still cost is held apart (app/gateway/holds.py). With shared holds (Redis
+or the database, for replicas) a finished request's cost stays held there until every replica's cached
+spend includes it, so this tracker then counts only the roll-up: no local pending, and a cached spend
+is trusted for the TTL from when its read began.
 """
 
 from __future__ import annotations
@@ -51,18 +56,21 @@ class _Spend:
 
 class BudgetTracker:
     def __init__(
-        self, sessions: sessionmaker[Session], *, cache_ttl_s: float = 2.0, clock: Callable[[], float] = time.time
+        self,
+        sessions: sessionmaker[Session],
+        *,
+        cache_ttl_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        shared: bool = False,
     ) -> None:
         self.sessions = sessions
+        self.shared = shared
         self.cache_ttl_s = cache_ttl_s
         self.clock = clock
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, date], _Spend] = {}  # (scope, period start) -> committed spend
         self._pending: dict[str, dict[date, int]] = {}  # scope -> day -> nano USD queued, not committed
         self._generation = 0  # bumped per committed batch
-        # scope -> nano USD reserved by requests in flight in this process (the priced estimate of each,
-        # settled when it ends): concurrent requests can't together spend past the budget.
-        self._reserved: dict[str, int] = {}
         self.refreshes = RefreshRounds(self.refresh_due, "budget")
 
     def today(self) -> date:
@@ -98,32 +106,15 @@ class BudgetTracker:
             self.refreshes.soon()
         return False
 
-    def first_exhausted(self, scopes: Sequence[BudgetScope], estimate_nano_usd: int = 0) -> BudgetScope | None:
-        """The first scope whose spend, plus what requests in flight reserved, plus `estimate_nano_usd`,
-        would pass its budget."""
-        for scope in scopes:
-            if scope.max_budget_usd is None:
-                continue
-            committed = self.spent_nano_usd(scope) + self._reserved.get(scope.name, 0)
-            limit = scope.max_budget_usd * NANO
-            if committed >= limit or committed + estimate_nano_usd > limit:
-                return scope
-        return None
+    def read_at(self, scope: BudgetScope) -> float:
+        """When (monotonic) the cached spend's read began; -inf when none is cached."""
+        entry = self._committed.get((scope.name, period_start(scope.period, self.today())))
+        return entry.fetched_at if entry is not None and entry.fetched_at else float("-inf")
 
-    def reserve(self, scopes: Sequence[BudgetScope], nano_usd: int) -> None:
-        with self._lock:
-            for scope in scopes:
-                self._reserved[scope.name] = self._reserved.get(scope.name, 0) + nano_usd
-
-    def release(self, scopes: Sequence[BudgetScope], nano_usd: int) -> None:
-        """A reservation ends: the request's actual cost arrives through `queued`."""
-        with self._lock:
-            for scope in scopes:
-                left = self._reserved.get(scope.name, 0) - nano_usd
-                if left > 0:
-                    self._reserved[scope.name] = left
-                else:
-                    self._reserved.pop(scope.name, None)
+    def left_nano_usd(self, scope: BudgetScope) -> int:
+        """What is left of the scope's budget before holds (cached: call after needs_refresh is False)."""
+        assert scope.max_budget_usd is not None
+        return round(scope.max_budget_usd * NANO) - self.spent_nano_usd(scope)
 
     def _cached(self, scope: BudgetScope, start: date) -> int | None:
         entry = self._committed.get((scope.name, start))
@@ -133,7 +124,7 @@ class BudgetTracker:
 
     def _refresh(self, scope: BudgetScope, start: date) -> int:
         column = UsageDaily.key_id if scope.kind == "key" else UsageDaily.team_id
-        generation = self._generation
+        generation, started = self._generation, time.monotonic()
         with self.sessions() as session:
             total = session.scalar(
                 select(func.coalesce(func.sum(UsageDaily.cost_nano_usd), 0)).where(
@@ -142,7 +133,10 @@ class BudgetTracker:
             )
         with self._lock:
             # A batch committed while we read may or may not be in `total`: don't trust it for long.
-            fetched_at = time.monotonic() if generation == self._generation else 0.0
+            if self.shared:  # a batch committed before the read began is in it, whoever committed it
+                fetched_at = started
+            else:
+                fetched_at = time.monotonic() if generation == self._generation else 0.0
             self._committed[(scope.name, start)] = _Spend(int(total), fetched_at)
         return int(total)
 
@@ -181,7 +175,7 @@ class BudgetTracker:
     # fed by the gateway (queued) and the usage writer (committed)
 
     def queued(self, event: UsageEvent) -> None:
-        if not event.cost_nano_usd:
+        if not event.cost_nano_usd or self.shared:  # shared: its cost is held until committed and seen
             return
         day = event.created_at.date()
         with self._lock:
@@ -190,6 +184,8 @@ class BudgetTracker:
                 days[day] = days.get(day, 0) + event.cost_nano_usd
 
     def committed(self, events: Sequence[UsageEvent]) -> None:
+        if self.shared:  # a cached spend that lacks them is trusted no longer than their holds last
+            return
         spent: dict[tuple[str, date], int] = {}
         for event in events:
             if event.cost_nano_usd:

@@ -83,6 +83,13 @@ class GatewayConfig:
     auth_failures_per_minute: int = 10  # per client address, then 429 until the minute is over; 0: no limit
     max_in_flight_per_key: int = 0  # requests one key may have in flight here; a key's max_in_flight wins; 0: none
     instance_id: str | None = None  # this replica's name on its usage rows (Ray Serve replica id, pod name)
+    # Where requests in flight hold their budget estimates and in-flight seats: "auto" (Redis when
+    # configured, else the database unless it is SQLite, else this process), "redis", "database", "process".
+    reservations: str = "auto"
+    # A settled cost stays held this long past the budget cache's TTL after its row is committed, for
+    # the replicas' reads of the roll-up to land.
+    settled_hold_margin_s: float = 0.25
+    holder_alive_ttl_s: float = 15.0  # a replica silent this long is taken for dead: its holds stop counting
     run_migrations: bool = True  # False where the caller migrated already (tokenmill serve, Ray replicas)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,10 @@ class GatewayConfig:
             raise ValueError("rate_window_s must be positive")
         if self.usage_flush_interval_s <= 0:
             raise ValueError("usage_flush_interval_s must be positive")
+        if self.reservations not in ("auto", "redis", "database", "process"):
+            raise ValueError("reservations must be auto, redis, database or process")
+        if self.reservations == "redis" and not self.redis_url:
+            raise ValueError("reservations in Redis need a redis_url")
 
     def price(self, model: str) -> ModelPrice:
         return self.prices.get(model) or self.prices.get("*") or FREE

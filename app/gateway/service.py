@@ -9,6 +9,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from fastapi import Request
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 
-from app.db import make_engine, migrate, session_factory
+from app.db import is_sqlite, make_engine, migrate, session_factory
 from app.errors import OpenAIError, invalid_api_key, model_not_found
 from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_admin_identity
 from app.gateway.auth import FailedAuthLimiter, KeyCache, KeyPrincipal
@@ -26,6 +27,8 @@ from app.gateway.budget import BudgetScope, BudgetTracker
 from app.gateway.config import GatewayConfig, ModelPrice
 from app.gateway.contract import UsageRecord
 from app.gateway.headers import offer_headers
+from app.gateway.holds import REFUSED_NONE, HoldItem, Holds, LocalHolds
+from app.gateway.holds_store import DatabaseHolds, RedisHolds
 from app.gateway.keys import bearer_token, visible_prefix
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters, Scope
 from app.gateway.usage import UsageEvent, UsageWriter
@@ -39,14 +42,13 @@ RATE_LIMITED, OVER_BUDGET, FORBIDDEN = "rate_limited", "over_budget", "forbidden
 @dataclass(frozen=True)
 class Reservation:
     """What one admitted request may still cost: tokens counted in its admission window's tpm, and
-    nano USD held against its budgets. Settled by request_finished()."""
+    what it holds (nano USD against its budgets, a seat of its key's in-flight cap). Settled by
+    request_finished()."""
 
     rate_scopes: tuple[Scope, ...]
     window: int
     tokens: int
-    budget_scopes: tuple[BudgetScope, ...]
-    nano_usd: int
-    key_id: int | None
+    held: tuple[HoldItem, ...]
 
 
 def naive_utc(unix: float) -> datetime:
@@ -68,7 +70,18 @@ class TeamGateway:
             RedisCounters(config.redis_url, prefix=config.redis_prefix) if config.redis_url else InProcessCounters()
         )
         self.limiter = RateLimiter(counters, window_s=config.rate_window_s, clock=clock)
-        self.budgets = BudgetTracker(self.sessions, cache_ttl_s=config.budget_cache_ttl_s, clock=clock)
+        self.holds = make_holds(config, self.engine)
+        self.budgets = BudgetTracker(
+            self.sessions, cache_ttl_s=config.budget_cache_ttl_s, clock=clock, shared=self.holds.shared
+        )
+        # Shared holds keep a finished request's cost until every replica's cached spend has it: the
+        # cache's TTL after its usage row is committed, and a little for the replicas' reads to land.
+        self.settled_hold_s = config.budget_cache_ttl_s + config.settled_hold_margin_s
+        self._settled: dict[int, dict[str, int]] = {}  # id(usage event) -> the cost it holds, per scope
+        # (monotonic commit time, cost per scope) of our settled costs committed and still held: a cached
+        # spend read after the commit has them already, so they count once, not twice.
+        self._committed_held: deque[tuple[float, dict[str, int]]] = deque()
+        self._holds_outage_logged = 0.0
         self.writer = UsageWriter(
             self.engine,
             spill_dir=config.spill_dir,
@@ -76,12 +89,11 @@ class TeamGateway:
             batch_max=config.usage_batch_max,
             buffer_max=config.usage_buffer_max,
             last_used_flush_s=config.last_used_flush_s,
-            on_committed=self.budgets.committed,
+            on_committed=self._committed,
         )
         self.admin: AdminIdentity | None = None
         self.started = False
         self._reservations: dict[str, Reservation] = {}  # request id -> what admit() set aside for it
-        self._in_flight_by_key: dict[int | None, int] = {}  # admitted, not yet finished (this replica)
         self.admitted = 0  # requests let through to the engine ...
         self.finished = 0  # ... and those that reported back
 
@@ -113,6 +125,7 @@ class TeamGateway:
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await run_in_threadpool(self.stop)
+        await self.holds.close()
         await self.limiter.close()
         self.engine.dispose()
 
@@ -187,50 +200,17 @@ class TeamGateway:
             self._refused(principal, model, FORBIDDEN)
             raise model_not_found(model)
         honest = request_id is not None
-        # Batch lines are bounded by the batch runner; the key's in-flight cap is for its interactive calls.
-        cap = 0 if principal.batch else principal.max_in_flight or self.config.max_in_flight_per_key
-        if honest and cap and self._in_flight_by_key.get(principal.key_id, 0) >= cap:
-            self._refused(principal, model, RATE_LIMITED)
-            raise OpenAIError(
-                429,
-                f"Too many requests in flight for this key: at most {cap} at once. Retry when one has finished.",
-                type="requests",
-                code="rate_limit_exceeded",
-                headers={"retry-after": "1"},
-            )
         worst_tokens = prompt_tokens + (max_tokens or 0) * sequences if honest else 0
         price = price or self.config.price(model)
         if principal.batch:
             price = price.for_batch()
         estimate = price.cost_nano_usd(prompt_tokens, 0, (max_tokens or 0) * sequences) if honest else 0
-        if principal.budget_scopes:
-            exhausted = None
-            if any(self.budgets.needs_refresh(s) for s in principal.budget_scopes):
-                try:
-                    exhausted = await run_in_threadpool(self.budgets.first_exhausted, principal.budget_scopes, estimate)
-                except SQLAlchemyError as error:
-                    raise store_unavailable(error) from None
-            # Decide again and reserve in one turn of the event loop (the spend is cached now), so that
-            # concurrent requests each see the others' reservations.
-            exhausted = exhausted or self.budgets.first_exhausted(principal.budget_scopes, estimate)
-            if exhausted is not None:
-                self._refused(principal, model, OVER_BUDGET)
-                raise OpenAIError(
-                    429,
-                    f"You exceeded your current quota: the {exhausted.kind}'s budget of "
-                    f"${exhausted.max_budget_usd:g} per {exhausted.period} can't cover this request "
-                    f"(up to ${estimate / NANO:.6f}) on top of what is spent and reserved.",
-                    type="insufficient_quota",
-                    code="insufficient_quota",
-                )
-        if honest:
-            self.budgets.reserve(principal.budget_scopes, estimate)
+        held = await self._hold(principal, model, estimate if honest else None)
         decision = await self.limiter.acquire(principal.rate_scopes, worst_tokens)
         headers = decision.headers()
         offer_headers(headers)
         if not decision.allowed:
-            if honest:
-                self.budgets.release(principal.budget_scopes, estimate)
+            self.holds.adjust({item.scope: -item.amount for item in held})
             self._refused(principal, model, RATE_LIMITED)
             budget = decision.requests if decision.exceeded == "requests" else decision.tokens
             detail = f" (this request may need {worst_tokens})" if decision.exceeded == "tokens" and honest else ""
@@ -243,18 +223,65 @@ class TeamGateway:
                 headers=headers,
             )
         if honest:
-            self._reservations[request_id] = Reservation(
-                principal.rate_scopes,
-                decision.window,
-                worst_tokens,
-                principal.budget_scopes,
-                estimate,
-                None if principal.batch else principal.key_id,
-            )
-            if not principal.batch:
-                self._in_flight_by_key[principal.key_id] = self._in_flight_by_key.get(principal.key_id, 0) + 1
+            self._reservations[request_id] = Reservation(principal.rate_scopes, decision.window, worst_tokens, held)
         self.admitted += 1
         return headers
+
+    async def _hold(self, principal: KeyPrincipal, model: str, estimate: int | None) -> tuple[HoldItem, ...]:
+        """Take a seat of the key's in-flight cap and `estimate` nano USD of each budget, all or none,
+        where every replica counts them; refuse with 429 when one can't be had. Without an estimate
+        (no reservation wanted) only a spent budget refuses, and nothing is held."""
+        items = []
+        # Batch lines are bounded by the batch runner; the key's in-flight cap is for its interactive calls.
+        cap = 0 if principal.batch else principal.max_in_flight or self.config.max_in_flight_per_key
+        if estimate is not None and cap:
+            items.append(HoldItem(f"in_flight:key:{principal.key_id}", cap, 1))
+        scopes = principal.budget_scopes
+        if scopes:
+            try:
+                if any(self.budgets.needs_refresh(s) for s in scopes):
+                    await run_in_threadpool(lambda: [self.budgets.spent_nano_usd(s) for s in scopes])
+                items.extend(
+                    HoldItem(f"budget:{s.name}", self.budgets.left_nano_usd(s) + self._counted_twice(s), estimate or 0)
+                    for s in scopes
+                )
+            except SQLAlchemyError as error:
+                raise store_unavailable(error) from None
+        if not items:
+            return ()
+        try:
+            refused = await self.holds.acquire(items)
+        except Exception as error:  # Redis or the database is away: availability over strictness, as for
+            # rpm / tpm and for budgets read from the last spend seen; this request goes unheld.
+            if time.monotonic() - self._holds_outage_logged > 10:
+                self._holds_outage_logged = time.monotonic()
+                log.warning("reservation holds unavailable, admitting without: %s", error)
+            return ()
+        if refused == REFUSED_NONE:
+            return tuple(items) if estimate is not None else self._given_back(items)
+        if items[refused].scope.startswith("in_flight:"):
+            self._refused(principal, model, RATE_LIMITED)
+            raise OpenAIError(
+                429,
+                f"Too many requests in flight for this key: at most {cap} at once. Retry when one has finished.",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"retry-after": "1"},
+            )
+        exhausted = scopes[refused - (len(items) - len(scopes))]
+        self._refused(principal, model, OVER_BUDGET)
+        raise OpenAIError(
+            429,
+            f"You exceeded your current quota: the {exhausted.kind}'s budget of "
+            f"${exhausted.max_budget_usd:g} per {exhausted.period} can't cover this request "
+            f"(up to ${(estimate or 0) / NANO:.6f}) on top of what is spent and reserved.",
+            type="insufficient_quota",
+            code="insufficient_quota",
+        )
+
+    def _given_back(self, items: list[HoldItem]) -> tuple[HoldItem, ...]:
+        self.holds.adjust({item.scope: -item.amount for item in items if item.amount})
+        return ()
 
     @property
     def in_flight(self) -> int:
@@ -263,37 +290,43 @@ class TeamGateway:
     def request_finished(self, record: UsageRecord) -> None:
         """On the event loop, once per request that reached the engine: queue its row, never block."""
         reservation = self._reservations.pop(record.request_id, None)
-        if reservation is not None:
-            self.budgets.release(reservation.budget_scopes, reservation.nano_usd)
-            left = self._in_flight_by_key.get(reservation.key_id, 0) - 1
-            if left > 0:
-                self._in_flight_by_key[reservation.key_id] = left
-            else:
-                self._in_flight_by_key.pop(reservation.key_id, None)
-        if not isinstance(record.key_id, int) or not isinstance(record.team_id, int):
-            return
-        self.finished += 1
+        metered = isinstance(record.key_id, int) and isinstance(record.team_id, int)
         price = record.price or self.config.price(record.model)  # the registry's sheet, else the env's
         if record.batch:
             price = price.for_batch()
-        self._queue(
-            UsageEvent(
-                created_at=naive_utc(record.finished_at - record.latency_seconds),
-                team_id=record.team_id,
-                key_id=record.key_id,
-                model=record.model,
-                prompt_tokens=record.prompt_tokens,
-                cached_tokens=record.cached_tokens,
-                completion_tokens=record.completion_tokens,
-                latency_ms=round(record.latency_seconds * 1000),
-                ttft_ms=None
-                if record.time_to_first_token_seconds is None
-                else round(record.time_to_first_token_seconds * 1000),
-                status=record.status[:16],
-                batch=record.batch,
-                cost_nano_usd=price.cost_nano_usd(record.prompt_tokens, record.cached_tokens, record.completion_tokens),
+        cost = price.cost_nano_usd(record.prompt_tokens, record.cached_tokens, record.completion_tokens)
+        kept: dict[str, int] = {}
+        if reservation is not None:
+            deltas = {item.scope: -item.amount for item in reservation.held}
+            # Shared: the actual cost stays held until its row is committed and every replica has read it.
+            kept = (
+                {s: cost for s in deltas if s.startswith("budget:")} if self.holds.shared and metered and cost else {}
             )
+            for scope, amount in kept.items():
+                deltas[scope] += amount
+            self.holds.adjust(deltas)
+        if not metered:
+            return
+        self.finished += 1
+        event = UsageEvent(
+            created_at=naive_utc(record.finished_at - record.latency_seconds),
+            team_id=record.team_id,
+            key_id=record.key_id,
+            model=record.model,
+            prompt_tokens=record.prompt_tokens,
+            cached_tokens=record.cached_tokens,
+            completion_tokens=record.completion_tokens,
+            latency_ms=round(record.latency_seconds * 1000),
+            ttft_ms=None
+            if record.time_to_first_token_seconds is None
+            else round(record.time_to_first_token_seconds * 1000),
+            status=record.status[:16],
+            batch=record.batch,
+            cost_nano_usd=cost,
         )
+        if kept:
+            self._settled[id(event)] = kept
+        self._queue(event)
         tokens = record.prompt_tokens + record.completion_tokens
         if record.batch:  # batch lines count against the budget (their rows), never the interactive tpm
             return
@@ -309,6 +342,28 @@ class TeamGateway:
                 return
 
     # the rest
+
+    def _committed(self, events) -> None:
+        """The usage writer's thread, after a batch is in the database: the costs it held are given
+        back once every replica's cached spend has them."""
+        self.budgets.committed(events)
+        now = time.monotonic()
+        for event in events:
+            kept = self._settled.pop(id(event), None)
+            if kept:
+                self.holds.adjust({scope: -amount for scope, amount in kept.items()}, delay_s=self.settled_hold_s)
+                self._committed_held.append((now, kept))
+
+    def _counted_twice(self, scope: BudgetScope) -> int:
+        """Our committed costs still held in `scope` that its cached spend, read after their commit,
+        holds too. Forgotten just before their hold comes due (an admission sends what is due ahead of
+        its check), so never subtracted once given back."""
+        horizon = time.monotonic() - self.settled_hold_s + 0.05
+        while self._committed_held and self._committed_held[0][0] < horizon:
+            self._committed_held.popleft()
+        read_at = self.budgets.read_at(scope)
+        name = f"budget:{scope.name}"
+        return sum(kept.get(name, 0) for at, kept in list(self._committed_held) if at < read_at)
 
     def _scopes_of(self, record: UsageRecord) -> tuple:
         principal = self.keys.by_key_id.get(record.key_id)
@@ -340,6 +395,21 @@ class TeamGateway:
     def forget_keys(self, key_hashes: list[str] | None = None) -> None:
         """Drop cached principals after an admin change (None: all of them, e.g. a team changed)."""
         self.keys.invalidate(key_hashes)
+
+
+def make_holds(config: GatewayConfig, engine) -> Holds:
+    """Where holds live: Redis when configured; else the database when replicas can share it
+    (PostgreSQL, or `reservations="database"`); else this process."""
+    where = config.reservations
+    if where == "auto":
+        where = "redis" if config.redis_url else "process" if is_sqlite(engine) else "database"
+    options = {"holder": config.instance_id, "alive_ttl_s": config.holder_alive_ttl_s}
+    if where == "redis":
+        assert config.redis_url, "reservations in Redis need a redis_url"
+        return RedisHolds(config.redis_url, prefix=config.redis_prefix, **options)
+    if where == "database":
+        return DatabaseHolds(engine, **options)
+    return LocalHolds()
 
 
 def client_address(request: Request) -> str:

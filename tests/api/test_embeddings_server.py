@@ -224,3 +224,34 @@ def test_an_over_long_input_is_a_rejected_row_without_tokens(metered_server, gat
     assert response.status_code == 400
     [row] = usage_rows(gateway)
     assert (row.status, row.prompt_tokens) == ("rejected", 0)
+
+
+def test_embeddings_are_held_to_the_teams_budget_like_any_request(make_gateway, minilm):
+    """Concurrent embeddings together never pass the team's budget, and a team at its budget gets 429."""
+    from app.gateway.config import parse_prices
+
+    gateway = make_gateway(prices=parse_prices({"*": [1000.0, 0.0, 0.0]}))  # $0.001 per input token
+    app = build_app(gateway)
+    serve_embedder(app, minilm)
+    text = "The capital of France is Paris."
+    [ids] = minilm.token_ids([text])
+    tokens = len(ids)
+    with serve_in_thread(app) as url:
+        admin = httpx.Client(base_url=url)
+        team = create_team(admin, max_budget_usd=round(2.5 * tokens * 0.001, 9))  # room for two requests
+        key = create_key(admin, team["id"])["key"]
+
+        async def together(count: int) -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"model": MODEL, "input": text}
+                return await asyncio.gather(
+                    *(client.post(f"{url}/v1/embeddings", json=body, headers=bearer(key)) for _ in range(count))
+                )
+
+        first = asyncio.run(together(6))
+        [late] = asyncio.run(together(1))
+    assert sorted(r.status_code for r in first) == [200, 200, 429, 429, 429, 429]
+    assert all(r.json()["usage"]["prompt_tokens"] == tokens for r in first if r.status_code == 200)
+    assert late.status_code == 429 and late.json()["error"]["code"] == "insufficient_quota"
+    spent = sum(row.cost_nano_usd for row in usage_rows(gateway)) / 1e9
+    assert spent == pytest.approx(2 * tokens * 0.001)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 import openai
 import pytest
 from sqlalchemy import select
@@ -273,3 +274,53 @@ def test_overview_under_load_screenshot(visit, server, tmp_path):
     assert (folder / "dashboard-overview.png").stat().st_size > 10_000
     for thread in threads:
         thread.join(120)
+
+
+def test_the_overview_shows_each_teams_share_screenshot(visit, server, tmp_path):
+    """Two teams served at once: the overview's "share by team" chart lists both by name, the one served
+    more tokens first, with the same last-minute token counts /metrics reports."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    keys = {}
+    for name in ("share-big", "share-small"):
+        team = httpx.post(f"{server.url}/admin/api/teams", json={"name": name}, headers=admin).json()
+        keys[name] = httpx.post(f"{server.url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin).json()
+    page = visit.page
+    visit.log_in()
+    page.goto("/admin")
+    card = f'[data-model="{MODEL}"]'
+    page.wait_for_selector(f"{card} .team-share")
+
+    def ask(name: str, max_tokens: int, index: int) -> None:
+        server.client(api_key=keys[name]["key"]).chat.completions.create(
+            model=MODEL,
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=index,
+            messages=[{"role": "user", "content": f"Write a long story about dog number {index}."}],
+        )
+
+    threads = [threading.Thread(target=ask, args=("share-big", 48, i)) for i in range(3)]
+    threads.append(threading.Thread(target=ask, args=("share-small", 4, 9)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    big, small = (f"{card} .team-share [data-team='team:{keys[n]['team_id']}']" for n in ("share-big", "share-small"))
+    page.wait_for_selector(big)
+    page.wait_for_selector(small)
+    rows = page.eval_on_selector_all(f"{card} .team-share [data-team]", "rows => rows.map(r => r.dataset.team)")
+    assert rows.index(f"team:{keys['share-big']['team_id']}") < rows.index(f"team:{keys['share-small']['team_id']}")
+    assert page.inner_text(f"{big} .name") == "share-big"
+    big_team = f"team:{keys['share-big']['team_id']}"
+    served = server.metrics()[f'tokenmill:team_tokens_last_minute{{team="{big_team}"}}']
+    assert served >= 3 * 10  # three prompts and their replies
+    page.wait_for_function(  # the chart catches up with /metrics within a poll or two
+        "([selector, text]) => (document.querySelector(selector) || {}).textContent.includes(text)",
+        arg=[f"{big} [data-field=share]", f"{int(served):,} tokens"],
+        timeout=10_000,
+    )
+    folder = Path(os.environ.get("TOKENMILL_SCREENSHOT_DIR", tmp_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    page.locator(f"{card} .team-share").scroll_into_view_if_needed()
+    page.screenshot(path=str(folder / "dashboard-share-by-team.png"), full_page=True)
+    assert (folder / "dashboard-share-by-team.png").stat().st_size > 10_000

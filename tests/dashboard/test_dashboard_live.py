@@ -221,3 +221,24 @@ def test_the_live_payload_samples_on_first_use(model):
     payload = sampler.live()
     assert [entry["current"]["name"] for entry in payload["models"]] == ["m"]
     assert payload["history_s"] == 900 and payload["interval_s"] == 1.0
+
+
+def test_the_share_by_team_is_the_tokens_each_team_was_served_last_minute(model):
+    import time
+
+    from engine.stats import TeamStats
+
+    second = int(time.monotonic())
+    model.stats.teams = {
+        "team:1": TeamStats(running=1, recent_tokens=((second - 5, 300),)),
+        "team:2": TeamStats(waiting=2, recent_tokens=((second - 2, 900), (second - 90, 5000))),  # one is too old
+        "team:3": TeamStats(recent_tokens=((second - 120, 50),)),  # nothing this minute, nothing now: left out
+    }
+    sampler = sampler_for(model, team_names=lambda: {"team:1": "alpha", "team:2": "beta"})
+    tick(sampler, model)
+    shares = sampler.current("m")["teams"]
+    assert [(s["name"], s["tokens_last_minute"], s["running"], s["waiting"]) for s in shares] == [
+        ("beta", 900, 0, 2),
+        ("alpha", 300, 1, 0),
+    ]
+    assert sampler.live()["models"][0]["current"]["teams"] == shares  # what the overview polls

@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import combinations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.config import EngineConfig
@@ -306,3 +306,74 @@ def test_tokens_served_in_the_last_minute_fall_back_to_zero_when_a_team_goes_qui
     assert (team.running, team.waiting, team.prompt_tokens_total, team.generation_tokens_total) == (0, 0, 20, 8)
     assert team.tokens_last_minute(now=1030.0) == 28
     assert team.tokens_last_minute(now=1061.0) == 0
+
+
+# ---- departed teams are forgotten -----------------------------------------------------------------
+
+
+LEDGER_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("join"), st.integers(0, 2)),
+        st.tuples(st.just("leave"), st.integers(0, 2)),
+        st.tuples(st.just("charge"), st.integers(0, 2), st.integers(1, 200)),
+        st.tuples(st.just("wait"), st.sampled_from([0.5, 30.0, 70.0])),
+    ),
+    max_size=60,
+)
+# An over-served team goes quiet while a less-served one stays: on its return it must not start lower.
+OVER_SERVED_RETURNS = [("join", 0), ("join", 1), ("charge", 0, 100), ("leave", 0), ("wait", 70.0), ("join", 0)]
+
+
+@settings(max_examples=400, deadline=None)
+@example(ops=OVER_SERVED_RETURNS)
+@given(ops=LEDGER_OPS)
+def test_forgetting_idle_teams_never_changes_an_active_teams_counter(ops):
+    """A ledger that forgets departed teams and one that remembers every team give every active team
+    the same counter, whatever the order of arrivals, service, departures and pauses."""
+    from engine.fair_share import TeamLedger
+
+    now = [0.0]
+    forgetful = TeamLedger(clock=lambda: now[0], forget_after_s=60)
+    remembering = TeamLedger(clock=lambda: now[0], forget_after_s=float("inf"))
+    active = dict.fromkeys(range(3), 0)
+    for op in ops:
+        team = f"team:{op[1]}"
+        if op[0] == "wait":
+            now[0] += op[1]
+            continue
+        if op[0] == "leave" and not active[op[1]]:
+            continue
+        if op[0] == "charge" and not active[op[1]]:
+            continue
+        for ledger in (forgetful, remembering):
+            if op[0] == "join":
+                ledger.join(team)
+            elif op[0] == "leave":
+                ledger.leave(team)
+            else:
+                ledger.charge(team, output_tokens=op[2])
+        active[op[1]] += {"join": 1, "leave": -1, "charge": 0}[op[0]]
+        for number, count in active.items():
+            if count:
+                name = f"team:{number}"
+                assert forgetful.service(name) == pytest.approx(remembering.service(name))
+    assert set(forgetful.teams) <= set(remembering.teams)
+
+
+def test_the_engine_forgets_teams_that_have_been_gone_a_while(tiny):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, block_size=16), tiny)
+    now = [1000.0]
+    engine.scheduler.ledger.clock = lambda: now[0]
+    for number in range(40):  # forty teams, one short request each, then silence
+        engine.add_request(f"r{number}", prompt_of(number, 8), GREEDY, Tenancy(team=f"team:{number}"))
+        drain(engine)
+        now[0] += 1.5
+    assert len(engine.stats.teams) == 40
+    now[0] += 30  # the first has been gone 90 s: not long enough to be forgotten
+    engine.add_request("late", prompt_of(99, 8), GREEDY, Tenancy(team="team:late"))
+    assert len(engine.stats.teams) == 41
+    now[0] += 120
+    engine.add_request("later", prompt_of(98, 8), GREEDY, Tenancy(team="team:later"))
+    drain(engine)
+    assert set(engine.stats.teams) == {"team:late", "team:later"}  # the departed are gone ...
+    assert engine.stats.teams["team:late"].prompt_tokens_total == 8  # ... the active kept their counts

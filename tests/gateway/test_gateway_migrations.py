@@ -23,6 +23,7 @@ TABLES = {
     "admin_credentials",
     "admin_sessions",
     "usage",
+    "reservation_holds",
     "usage_daily",
     "models",
     "responses",
@@ -139,4 +140,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0015_batch_expiry"
+    assert result.stdout.strip() == "0016_shared_reservations"

@@ -26,6 +26,8 @@ TABLES = (
     "batch_lines",
     "batches",
     "files",
+    "reservation_holds",
+    "server_settings",
     "response_input_items",
     "responses",
     "usage_daily",

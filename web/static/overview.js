@@ -91,9 +91,14 @@
       charts.append(tm.el("figure", {className: "chart-box"}, tm.el("figcaption", {text: spec.title}), box, legend));
       return {spec, box, legend};
     });
+    // Share by team: the tokens each team was served over the last minute (what /metrics has as
+    // tokenmill:team_tokens_last_minute), as parts of the whole.
+    const shares = tm.el("div", {className: "shares"});
+    charts.append(tm.el("figure", {className: "chart-box team-share"},
+      tm.el("figcaption", {text: "Share by team (tokens served, last minute)"}), shares));
     card.append(charts);
     root.append(card);
-    return {card, tileNodes, chartNodes, series: null};
+    return {card, tileNodes, chartNodes, shares, series: null};
   }
 
   function appendSeries(model, incoming, now) {
@@ -104,12 +109,31 @@
     if (drop > 0) for (const name of Object.keys(model.series)) model.series[name].splice(0, drop);
   }
 
+  function renderShares(node, teams) {
+    if (!teams.length) {
+      node.replaceChildren(tm.el("p", {className: "muted", text: "No team has been served in the last minute."}));
+      return;
+    }
+    const total = teams.reduce((sum, team) => sum + team.tokens_last_minute, 0);
+    node.replaceChildren(...teams.map((team, index) => {
+      const share = total ? team.tokens_last_minute / total : 0;
+      const bar = tm.el("i", {className: "swatch s" + (index % 4)});
+      bar.style.width = `${share * 100}%`;
+      return tm.el("div", {className: "share", "data-team": team.team},
+        tm.el("span", {className: "name", text: team.name}),
+        tm.el("span", {className: "meter"}, bar),
+        tm.el("span", {className: "figures", "data-field": "share",
+          text: `${f.pct(share)} · ${f.num(team.tokens_last_minute)} tokens · ${team.running} running · ${team.waiting} waiting`}));
+    }));
+  }
+
   function render(model, current, now) {
     for (const {spec, value, sub, meter} of model.tileNodes) {
       value.textContent = spec.value(current);
       sub.textContent = spec.sub(current);
       if (meter) meter.style.width = `${Math.max(0, Math.min(1, spec.meter(current) || 0)) * 100}%`;
     }
+    renderShares(model.shares, current.teams || []);
     const s = model.series;
     for (const {spec, box, legend} of model.chartNodes) {
       const series = spec.series.map((item) => ({label: item.label, values: s[item.field] || []}));
