@@ -3,13 +3,13 @@
 A sequence that repeats itself (code being rewritten, a quoted document, a list with a pattern) often goes
 on the way an earlier occurrence of its last few tokens did. Before each step the drafter proposes, for a
 sequence about to decode, the k tokens that followed the most recent earlier occurrence of its last n
-tokens (n from `MAX_NGRAM` down to 1). The scheduler gives the drafts KV slots after the decode token, the
-runner computes all k + 1 positions in the one forward pass (query rows, causal among themselves), and the
-engine keeps the drafts the model agrees with (engine/sampler.py: argmax for greedy, rejection sampling
-otherwise) plus the model's own next token, then rolls the KV of the rest back. Greedy output is what it
-would be without drafts; sampled output keeps its distribution.
+tokens (n from MAX_NGRAM down to MIN_NGRAM). The scheduler gives the drafts KV slots after the decode
+token, the runner computes all k + 1 positions in the one forward pass (query rows, causal among
+themselves), and the engine keeps the drafts the model agrees with (engine/sampler.py: argmax for
+greedy, rejection sampling otherwise) plus the model's own next token, then rolls the KV of the rest
+back. Greedy output is what it would be without drafts; sampled output keeps its distribution.
 
-Drafting pays while extra rows are nearly free: at small batches a decode step's time goes into reading
+Drafting pays while extra rows are cheap: at small batches a decode step's time goes mostly into reading
 the weights, whatever the rows. Hence the batch-size threshold, and a pause for a sequence whose recent
 drafts were mostly rejected.
 """
@@ -24,19 +24,26 @@ from engine.request import Request
 from engine.runner import uses_decode_graphs
 
 MAX_NGRAM = 3
+# A match on a single token is mostly chance: drafts from one were rarely accepted in chat, and on the
+# 2-core CPU a step verifying 2 / 4 drafts took about 1.3x / 1.7x a plain decode step (int4 and float32,
+# SmolLM2-135M), so a draft pays only when about a fifth of its tokens or more are accepted.
+MIN_NGRAM = 2
 # A sequence pauses drafting when the decayed share of its drafts accepted falls below this ...
 MIN_ACCEPTANCE = 0.2
-# ... (judged once it has drafted this many tokens, decayed) for this many steps, then tries again.
+# ... (judged once it has drafted this many tokens, decayed) for PAUSE_STEPS steps, doubled after each
+# pause that did not help (up to MAX_PAUSE_STEPS), then tries again: text may start repeating later.
 MIN_DRAFTED_TO_JUDGE = 8.0
 PAUSE_STEPS = 16
+MAX_PAUSE_STEPS = 256
 DECAY = 0.8  # per drafted step, of the acceptance tallies: what the last few steps did counts most
 
 
 class NgramIndex:
     """Where each n-gram (n <= max_n) of a growing token list last ended; fed the new tokens on each call."""
 
-    def __init__(self, max_n: int = MAX_NGRAM) -> None:
+    def __init__(self, max_n: int = MAX_NGRAM, min_n: int = 1) -> None:
         self.max_n = max_n
+        self.min_n = min_n
         self.last_end: dict[tuple[int, ...], int] = {}
         self.num_indexed = 0  # n-grams that end (exclusive) at or before this position are indexed
 
@@ -48,7 +55,7 @@ class NgramIndex:
             for n in range(1, min(self.max_n, stop) + 1):
                 self.last_end[tuple(tokens[stop - n : stop])] = stop
         self.num_indexed = max(self.num_indexed, length - 1)
-        for n in range(min(self.max_n, length - 1), 0, -1):
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             found = self.last_end.get(tuple(tokens[length - n :]))
             if found is not None:
                 end = found
@@ -64,10 +71,11 @@ class NgramIndex:
 
 @dataclass
 class _SequenceDrafts:
-    index: NgramIndex = field(default_factory=NgramIndex)
+    index: NgramIndex = field(default_factory=lambda: NgramIndex(MAX_NGRAM, MIN_NGRAM))
     drafted: float = 0.0  # decayed tallies of the sequence's recent drafts ...
     accepted: float = 0.0  # ... and of those the model agreed with
     paused_until_step: int = 0
+    next_pause: int = PAUSE_STEPS
 
 
 class NgramSpeculator:
@@ -121,6 +129,11 @@ class NgramSpeculator:
             return
         state.drafted = state.drafted * DECAY + drafted
         state.accepted = state.accepted * DECAY + accepted
-        if state.drafted >= MIN_DRAFTED_TO_JUDGE and state.accepted < MIN_ACCEPTANCE * state.drafted:
-            state.paused_until_step = self.step + PAUSE_STEPS
+        if state.drafted < MIN_DRAFTED_TO_JUDGE:
+            return
+        if state.accepted < MIN_ACCEPTANCE * state.drafted:
+            state.paused_until_step = self.step + state.next_pause
+            state.next_pause = min(state.next_pause * 2, MAX_PAUSE_STEPS)
             state.drafted = state.accepted = 0.0
+        else:
+            state.next_pause = PAUSE_STEPS

@@ -7,9 +7,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine.config import EngineConfig
+from engine.request import Request
 from engine.sampler import Sampler, SamplingState, make_generator
 from engine.sampling_params import SamplingParams
-from engine.speculation import NgramIndex
+from engine.speculation import PAUSE_STEPS, NgramIndex, NgramSpeculator
 from tests.engine.test_engine_correctness import LONG_SYSTEM, assert_all_blocks_free, assert_matches_hf
 from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
 
@@ -65,6 +67,35 @@ def test_index_is_fed_incrementally():
     assert index.propose(tokens, 2) == [7, 5]
     tokens += [1, 5]
     assert index.propose(tokens, 3) == [6, 1, 5]  # the latest "5" went on with 6 1, then 5 again
+
+
+def test_index_with_a_minimum_length_ignores_single_token_matches():
+    tokens = [4, 9, 1, 2, 3, 0, 4]
+    assert NgramIndex(max_n=3, min_n=1).propose(tokens, 2) == [9, 1]
+    assert NgramIndex(max_n=3, min_n=2).propose(tokens, 2) == []
+
+
+def test_a_sequence_whose_drafts_keep_failing_pauses_longer_each_time():
+    speculator = NgramSpeculator(EngineConfig(speculation="ngram", device="cpu"), max_model_len=512)
+    request = Request("r", 0, [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=100))
+    request.output_token_ids = [3]
+    request.num_computed_tokens = request.num_tokens - 1
+    skipped = []  # steps without drafts after each run of rejected ones
+    for _ in range(3):
+        while True:
+            speculator.propose([request])
+            if not request.draft_token_ids:
+                break
+            speculator.record(request, len(request.draft_token_ids), 0)
+        count = 1
+        while not request.draft_token_ids:
+            speculator.propose([request])
+            count += 1
+        skipped.append(count - 1)
+    assert skipped == [PAUSE_STEPS - 1, 2 * PAUSE_STEPS - 1, 4 * PAUSE_STEPS - 1]
+    speculator.record(request, 4, 4)  # accepted drafts: back to drafting, the next pause short again
+    speculator.propose([request])
+    assert request.draft_token_ids
 
 
 # ---- greedy: exact -----------------------------------------------------------------------------
