@@ -24,18 +24,38 @@ from engine.request import Request
 from engine.runner import uses_decode_graphs
 
 MAX_NGRAM = 3
-# A match on a single token is mostly chance: drafts from one were rarely accepted in chat, and on the
-# 2-core CPU a step verifying 2 / 4 drafts took about 1.3x / 1.7x a plain decode step (int4 and float32,
-# SmolLM2-135M), so a draft pays only when about a fifth of its tokens or more are accepted.
+# A match on a single token is mostly chance: drafts from one were rarely accepted in chat.
 MIN_NGRAM = 2
-# A sequence pauses drafting when the decayed share of its drafts accepted falls below this ...
-MIN_ACCEPTANCE = 0.2
-# ... (judged once it has drafted this many tokens, decayed) for PAUSE_STEPS steps, doubled after each
-# pause that did not help (up to MAX_PAUSE_STEPS), then tries again: text may start repeating later.
-MIN_DRAFTED_TO_JUDGE = 8.0
+# What each draft row adds to a step, as a share of a plain decode step: on the 2-core CPU a step verifying
+# 2 / 4 drafts took about 1.3x / 1.7x one without (SmolLM2-135M, int4 and float32, interleaved medians);
+# the int4 linears and the logits head cost about 3x at 5 rows what they cost at 1.
+DRAFT_ROW_COST = 0.18
+# Each sequence's chance that a draft token is accepted, after the one before it was, is estimated from its
+# recent drafts (decayed per drafted step) on top of a prior of PRIOR_ACCEPTED in PRIOR_ACCEPTED +
+# PRIOR_REJECTED; it drafts as many tokens as maximise the expected tokens per unit of step time ...
+DECAY = 0.8
+PRIOR_ACCEPTED = 1.0
+PRIOR_REJECTED = 1.0
+# ... and none when no draft length beats a plain step: then it pauses for PAUSE_STEPS steps, doubled
+# after each pause that changed nothing (up to MAX_PAUSE_STEPS), and tries again from the prior.
 PAUSE_STEPS = 16
 MAX_PAUSE_STEPS = 256
-DECAY = 0.8  # per drafted step, of the acceptance tallies: what the last few steps did counts most
+
+
+def best_draft_length(acceptance: float, max_length: int, row_cost: float = DRAFT_ROW_COST) -> int:
+    """The draft length with the most expected tokens per step time, 0 when a plain step does better.
+
+    With each draft token accepted (after the previous one) with probability a, a step with k drafts
+    yields 1 + a + ... + a^k tokens, at a cost of 1 + row_cost * k plain steps."""
+    best, best_rate = 0, 1.0
+    tokens, power = 1.0, 1.0
+    for length in range(1, max_length + 1):
+        power *= acceptance
+        tokens += power
+        rate = tokens / (1 + row_cost * length)
+        if rate > best_rate:
+            best, best_rate = length, rate
+    return best
 
 
 class NgramIndex:
@@ -72,10 +92,15 @@ class NgramIndex:
 @dataclass
 class _SequenceDrafts:
     index: NgramIndex = field(default_factory=lambda: NgramIndex(MAX_NGRAM, MIN_NGRAM))
-    drafted: float = 0.0  # decayed tallies of the sequence's recent drafts ...
-    accepted: float = 0.0  # ... and of those the model agreed with
+    accepted: float = 0.0  # decayed count of accepted draft tokens ...
+    rejected: float = 0.0  # ... and of steps that ended on a rejected one
     paused_until_step: int = 0
     next_pause: int = PAUSE_STEPS
+
+    @property
+    def acceptance(self) -> float:
+        accepted = self.accepted + PRIOR_ACCEPTED
+        return accepted / (accepted + self.rejected + PRIOR_REJECTED)
 
 
 class NgramSpeculator:
@@ -120,20 +145,20 @@ class NgramSpeculator:
             state = self._sequences[request] = _SequenceDrafts()
         if self.step < state.paused_until_step:
             return []
-        return state.index.propose(request.all_token_ids, room)
+        length = best_draft_length(state.acceptance, room)
+        if length == 0 and room == self.k:  # not for want of room: its drafts have not been paying
+            state.paused_until_step = self.step + state.next_pause
+            state.next_pause = min(state.next_pause * 2, MAX_PAUSE_STEPS)
+            state.accepted = state.rejected = 0.0
+            return []
+        return state.index.propose(request.all_token_ids, length) if length else []
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
-        """What the model made of a sequence's drafts; pauses its drafting when they keep being rejected."""
+        """What the model made of a sequence's drafts: the tallies its next draft lengths come from."""
         state = self._sequences.get(request)
         if state is None or not drafted:
             return
-        state.drafted = state.drafted * DECAY + drafted
         state.accepted = state.accepted * DECAY + accepted
-        if state.drafted < MIN_DRAFTED_TO_JUDGE:
-            return
-        if state.accepted < MIN_ACCEPTANCE * state.drafted:
-            state.paused_until_step = self.step + state.next_pause
-            state.next_pause = min(state.next_pause * 2, MAX_PAUSE_STEPS)
-            state.drafted = state.accepted = 0.0
-        else:
+        state.rejected = state.rejected * DECAY + (accepted < drafted)
+        if accepted:
             state.next_pause = PAUSE_STEPS

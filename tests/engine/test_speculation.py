@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampler import Sampler, SamplingState, make_generator
 from engine.sampling_params import SamplingParams
-from engine.speculation import PAUSE_STEPS, NgramIndex, NgramSpeculator
+from engine.speculation import PAUSE_STEPS, NgramIndex, NgramSpeculator, best_draft_length
 from tests.engine.test_engine_correctness import LONG_SYSTEM, assert_all_blocks_free, assert_matches_hf
 from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
 
@@ -92,10 +92,17 @@ def test_a_sequence_whose_drafts_keep_failing_pauses_longer_each_time():
             speculator.propose([request])
             count += 1
         skipped.append(count - 1)
-    assert skipped == [PAUSE_STEPS - 1, 2 * PAUSE_STEPS - 1, 4 * PAUSE_STEPS - 1]
+    assert skipped == [PAUSE_STEPS, 2 * PAUSE_STEPS, 4 * PAUSE_STEPS]
     speculator.record(request, 4, 4)  # accepted drafts: back to drafting, the next pause short again
     speculator.propose([request])
     assert request.draft_token_ids
+
+
+def test_draft_length_follows_the_acceptance_and_the_cost_of_a_row():
+    assert best_draft_length(0.9, 4, row_cost=0.18) == 4
+    assert best_draft_length(0.5, 4, row_cost=0.18) == 2
+    assert best_draft_length(0.1, 4, row_cost=0.18) == 0  # a plain step does better
+    assert best_draft_length(0.1, 4, row_cost=0.0) == 4  # free rows: always worth a try
 
 
 # ---- greedy: exact -----------------------------------------------------------------------------
