@@ -291,7 +291,7 @@ OPTIONS: tuple[Option, ...] = (
         "speculation",
         str,
         "speculative decoding from n-gram drafts of each sequence's own text (greedy output unchanged): "
-        "ngram, off, or auto (default): ngram unless decode steps replay CUDA graphs",
+        "ngram, off, or auto (default): ngram in float32 unless decode steps replay CUDA graphs",
         engine=True,
         choices=("auto", "ngram", "off"),
     ),

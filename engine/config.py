@@ -67,8 +67,8 @@ class EngineConfig:
     # "auto" (the server's default): int4 where that loses nothing, else none (engine.loader).
     quantization: Literal["none", "int8", "int4", "auto"] = "none"
     # Prompt-lookup speculative decoding (engine/speculation.py): "ngram" drafts from each sequence's own
-    # text and verifies the drafts in its decode step; "auto" does so except where decode steps replay
-    # CUDA graphs (a drafted step runs eagerly there, which costs more than the drafts save); "off".
+    # text and verifies the drafts in its decode step; "auto" does so in float32 except where decode steps
+    # replay CUDA graphs (engine/speculation.py says why); "off".
     speculation: Literal["auto", "ngram", "off"] = "auto"
     num_speculative_tokens: int = 4  # drafts per sequence and step (k; the step verifies k + 1 rows)
     speculation_max_batch: int = 4  # drafts only while at most this many sequences run: at larger

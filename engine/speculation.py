@@ -107,7 +107,11 @@ class NgramSpeculator:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         enabled = config.speculation == "ngram"
         if config.speculation == "auto":
-            enabled = not uses_decode_graphs(config, config.torch_device)
+            # Not where decode steps replay CUDA graphs (a drafted step runs eagerly), nor in bfloat16: there
+            # the verification rows' attention (the prefill path) rounds differently from the decode
+            # kernel's, enough to flip a near-tie, and a greedy reply would then depend on whether the
+            # batch was small enough to draft.
+            enabled = config.dtype == "float32" and not uses_decode_graphs(config, config.torch_device)
         self.enabled = enabled
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculation_max_batch
