@@ -358,6 +358,15 @@ OPTIONS: tuple[Option, ...] = (
         engine=True,
         choices=("auto", "none", "int8", "int4"),
     ),
+    Option(
+        "--speculation",
+        "speculation",
+        str,
+        "speculative decoding from n-gram drafts of each sequence's own text (greedy output unchanged): "
+        "ngram, off, or auto (default): ngram in float32 unless decode steps replay CUDA graphs",
+        engine=True,
+        choices=("auto", "ngram", "off"),
+    ),
     Option("--block-size", "block_size", int, "tokens per KV block", engine=True),
     Option(
         "--num-kv-blocks",

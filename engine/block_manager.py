@@ -168,6 +168,14 @@ class BlockManager:
         request.block_ids = []
         request.num_registered_blocks = 0
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past those `num_tokens` tokens need: slots of drafts the model rejected.
+        They were taken this step, after the computed tokens, so they are the request's own and uncached."""
+        keep = self.blocks_for(num_tokens)
+        for block_id in reversed(request.block_ids[keep:]):
+            self._release(block_id)
+        del request.block_ids[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share every block of `parent`; writes into a shared block copy it first."""
         for block_id in parent.block_ids:

@@ -10,6 +10,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("none", "int8", "int4", "auto")  # weight-only: kernels/qlinear.py; auto: engine.loader
 KV_LAYOUTS = ("auto", "heads_major", "token_major")
+SPECULATIONS = ("auto", "ngram", "off")  # engine/speculation.py
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,6 +66,13 @@ class EngineConfig:
     # channel, "int4" in groups of 32 with the embedding as int8 per 32 (GGUF Q4_1 / Q8_0 style).
     # "auto" (the server's default): int4 where that loses nothing, else none (engine.loader).
     quantization: Literal["none", "int8", "int4", "auto"] = "none"
+    # Prompt-lookup speculative decoding (engine/speculation.py): "ngram" drafts from each sequence's own
+    # text and verifies the drafts in its decode step; "auto" does so in float32 except where decode steps
+    # replay CUDA graphs (engine/speculation.py says why); "off".
+    speculation: Literal["auto", "ngram", "off"] = "auto"
+    num_speculative_tokens: int = 4  # drafts per sequence and step (k; the step verifies k + 1 rows)
+    speculation_max_batch: int = 4  # drafts only while at most this many sequences run: at larger
+    # batches the linears are no longer bound by reading the weights, and extra rows stop being free
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -95,6 +103,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization in ("int8", "int4") and self.torch_device.type != "cpu":
             raise ValueError("quantization int8/int4 runs on the CPU kernels only: use --quantization none on a GPU")
+        if self.speculation not in SPECULATIONS:
+            raise ValueError(f"speculation must be one of {SPECULATIONS}, got {self.speculation!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculation_max_batch < 1:
+            raise ValueError("speculation_max_batch must be at least 1")
         if self.torch_device.type == "cuda" and self.kv_layout == "heads_major":
             raise ValueError("the CUDA kernels read a token-major KV cache: kv_layout 'heads_major' is CPU-only")
 

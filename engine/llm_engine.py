@@ -15,9 +15,10 @@ from engine.loader import LoadedModel
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
-from engine.sampler import Sampler, SamplingState
+from engine.sampler import Sampler, SamplerOutput, SamplingState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculation import NgramSpeculator
 from engine.stats import EngineStats
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
@@ -70,6 +71,7 @@ class LLMEngine:
         max_positions = loaded.shape.max_position_embeddings
         self.max_model_len = min(config.max_model_len or max_positions, max_positions)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.speculator = NgramSpeculator(config, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self.stats = EngineStats(
             max_num_seqs=config.max_num_seqs,
@@ -163,6 +165,7 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty():
             return []
@@ -182,9 +185,12 @@ class LLMEngine:
                     failed.append((request, f"{type(error).__name__}: {error}"))
         failed_set = {request for request, _ in failed}
         for request, count in zip(batch.requests, batch.num_new_tokens):
-            if request not in failed_set:
-                request.num_computed_tokens += count
-                self.blocks.register_full_blocks(request)
+            if request in failed_set:
+                request.draft_token_ids = []
+                continue
+            # The drafts' KV counts once the model has accepted them (_verify_drafts).
+            request.num_computed_tokens += count - len(request.draft_token_ids)
+            self.blocks.register_full_blocks(request)
         for logits, samplers in parts:
             if samplers:
                 self._sample(logits, samplers, pending)
@@ -193,30 +199,51 @@ class LLMEngine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, samplers: list[Request], pending: dict[Request, _Pending]) -> None:
+        # Sampling rows: a sequence's one row, shared with the siblings that fork off it now, or a drafted
+        # sequence's 1 + drafts rows, each sampled as if the drafts before it were accepted.
         rows: list[int] = []
         sequences: list[Request] = []
-        for row, request in enumerate(samplers):
+        histories: list[list[int]] = []
+        drafts: list[int | None] = []
+        drafted: list[tuple[Request, int]] = []  # (sequence, its first sampling row)
+        logits_row = 0
+        for request in samplers:
+            draft = request.draft_token_ids
+            if draft:
+                drafted.append((request, len(rows)))
+                for i in range(len(draft) + 1):
+                    rows.append(logits_row + i)
+                    sequences.append(request)
+                    histories.append(request.output_token_ids + draft[:i])
+                    drafts.append(draft[i] if i < len(draft) else None)
+                logits_row += len(draft) + 1
+                continue
             for seq in [request, *[s for s in request.siblings if s.fork_parent is request]]:
-                rows.append(row)
+                rows.append(logits_row)
                 sequences.append(seq)
-        if len(rows) != len(samplers):
+                histories.append(seq.output_token_ids)
+                drafts.append(None)
+            logits_row += 1
+        if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, dtype=torch.long)]
         states = [
             SamplingState(
                 seq.params,
                 seq.prompt_token_ids,
-                seq.output_token_ids,
+                history,
                 seq.generator,
                 None if seq.params.ignore_eos else self.eos_token_id,
                 seq.guide.allowed_tokens() if seq.guide is not None else None,
             )
-            for seq in sequences
+            for seq, history in zip(sequences, histories)
         ]
-        result = self.sampler(logits, states)
-        self.stats.generation_tokens_total += len(sequences)
-        for seq in sequences:  # the fair-share charge for what each team was actually served
-            self.scheduler.ledger.charge(seq.team, output_tokens=1)
+        result = self.sampler(logits, states, drafts if drafted else None)
+        for seq, first_row in drafted:
+            self._verify_drafts(seq, first_row, result, pending)
+        drafted_seqs = {seq for seq, _ in drafted}
         for seq, token_id, logprob in zip(sequences, result.token_ids, result.logprobs):
+            if seq in drafted_seqs:
+                continue
             parent = seq.fork_parent
             if parent is not None:  # the parent's prompt is in the cache: share it instead of recomputing
                 self.blocks.fork(parent, seq)
@@ -232,14 +259,39 @@ class LLMEngine:
             if logprob is not None:
                 entry.logprobs.append(logprob)
 
-    def _stops_on_token(self, seq: Request, token_id: int) -> bool:
+    def _verify_drafts(
+        self, seq: Request, first_row: int, result: SamplerOutput, pending: dict[Request, _Pending]
+    ) -> None:
+        """Keeps the drafts up to the first one the sampler rejected, then that row's token (the bonus token
+        when all were accepted); rolls the KV of the rejected drafts back."""
+        assert result.accepted is not None
+        num_drafts = len(seq.draft_token_ids)
+        entry = pending.setdefault(seq, _Pending())
+        for row in range(first_row, first_row + num_drafts + 1):
+            entry.token_ids.append(result.token_ids[row])
+            logprob = result.logprobs[row]
+            if logprob is not None:
+                entry.logprobs.append(logprob)
+            if not result.accepted[row]:
+                break
+        num_accepted = len(entry.token_ids) - 1
+        seq.output_token_ids.extend(entry.token_ids)
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += num_accepted
+        self.blocks.register_full_blocks(seq)
+        self.blocks.truncate(seq, seq.num_tokens)
+        self.speculator.record(seq, num_drafts, num_accepted)
+        self.stats.record_drafts(num_drafts, num_accepted)
+
+    def _stops_on_token(self, seq: Request, token_id: int, num_output: int) -> bool:
+        """Whether the token, the `num_output`th of the sequence, ends it."""
         params = seq.params
-        if len(seq.output_token_ids) < params.min_tokens:
+        if num_output < params.min_tokens:
             return False
         return token_id in params.stop_token_ids or (token_id == self.eos_token_id and not params.ignore_eos)
 
-    def _out_of_room(self, seq: Request) -> bool:
-        return len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+    def _out_of_room(self, seq: Request, num_output: int) -> bool:
+        return num_output >= seq.params.max_tokens or seq.num_prompt_tokens + num_output >= self.max_model_len
 
     def _collect(self, pending: dict[Request, _Pending], failed: list[tuple[Request, str]]) -> list[RequestOutput]:
         by_group: dict[str, list[SequenceDelta]] = {}
@@ -247,18 +299,32 @@ class LLMEngine:
         for seq, entry in pending.items():
             group = self.groups[seq.request_id]
             detok = group.detokenizers[seq.index]
-            token_id = entry.token_ids[-1]
+            text = ""
             status = None
-            if self._stops_on_token(seq, token_id):  # like OpenAI, the stop token adds no text
-                text, status = detok.flush(), RequestStatus.FINISHED_STOPPED
-            else:
-                text, hit_stop_string = detok.add_token(token_id)
-                if hit_stop_string or (seq.guide is not None and seq.guide.done):
-                    if not hit_stop_string:
-                        text += detok.flush()
-                    status = RequestStatus.FINISHED_STOPPED
-                elif self._out_of_room(seq):
-                    text, status = text + detok.flush(), RequestStatus.FINISHED_LENGTH
+            # A step may bring several tokens (accepted drafts): each is checked in turn, and those after
+            # the one that ends the sequence are dropped, as if never generated.
+            num_before = len(seq.output_token_ids) - len(entry.token_ids)
+            for i, token_id in enumerate(entry.token_ids):
+                num_output = num_before + i + 1
+                if self._stops_on_token(seq, token_id, num_output):  # like OpenAI, the stop token adds no text
+                    text, status = text + detok.flush(), RequestStatus.FINISHED_STOPPED
+                else:
+                    piece, hit_stop_string = detok.add_token(token_id)
+                    text += piece
+                    if hit_stop_string or (seq.guide is not None and seq.guide.done):
+                        if not hit_stop_string:
+                            text += detok.flush()
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif self._out_of_room(seq, num_output):
+                        text, status = text + detok.flush(), RequestStatus.FINISHED_LENGTH
+                if status is not None:
+                    del seq.output_token_ids[num_output:]
+                    del entry.token_ids[i + 1 :]
+                    del entry.logprobs[i + 1 :]
+                    break
+            self.stats.generation_tokens_total += len(entry.token_ids)
+            # the fair-share charge for what each team was actually served, before a finish lets it go
+            self.scheduler.ledger.charge(seq.team, output_tokens=len(entry.token_ids))
             if status is not None:
                 self.scheduler.finish(seq, status)
             by_group.setdefault(seq.request_id, []).append(

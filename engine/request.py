@@ -46,6 +46,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of known tokens
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     cpu_block_ids: list[int] = field(default_factory=list)  # where the KV is while swapped out
+    # Speculated tokens after the last one (engine/speculation.py), computed in this step's forward pass
+    # behind the decode token and kept only as far as the model agrees; never part of num_tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     guide: object | None = None  # engine.guide.Guide, when the output is constrained
     # A sibling of an n > 1 request waits for its parent's prompt instead of prefilling it again.
@@ -91,6 +94,13 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def token_ids_with_drafts(self, start: int, end: int) -> list[int]:
+        """Like token_ids_between, where positions from num_tokens on are the drafts'."""
+        known = self.num_tokens
+        if end <= known:
+            return self.token_ids_between(start, end)
+        return self.token_ids_between(start, known) + self.draft_token_ids[max(start - known, 0) : end - known]
 
     @property
     def is_finished(self) -> bool:

@@ -121,7 +121,8 @@ class ModelRunner:
     def forward(self, requests: list[Request], num_new_tokens: list[int]) -> tuple[torch.Tensor, list[Request]]:
         """Runs the tokens; returns logits [sampling rows, vocab] and the requests those rows belong to.
 
-        A request samples when this pass catches it up with every token it knows.
+        A request samples when this pass catches it up with every token it knows. One with drafts gets a
+        row per draft too, after the row of its last known token: 1 + len(draft_token_ids) rows in all.
         """
         order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] != 1)
         requests = [requests[i] for i in order]
@@ -138,14 +139,15 @@ class ModelRunner:
         for request, count in zip(requests, num_new_tokens):
             start = request.num_computed_tokens
             end = start + count
-            token_ids.extend(request.token_ids_between(start, end))
+            token_ids.extend(request.token_ids_with_drafts(start, end))
             span = range(start, end)
             positions.extend(span)
             table = request.block_ids
             slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
             context_lens.append(end)
-            if end == request.num_tokens:
-                last_token_rows.append(len(token_ids) - 1)
+            num_drafts = len(request.draft_token_ids)
+            if end == request.num_tokens + num_drafts:
+                last_token_rows.extend(range(len(token_ids) - 1 - num_drafts, len(token_ids)))
                 samplers.append(request)
 
         max_blocks = max(len(r.block_ids) for r in requests)

@@ -27,6 +27,8 @@ class SamplingState:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # Per row, with drafts: whether the row's draft was accepted (its token is then the draft itself).
+    accepted: list[bool] | None = None
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -36,7 +38,11 @@ def make_generator(seed: int) -> torch.Generator:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState], drafts: list[int | None] | None = None
+    ) -> SamplerOutput:
+        """One token per row. With `drafts`, a row with a draft token first checks it against the row's
+        distribution (speculative decoding; see verify_drafts) and reports in `accepted` whether it held."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
         raw_logits = logits.float()
@@ -47,10 +53,28 @@ class Sampler:
         token_ids = torch.empty(len(states), dtype=torch.long)
         if greedy_rows:
             token_ids[greedy_rows] = blocked_argmax(_rows(logits, greedy_rows))
-        if random_rows:
-            token_ids[random_rows] = sample_random_rows(_rows(logits, random_rows), [states[r] for r in random_rows])
+        accepted = None
+        if drafts is None:
+            if random_rows:
+                token_ids[random_rows] = sample_random_rows(
+                    _rows(logits, random_rows), [states[r] for r in random_rows]
+                )
+        else:
+            if len(drafts) != len(states):
+                raise ValueError(f"{len(drafts)} drafts for {len(states)} sampling states")
+            accepted = [False] * len(states)
+            if random_rows:
+                random_tokens, random_accepted = verify_drafts(
+                    _rows(logits, random_rows), [states[r] for r in random_rows], [drafts[r] for r in random_rows]
+                )
+                token_ids[random_rows] = random_tokens
+                for row, ok in zip(random_rows, random_accepted):
+                    accepted[row] = ok
         chosen = token_ids.tolist()
-        return SamplerOutput(token_ids=chosen, logprobs=token_logprobs(raw_logits, states, chosen))
+        if accepted is not None and drafts is not None:
+            for row in greedy_rows:
+                accepted[row] = chosen[row] == drafts[row]
+        return SamplerOutput(chosen, token_logprobs(raw_logits, states, chosen), accepted)
 
 
 def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -133,6 +157,52 @@ LOG2_E = math.log2(math.e)
 
 
 def sample_random_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    return inverse_cdf_sample(target_weights(logits, states), [state.generator for state in states])
+
+
+def verify_drafts(
+    logits: torch.Tensor, states: list[SamplingState], drafts: list[int | None]
+) -> tuple[torch.Tensor, list[bool]]:
+    """Rejection sampling against a point-mass draft, row by row: the draft d is kept with probability p(d)
+    (p: what sample_random_rows would draw from); else the token is drawn from p with d taken out and
+    renormalised. Either way the token is distributed as p (Leviathan et al. 2023, with q = 1 at d: the
+    residual max(p - q, 0) is p without d). Rows without a draft draw from p. Returns (tokens, accepted)."""
+    weights = target_weights(logits, states)
+    generators = [state.generator for state in states]
+    drafted = [row for row, draft in enumerate(drafts) if draft is not None]
+    accepted = [False] * len(states)
+    tokens = torch.empty(len(states), dtype=torch.long)
+    if drafted:
+        draft_ids = torch.tensor([drafts[row] for row in drafted], dtype=torch.long)
+        rows = torch.tensor(drafted, dtype=torch.long)
+        draft_probability = weights[rows, draft_ids] / weights[rows].sum(dim=-1)
+        uniform = _uniforms([generators[row] for row in drafted])
+        for i, (row, keep) in enumerate(zip(drafted, (uniform < draft_probability).tolist())):
+            if keep:
+                accepted[row] = True
+                tokens[row] = int(draft_ids[i])
+            else:
+                weights[row, draft_ids[i]] = 0.0
+    redraw = [row for row in range(len(states)) if not accepted[row]]
+    if redraw:
+        tokens[redraw] = inverse_cdf_sample(_rows(weights, redraw), [generators[row] for row in redraw])
+    return tokens, accepted
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One uniform in [0, 1) per row; seeded rows advance their own generator."""
+    uniform = torch.empty(len(generators))
+    unseeded = [i for i, generator in enumerate(generators) if generator is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded))
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniform[i] = torch.rand((), generator=generator)
+    return uniform
+
+
+def target_weights(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Unnormalised probabilities to sample from: temperature, top-k, top-p and min-p applied."""
     inverse_temperature = 1.0 / torch.tensor([state.params.temperature for state in states]).unsqueeze(1)
     # (logits - max) / T in one pass into one fresh tensor; every later step works in place, as
     # each extra 12 MB allocation costs about as much as the op itself.
@@ -157,7 +227,7 @@ def sample_random_rows(logits: torch.Tensor, states: list[SamplingState]) -> tor
             logits[truncated] = selected.masked_fill(selected < threshold, float("-inf"))
     # exp2 rather than exp: torch's CPU exp is ~100x slower on very negative inputs (low
     # temperatures), exp2 only in its narrow denormal band, and exp2(-inf) stays exactly 0.
-    return inverse_cdf_sample(logits.mul_(LOG2_E).exp2_(), [state.generator for state in states])
+    return logits.mul_(LOG2_E).exp2_()
 
 
 def truncation_thresholds(
@@ -224,13 +294,7 @@ def inverse_cdf_sample(weights: torch.Tensor, generators: list[torch.Generator |
     """One uniform draw per row against the row's cumulative weights (unnormalised probabilities).
     Seeded rows draw from their own generator, advanced once per token, so their
     token does not depend on the rest of the batch."""
-    uniform = torch.empty(len(generators))
-    unseeded = [i for i, generator in enumerate(generators) if generator is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded))
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            uniform[i] = torch.rand((), generator=generator)
+    uniform = _uniforms(generators)
     rows, vocab = weights.shape
     size = _block_size(vocab) or vocab
     # Two levels, because a cumsum over the whole vocabulary does not vectorise: pick a block by

@@ -1,6 +1,7 @@
 """Decides, every step, which requests run and how many of their tokens: continuous batching.
 
-Running requests first (a decode is one token, a prefill chunk what the budget allows), then queued ones.
+Running requests first (a decode is one token, plus its speculated drafts while they fit, a prefill chunk
+what the budget allows), then queued ones.
 `scheduling="fcfs"`: swapped requests resume first, then waiting ones in arrival order. `"fair"` (the
 default): the next request is the queued one of the least-served team (engine/fair_share.py), in arrival
 order within a team, lower `priority` classes strictly first; when it finds no seat or no blocks, the newest
@@ -115,6 +116,9 @@ class Scheduler:
             self._admit_in_arrival_order(batch, scheduled, bool(preempted), budget)
         self.blocks.release_held_cpu_blocks()
         self._background_sits_out(scheduled)
+        for request in self.running:
+            if request not in scheduled:  # drafts are for this step only
+                request.draft_token_ids = []
         batch.requests = list(scheduled)
         batch.num_new_tokens = list(scheduled.values())
         return batch
@@ -125,12 +129,19 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            # Drafts ride along behind the decode token while the budget lasts.
+            del request.draft_token_ids[max(budget - num_known, 0) :]
+            num_new = min(num_known + len(request.draft_token_ids), budget)
             copies = None
             while request.status is RequestStatus.RUNNING:
                 copies = self.blocks.allocate_slots(request, num_new)
                 if copies is not None:
                     break
+                if request.draft_token_ids:  # drop the drafts before anyone is preempted for their slots
+                    num_new -= len(request.draft_token_ids)
+                    request.draft_token_ids = []
+                    continue
                 victim = self._victim_for_blocks()
                 if self.running.index(victim) < index:
                     index -= 1
@@ -292,6 +303,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)
+        victim.draft_token_ids = []
         # A copy-on-write planned for the victim this step hasn't happened yet: its private block
         # still lacks the shared block's content, which is what must be swapped out.
         own_blocks = set(victim.block_ids)

@@ -54,6 +54,11 @@ class EngineStats:
     num_running_background: int = 0
     scheduled_background_seqs_total: int = 0
     generation_tokens_background_total: int = 0
+    # Speculative decoding (engine/speculation.py): steps of a sequence that carried drafts, drafted tokens,
+    # and of those the ones the model accepted.
+    spec_num_drafts: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
     # Per team; rebuilt (not mutated) on every refresh, so a snapshot's dict stays as it was.
     teams: dict[str, TeamStats] = field(default_factory=dict)
 
@@ -73,6 +78,16 @@ class EngineStats:
     @property
     def num_preemptions(self) -> int:
         return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafted tokens over drafted tokens, since the start (0 before any draft)."""
+        return self.spec_accepted_tokens_total / self.spec_draft_tokens_total if self.spec_draft_tokens_total else 0.0
+
+    def record_drafts(self, drafted: int, accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_draft_tokens_total += drafted
+        self.spec_accepted_tokens_total += accepted
 
     def snapshot(self) -> EngineStats:
         return replace(self)

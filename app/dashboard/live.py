@@ -103,6 +103,10 @@ def latencies(older: Snapshot, newer: Snapshot, cost_per_hour: float) -> dict:
         "prefix_hit_rate": _ratio(
             b.prefix_cache_hits - a.prefix_cache_hits, b.prefix_cache_queries - a.prefix_cache_queries
         ),
+        "spec_acceptance_rate": _ratio(
+            b.spec_accepted_tokens_total - a.spec_accepted_tokens_total,
+            b.spec_draft_tokens_total - a.spec_draft_tokens_total,
+        ),
         "cost_per_1m_out": cost_per_million(
             cost_per_hour, seconds, b.generation_tokens_total - a.generation_tokens_total
         ),
@@ -171,6 +175,7 @@ SERIES_FIELDS = (
     "itl_p50",
     "itl_p99",
     "prefix_hit_rate",
+    "spec_acceptance_rate",
     "cost_per_1m_out",
     "cost_per_1m_out_without_batch",
 )

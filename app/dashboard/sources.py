@@ -53,6 +53,7 @@ ENGINE_SETTING_NOTES = {
     "max_waiting": "queue before 503",
     "preemption_mode": "when KV runs out",
     "enable_prefix_caching": "share identical prompt prefixes",
+    "speculation": "n-gram drafts verified in the decode step",
 }
 
 

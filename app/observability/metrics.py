@@ -161,6 +161,11 @@ ENGINE_GAUGES: tuple[tuple[str, str, _Read], ...] = (
         "Tokens in the last step over max_num_batched_tokens.",
         lambda s: s.scheduled_tokens_last_step / max(s.max_num_batched_tokens, 1),
     ),
+    (
+        "tokenmill:spec_decode_acceptance_rate",
+        "Speculated draft tokens accepted over those drafted, since the start (0 before any draft).",
+        lambda s: s.spec_acceptance_rate,
+    ),
 )
 # Names without `_total`: prometheus_client adds it to a counter's samples (and `_created` in OpenMetrics).
 ENGINE_COUNTERS: tuple[tuple[str, str, _Read], ...] = (
@@ -172,6 +177,14 @@ ENGINE_COUNTERS: tuple[tuple[str, str, _Read], ...] = (
     ("tokenmill:engine_steps", "Engine steps run.", lambda s: s.steps_total),
     ("tokenmill:engine_step_seconds", "Time spent in engine steps.", lambda s: s.step_time_seconds_total),
     ("tokenmill:fair_preemptions", "Preemptions that gave another team its turn.", lambda s: s.num_preemptions_fair),
+    # vLLM v1's speculative decoding counters: acceptance rate = accepted / draft tokens over any window.
+    ("vllm:spec_decode_num_drafts", "Sequence steps that carried speculated drafts.", lambda s: s.spec_num_drafts),
+    ("vllm:spec_decode_num_draft_tokens", "Speculated draft tokens verified.", lambda s: s.spec_draft_tokens_total),
+    (
+        "vllm:spec_decode_num_accepted_tokens",
+        "Speculated draft tokens the model accepted.",
+        lambda s: s.spec_accepted_tokens_total,
+    ),
 )
 _ReadTeam = Callable[[TeamStats], float]
 # Labelled by the engine's team id ('team:<id>', or 'default' without the gateway), never by key or team

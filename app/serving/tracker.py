@@ -129,7 +129,11 @@ class RequestTracker:
                 self.first_token_at = now
                 metrics.time_to_first_token.observe(now - self.started_at)
             else:
-                metrics.inter_token_latency.observe(now - self.last_token_at)
+                # Tokens that arrive together (accepted speculative drafts) share the wait evenly: one
+                # observation per token, so that the histogram keeps reading as time per output token.
+                burst = max(len(delta.token_ids) for delta in output.deltas)
+                for _ in range(burst):
+                    metrics.inter_token_latency.observe((now - self.last_token_at) / burst)
             self.last_token_at = now
             self.completion_tokens += new_tokens
         self.finish_reasons.extend(delta.finish_reason for delta in output.deltas if delta.finish_reason)

@@ -118,6 +118,28 @@ def test_a_request_moves_the_counters_and_histograms(server):
     assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
 
 
+def test_speculative_decoding_counters_move_for_an_answer_that_copies(server):
+    before = server.metrics()
+    client = server.client(api_key="sk-metrics")
+    text = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog."
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"Repeat this text exactly: {text}"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    after = server.metrics()
+    drafted = after["vllm:spec_decode_num_draft_tokens_total"] - before["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = (
+        after["vllm:spec_decode_num_accepted_tokens_total"] - before["vllm:spec_decode_num_accepted_tokens_total"]
+    )
+    assert 0 < accepted <= drafted
+    assert after["vllm:spec_decode_num_drafts_total"] > before["vllm:spec_decode_num_drafts_total"]
+    assert after["tokenmill:spec_decode_acceptance_rate"] == pytest.approx(
+        after["vllm:spec_decode_num_accepted_tokens_total"] / after["vllm:spec_decode_num_draft_tokens_total"]
+    )
+
+
 # ---- a small KV pool, so that concurrent requests preempt each other ----------------------------------
 
 CROWD, MAX_TOKENS = 4, 40

@@ -76,6 +76,14 @@ def test_environment_fills_what_flags_leave_out():
     assert settings.database_url == "postgresql://db/tokenmill"
 
 
+def test_speculation_is_auto_unless_turned_off_by_flag_or_variable():
+    assert parse([]).engine.speculation == "auto"
+    assert parse(["--speculation", "off"]).engine.speculation == "off"
+    assert parse([], {"TOKENMILL_SPECULATION": "ngram"}).engine.speculation == "ngram"
+    with pytest.raises(SettingsError, match="TOKENMILL_SPECULATION"):
+        parse([], {"TOKENMILL_SPECULATION": "medusa"})
+
+
 def test_settings_are_frozen():
     settings = parse([])
     with pytest.raises(AttributeError):

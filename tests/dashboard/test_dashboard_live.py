@@ -180,6 +180,17 @@ def test_prefix_hit_rate_is_over_the_last_minute(model):
     assert sampler.current("m")["prefix_hit_rate"] == pytest.approx(0.25)
 
 
+def test_draft_acceptance_is_over_the_last_minute(model):
+    sampler = sampler_for(model)
+    sampler.sample()
+    tick(sampler, model)
+    assert sampler.current("m")["spec_acceptance_rate"] is None  # nothing drafted: no rate, not 0 %
+    model.stats.spec_draft_tokens_total += 80
+    model.stats.spec_accepted_tokens_total += 60
+    tick(sampler, model)
+    assert sampler.current("m")["spec_acceptance_rate"] == pytest.approx(0.75)
+
+
 def test_history_keeps_fifteen_minutes(model):
     sampler = sampler_for(model)
     for _ in range(1200):

@@ -21,6 +21,8 @@
      sub: (c) => `${f.num(c.kv_blocks_used)} / ${f.num(c.kv_blocks_total)} blocks`},
     {title: "Prefix cache hits", value: (c) => f.pct(c.prefix_hit_rate), field: "prefix_hit_rate",
      sub: () => "of prompt tokens, last minute"},
+    {title: "Draft acceptance", value: (c) => f.pct(c.spec_acceptance_rate), field: "spec_acceptance_rate",
+     sub: () => "speculated tokens kept, last minute"},
     {title: "Requests", value: (c) => `${c.running} running`, field: "running",
      sub: (c) => `${c.waiting} waiting · ${c.swapped} swapped`},
     {title: "Preemptions", value: (c) => f.num(c.preemptions), field: "preemptions",
