@@ -27,7 +27,10 @@ not show yet. Why not a hash of the prompt: with 10 tenants on 2 replicas a hash
 on some seeds, the heavier replica's prefixes overflowed its KV pool and the overflow copied tenants onto
 the other one (bench/scale_bench.py seed 4: 0.92x round-robin's throughput). Placing by room gives each
 new tenant to the emptiest replica, so tenants of similar size spread evenly whatever their order (per
-replica counts differ by at most one while caches do not evict; the unit tests check it). Ties go to the
+replica counts differ by at most one while caches do not evict; the unit tests check it). Once every
+cache is full the reports are all the same size, and only the blocks sent since the last report, the
+load, and the hash order tell replicas apart: a tenant evicted everywhere is then placed afresh, not
+necessarily where it was before. Ties go to the
 less loaded, then to the prompt's rendezvous hash order (`prefix_key`, which the ingress salts with the
 caller's key, so another team's prompt never shares a hash order or a cold home with it).
 
@@ -36,7 +39,8 @@ them, and removing one moves only its own. Cold tenants are not pinned to any re
 the new, empty replica takes new and evicted tenants until its cache is as full as the others'; a dead
 replica's tenants are cold everywhere and spread by free room over the rest.
 
-Pure functions: app.scaleout.ray_serve calls them; tests call them with simulated replicas.
+Pure functions, but for the router's cold-placement memory that place() updates when given one:
+app.scaleout.ray_serve calls them; tests call them with simulated replicas.
 """
 
 from __future__ import annotations
