@@ -19,12 +19,28 @@ holding the longest run of the prompt's leading blocks wins, when that run is at
 `min_match_blocks` long: a chat template's few shared opening tokens are not worth piling every request
 onto one replica. Ties go to the less loaded, then to the hash order below.
 
-The fallback, and the tie-break: the prompt's opening characters (`prefix_key`) order the replicas by
-rendezvous hashing, and the first allowed one takes it. So a tenant sticks to one replica before its blocks
-are reported, a new replica takes over only the cold prompts that hash to it (warm ones stay with their
-cache), and a dead replica's prompts spread over all the others.
+Cold prompts: those no allowed replica holds `min_match_blocks` of. Such a prompt goes to its tenant's
+cold home when it has one (app.scaleout.cold_placement: where the router sent the same tenant's cold prompt
+in the last TTL_S seconds, before any report could show it), else to the allowed replica with the most
+free cache room: the fewest blocks reported cached plus those the router sent there that its report does
+not show yet. Why not a hash of the prompt: with 10 tenants on 2 replicas a hash split them 6/4 or worse
+on some seeds, the heavier replica's prefixes overflowed its KV pool and the overflow copied tenants onto
+the other one (bench/scale_bench.py seed 4: 0.92x round-robin's throughput). Placing by room gives each
+new tenant to the emptiest replica, so tenants of similar size spread evenly whatever their order (per
+replica counts differ by at most one while caches do not evict; the unit tests check it). Once every
+cache is full the reports are all the same size, and only the blocks sent since the last report, the
+load, and the hash order tell replicas apart: a tenant evicted everywhere is then placed afresh, not
+necessarily where it was before. Ties go to the
+less loaded, then to the prompt's rendezvous hash order (`prefix_key`, which the ingress salts with the
+caller's key, so another team's prompt never shares a hash order or a cold home with it).
 
-Pure functions: app.scaleout.ray_serve calls them; tests call them with simulated replicas.
+Scaling. Warm tenants (cached somewhere) stay where their blocks are: adding a replica moves none of
+them, and removing one moves only its own. Cold tenants are not pinned to any replica: after a scale-up
+the new, empty replica takes new and evicted tenants until its cache is as full as the others'; a dead
+replica's tenants are cold everywhere and spread by free room over the rest.
+
+Pure functions, but for the router's cold-placement memory that place() updates when given one:
+app.scaleout.ray_serve calls them; tests call them with simulated replicas.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from app.scaleout.cold_placement import ColdPlacements, identities
 from engine.block_manager import hash_block
 
 PREFIX_CHARS = 512  # ~128 tokens, 8 KV blocks of 16: long enough to hold a system prompt's start
@@ -80,10 +97,15 @@ def _messages_text(messages: object) -> str | None:
     return "".join(parts)
 
 
-def prefix_key(text: str | None, prefix_chars: int = PREFIX_CHARS) -> str | None:
+def prefix_key(text: str | None, prefix_chars: int = PREFIX_CHARS, salt: str | None = None) -> str | None:
+    """The prompt's opening, hashed; `salt` (the ingress passes the caller's authorization) keeps callers'
+    keys apart, so a cold home remembered for one team is never found by another's identical prompt."""
     if not text:
         return None
-    return hashlib.blake2b(text[:prefix_chars].encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b(text[:prefix_chars].encode(), digest_size=8)
+    if salt is not None:
+        key.update(b"\x00" + hashlib.blake2b(salt.encode(), digest_size=16).digest())
+    return key.hexdigest()
 
 
 def rendezvous_order(key: str, replica_ids: Sequence[Hashable]) -> list:
@@ -131,6 +153,7 @@ def allowed_load(loads: Mapping[Hashable, int], epsilon: float) -> int:
 class Placement:
     ranks: list[list]  # replica ids, most preferred first (Ray Serve's choose_replicas shape)
     by: RoutedBy  # "affinity": it holds the prompt's prefix; "load": no allowed replica held enough of it
+    # (then its tenant's cold home, or the most free room)
 
 
 def place(
@@ -141,10 +164,12 @@ def place(
     *,
     epsilon: float = EPSILON,
     min_match_blocks: int = MIN_MATCH_BLOCKS,
+    cold: ColdPlacements | None = None,
 ) -> Placement:
     """Where a request goes. `key`: prefix_key of its prompt (None: no prompt); `blocks`: prompt_blocks
     (empty when its team's cache salt is not known yet); `loads`: requests in flight per replica;
-    `held`: each replica's reported digest (missing: nothing known)."""
+    `held`: each replica's reported digest (missing: nothing known); `cold`: the router's memory of its
+    cold placements, which this updates (None: every cold prompt is judged by the reports alone)."""
     if not loads:
         return Placement([], "load")
     if key is None:
@@ -160,10 +185,38 @@ def place(
         holders = [replica_id for replica_id in allowed if matched[replica_id] == best]
         chosen = min(holders, key=lambda replica_id: (loads[replica_id], position[replica_id]))
         by: RoutedBy = "affinity"
+    elif key is None and not blocks:
+        chosen = allowed[0]  # no prompt: the least loaded
+        by = "load"
     else:
-        chosen = allowed[0]
+        chosen = _cold_choice(key, blocks, loads, held, allowed, cold)
         by = "load"
     rest = [replica_id for replica_id in allowed if replica_id != chosen]
     rest.sort(key=lambda replica_id: -matched[replica_id])  # stable: hash order among equals
     over = sorted((r for r in order if r not in matched), key=lambda replica_id: loads[replica_id])
     return Placement([[chosen], rest + over] if rest or over else [[chosen]], by)
+
+
+def _cold_choice(
+    key: str | None,
+    blocks: Sequence[bytes],
+    loads: Mapping[Hashable, int],
+    held: Mapping[Hashable, frozenset[bytes]],
+    allowed: list,
+    cold: ColdPlacements | None,
+) -> Hashable:
+    """A prompt no allowed replica holds: its tenant's cold home if allowed, else the most free room."""
+    names = identities(key, blocks)
+    home = cold.home(names) if cold is not None else None
+    if home in allowed:
+        chosen = home
+    else:
+        position = {replica_id: index for index, replica_id in enumerate(allowed)}  # hash order
+        if cold is not None:
+            taken = cold.blocks_taken(allowed, held)
+        else:
+            taken = {replica_id: len(held.get(replica_id, frozenset())) for replica_id in allowed}
+        chosen = min(allowed, key=lambda replica_id: (taken[replica_id], loads[replica_id], position[replica_id]))
+    if cold is not None:
+        cold.placed(names, chosen, blocks)
+    return chosen

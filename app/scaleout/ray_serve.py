@@ -31,6 +31,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from app.errors import OpenAIError
 from app.observability.metrics import OPENMETRICS_ACCEPT, Expositions, exposition
 from app.scaleout.asgi_forward import ForwardedRequest, ResponseStart, run_asgi
+from app.scaleout.cold_placement import ColdPlacements
 from app.scaleout.prefix_routing import (
     EPSILON,
     MIN_MATCH_BLOCKS,
@@ -58,8 +59,8 @@ ROUTERS = {
 }
 FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "HF_", "TRANSFORMERS_")
 # How often each replica reports its prefix cache's block hashes to the routers (through Serve's
-# controller; 8 bytes a cached block). Between reports a tenant's cold prompts stay put by hash order,
-# unless its replica is at the load bound: then a stale report costs a duplicate copy elsewhere. In a
+# controller; 8 bytes a cached block). Between reports a tenant's cold prompts follow its first one
+# (app.scaleout.cold_placement), unless that replica is at the load bound. In a
 # simulation of the bench's workload (16 seeds), 1 s instead of 3 s raised the worst seeds' hit rates.
 ROUTING_STATS_PERIOD_S = 1.0
 DIGEST_STAT = "prefix_digest"  # the routing_stats entry holding it
@@ -125,6 +126,7 @@ class PrefixAwareRouter(_RemembersReplicas):
     def initialize_state(self, epsilon: float = EPSILON, min_match_blocks: int = MIN_MATCH_BLOCKS, **_: object) -> None:
         self.epsilon = epsilon
         self.min_match_blocks = min_match_blocks
+        self.cold = ColdPlacements()  # where cold prompts went, until the replicas' reports show them
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -145,6 +147,7 @@ class PrefixAwareRouter(_RemembersReplicas):
             held,
             epsilon=self.epsilon,
             min_match_blocks=self.min_match_blocks,
+            cold=self.cold,
         )
         if placement.ranks and pending_request is not None:
             ledger.placed(pending_request.metadata.internal_request_id, placement.ranks[0][0], placement.by)
@@ -288,7 +291,7 @@ class Ingress:
             headers=list(request.scope["headers"]),
             body=body,
             client=request.scope.get("client"),
-            prefix_key=prefix_key(routing_text(path, body), self.prefix_chars),
+            prefix_key=prefix_key(routing_text(path, body), self.prefix_chars, salt=authorization),
             prompt_blocks=await self._prompt_blocks(path, body, authorization),
             scheme=request.url.scheme,
         )
