@@ -199,13 +199,15 @@ def llama_server_binary() -> tuple[Path | None, str]:
     return Path(done.stdout.strip().splitlines()[-1]), ""
 
 
-def start_llama_server(stack: ExitStack, binary: Path, gguf: Path, threads: int, slots: int) -> System:
+def start_llama_server(
+    stack: ExitStack, binary: Path, gguf: Path, threads: int, slots: int, passive: bool = False
+) -> System:
     port = free_port()
     log = stack.enter_context(tempfile.NamedTemporaryFile("w", prefix="llama-server-", suffix=".log", delete=False))
-    # Every slot has room for its prompt and output (-c is shared by the slots). Threads wait without
-    # spinning, as tokenmill's do (OMP_WAIT_POLICY=PASSIVE, --poll 0): on a shared 2-core machine spinning
-    # threads waited on a descheduled sibling and one stream fell from 27 to 1.4 tok/s.
-    environment = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    # Every slot has room for its prompt and output (-c is shared by the slots). With `passive`, threads wait
+    # without spinning (OMP_WAIT_POLICY=PASSIVE, --poll 0): on a shared 2-core machine spinning threads
+    # waited on a descheduled sibling and one stream fell from 27 to 1.4 tok/s. Otherwise its defaults.
+    environment = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if passive else dict(os.environ)
     process = subprocess.Popen(
         [
             str(binary),
@@ -223,8 +225,7 @@ def start_llama_server(stack: ExitStack, binary: Path, gguf: Path, threads: int,
             str(slots),
             "-c",
             str(1024 * slots),
-            "--poll",
-            "0",
+            *(["--poll", "0"] if passive else []),
             "--no-webui",
         ],
         stdout=log,
@@ -297,7 +298,15 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(ROOT / ".tokenmill"))
     parser.add_argument("--no-llama", action="store_true", help="tokenmill alone")
     parser.add_argument("--tag", default="", help="results go to latency_bench-TAG.json/.png")
+    parser.add_argument(
+        "--passive",
+        action="store_true",
+        help="all threads wait without spinning (OMP_WAIT_POLICY=PASSIVE, llama-server --poll 0): for a shared "
+        "machine; by default each system runs with its own defaults",
+    )
     args = parser.parse_args()
+    if args.passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # tokenmill inherits it and keeps it
 
     from engine.loader import default_model_path
 
@@ -316,7 +325,7 @@ def main() -> None:
             if binary is None:
                 print(f"llama-server skipped: {skipped}", flush=True)
             else:
-                systems.append(start_llama_server(stack, binary, default_model_path(), args.threads, slots=32))
+                systems.append(start_llama_server(stack, binary, default_model_path(), args.threads, 32, args.passive))
         for mode in args.modes.split(","):
             url, headers = start_tokenmill(stack, args.data_dir, f"{MODES[mode]} --num-threads {args.threads}")
             systems.append(System(f"tokenmill {mode}", url, headers, "SmolLM2-135M-Instruct"))
@@ -340,6 +349,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "cpu": _cpu_name(),
         "threads": args.threads,
+        "thread_wait": "passive" if args.passive else "each system's default",
         "levels": levels,
         "output_tokens": OUTPUT_TOKENS,
         "llama_server_skipped": skipped,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native_ops as native
+from kernels import decode_stack
 from kernels._triton import HAS_TRITON
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.cpu_attention import is_heads_major, paged_attention_decode_cpu, paged_attention_prefill_cpu
@@ -103,6 +104,15 @@ def rotary_embedding(positions, query, key, cos_sin_cache):
     return op(positions, query, key, cos_sin_cache)
 
 
+def decode_stack_available(hidden: torch.Tensor, key_cache: torch.Tensor, heads: int) -> bool:
+    """Whether a decode step's layers can run as one native call (kernels/decode_stack.py): CPU tensors,
+    native kernels on, a heads-major cache, and a head shape the native attention takes."""
+    if not (_use_native(hidden) and is_heads_major(key_cache) and decode_stack.available(hidden.dtype)):
+        return False
+    query_shape = torch.empty(0, heads, key_cache.shape[3], dtype=hidden.dtype)
+    return native.decode_available(query_shape, key_cache)
+
+
 def silu_and_mul(x):
     if _use_triton(x):
         op = silu_and_mul_triton
@@ -114,6 +124,7 @@ def silu_and_mul(x):
 
 
 __all__ = [
+    "decode_stack_available",
     "force_reference",
     "paged_attention_decode",
     "paged_attention_prefill",

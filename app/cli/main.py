@@ -9,9 +9,13 @@ from dataclasses import dataclass
 
 import app.offline  # noqa: F401 - before anything imports huggingface_hub or transformers
 
-# Before torch loads: idle OpenMP workers sleep instead of spinning, so they don't starve the event loop
-# and the engine thread on small machines (set OMP_WAIT_POLICY=ACTIVE to override on a dedicated box).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads: an idle OpenMP worker spins briefly, then sleeps. A decode step is ~100 parallel regions
+# a few microseconds apart, and waking a sleeping worker for each (OMP_WAIT_POLICY=PASSIVE) cost 3 of 10 ms
+# per token at one stream; libgomp's default spin (300k rounds, ~ms) would let idle workers starve the event
+# loop and the engine thread on small machines. 10k rounds is tens of microseconds: it bridges the gaps
+# inside a step, not the time between steps. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the operator wins.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from app.cli import admin, batches, models
 from app.cli.serve import serve, serve_arguments

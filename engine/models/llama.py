@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
 from kernels.qlinear import Format, PackedLinear, embedding_rows
 
@@ -207,6 +208,7 @@ class LlamaForCausalLM:
             if not tied:
                 self.embed = embed.to(self.dtype).contiguous()
         self.cos_sin = cos_sin
+        self._decode_stack: DecodeStack | None = None
 
     def weight_nbytes(self) -> int:
         """Bytes of the linears, logits head and embedding as held in memory (a tied embedding once)."""
@@ -235,9 +237,37 @@ class LlamaForCausalLM:
         assert isinstance(self.lm_head, PackedLinear)
         return embedding_rows(self.lm_head.weight, input_ids).to(self.dtype).view(*input_ids.shape, -1)
 
+    def decode_stack(self, hidden: torch.Tensor, kv_caches) -> DecodeStack | None:
+        """The layers as one native call, for decode steps with packed weights on the CPU (None: per op).
+        Built on first use for these caches (the runner allocates them once)."""
+        if (
+            self.quantization == "none"
+            or self.cos_sin.dtype != torch.float32
+            or not kernels.decode_stack_available(hidden, kv_caches[0][0], self.shape.num_heads)
+        ):
+            return None
+        if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
+            weights = []
+            for layer in self.layers:
+                linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                assert all(isinstance(linear, PackedLinear) for linear in linears)
+                qkv, o, gate_up, down = (linear.weight for linear in linears if isinstance(linear, PackedLinear))
+                bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, PackedLinear) else None
+                weights.append(
+                    DecoderLayerWeights(layer.input_norm, layer.post_attention_norm, qkv, bias, o, gate_up, down)
+                )
+            shape = self.shape
+            stack_shape = StackShape(
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps, self.layers[0].scale
+            )
+            self._decode_stack = DecodeStack(weights, self.final_norm, self.cos_sin, stack_shape, kv_caches)
+        return self._decode_stack
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if meta.num_prefills == 0 and (stack := self.decode_stack(hidden, kv_caches)) is not None:
+            return stack(hidden, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
         residual = None
         eps = self.shape.rms_norm_eps
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):

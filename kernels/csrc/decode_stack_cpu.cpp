@@ -1,0 +1,155 @@
+// The decoder layers of a decode step (one new token per sequence) in one native call.
+//
+// Why: at one to a few streams a step's matmuls take ~8 ms, and the ~300 small calls around them (two
+// norms, rotary, the KV store, attention, SiLU, four linears per layer, each a Python wrapper, a tensor
+// allocation and a ctypes crossing) took as long again. This loop makes the same calls, in the same order,
+// to the same kernels, with the same thread count, so its output equals the per-op path bit for bit: the
+// kernels come in as function pointers from their own libraries (kernels/csrc/*.cpp), each built with its
+// own flags (elementwise_cpu's -ffp-contract=off rounding stays its own).
+//
+// Per layer, as engine/models/llama.py's LlamaForCausalLM.forward:
+//   normed, residual = rms_norm(hidden, input_norm, residual)    (the first layer: residual = hidden)
+//   qkv = qkv_proj(normed); rotate q and k in place; store k, v in the pool
+//   hidden = o_proj(paged_decode(q))
+//   normed, residual = rms_norm(hidden, post_attention_norm, residual)
+//   hidden = down_proj(silu_and_mul(gate_up_proj(normed)))
+// and at the end out = rms_norm(hidden, final_norm, residual).
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+struct KernelTypes {
+    using QLinear = void (*)(const T*, T*, int64_t, int64_t, int64_t, int, const void*, const uint16_t*,
+                             const uint16_t*, int64_t, const float*, int);
+    using RmsNorm = void (*)(const T*, const T*, const T*, T*, T*, int64_t, int64_t, float, int);
+    using Rotary = void (*)(T*, int64_t, const int64_t*, const float*, int64_t, int64_t, int64_t, int);
+    using SiluAndMul = void (*)(const T*, T*, int64_t, int64_t, int);
+    using StoreKv = void (*)(const T*, const T*, int64_t, int64_t, T*, T*, const int64_t*, int64_t, int64_t,
+                             int64_t, int64_t, int64_t);
+    using PagedDecode = void (*)(const T*, const T*, const T*, const int32_t*, const int32_t*, T*, int64_t, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+};
+
+}  // namespace
+
+// The structs mirror kernels/decode_stack.py's ctypes Structures field for field (all 8-byte fields).
+struct TokenmillKernels {
+    void* qlinear;
+    void* rms_norm;
+    void* rotary;
+    void* silu_and_mul;
+    void* store_kv;
+    void* paged_decode;
+};
+
+struct TokenmillLinear {  // a packed weight, as kernels/qlinear.py's PackedWeight
+    const void* packed;
+    const uint16_t* scales;
+    const uint16_t* mins;
+    const float* bias;
+    int64_t in_features, out_features, group, format;
+};
+
+struct TokenmillLayer {
+    const void* input_norm;
+    const void* post_attention_norm;
+    void* key_cache;  // heads-major [kv_heads, pool_blocks, block_size, head_dim]
+    void* value_cache;
+    TokenmillLinear qkv, o, gate_up, down;
+};
+
+struct TokenmillModel {
+    int64_t layers, hidden, heads, kv_heads, head_dim, ffn, block_size, pool_blocks;
+    double eps, scale;  // passed on as float, as the per-op path's ctypes does
+    const float* cos_sin;  // [positions, 2, head_dim]
+    const void* final_norm;
+    const TokenmillLayer* layer;
+    TokenmillKernels kernels;
+};
+
+struct TokenmillStep {
+    int64_t rows, table_stride;
+    const int64_t* positions;  // [rows]
+    const int64_t* slots;      // [rows]
+    const int32_t* block_tables;  // [rows, table_stride]
+    const int32_t* context_lens;  // [rows]
+};
+
+namespace {
+
+template <typename T>
+void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedded, T* out, int threads) {
+    using K = KernelTypes<T>;
+    const auto qlinear = reinterpret_cast<typename K::QLinear>(m.kernels.qlinear);
+    const auto rms_norm = reinterpret_cast<typename K::RmsNorm>(m.kernels.rms_norm);
+    const auto rotary = reinterpret_cast<typename K::Rotary>(m.kernels.rotary);
+    const auto silu_and_mul = reinterpret_cast<typename K::SiluAndMul>(m.kernels.silu_and_mul);
+    const auto store_kv = reinterpret_cast<typename K::StoreKv>(m.kernels.store_kv);
+    const auto paged_decode = reinterpret_cast<typename K::PagedDecode>(m.kernels.paged_decode);
+    const auto linear = [&](const TokenmillLinear& w, const T* x, T* y) {
+        qlinear(x, y, s.rows, w.in_features, w.out_features, static_cast<int>(w.format), w.packed, w.scales, w.mins,
+                w.group, w.bias, threads);
+    };
+    const int64_t rows = s.rows, hidden = m.hidden;
+    const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
+
+    static thread_local std::vector<T> x, residual, normed, qkv, attention, gate_up, activated;
+    x.resize(rows * hidden);
+    residual.resize(rows * hidden);
+    normed.resize(rows * hidden);
+    qkv.resize(rows * qkv_width);
+    attention.resize(rows * q_size);
+    gate_up.resize(rows * 2 * m.ffn);
+    activated.resize(rows * m.ffn);
+    std::memcpy(residual.data(), embedded, rows * hidden * sizeof(T));
+
+    for (int64_t i = 0; i < m.layers; ++i) {
+        const TokenmillLayer& layer = m.layer[i];
+        const T* input_norm = static_cast<const T*>(layer.input_norm);
+        if (i == 0)
+            rms_norm(residual.data(), nullptr, input_norm, normed.data(), residual.data(), rows, hidden, eps, threads);
+        else
+            rms_norm(x.data(), residual.data(), input_norm, normed.data(), residual.data(), rows, hidden, eps, threads);
+        linear(layer.qkv, normed.data(), qkv.data());
+        T* q = qkv.data();
+        T* k = q + q_size;
+        T* v = k + kv_size;
+        rotary(q, qkv_width, s.positions, m.cos_sin, rows, m.heads, m.head_dim, threads);
+        rotary(k, qkv_width, s.positions, m.cos_sin, rows, m.kv_heads, m.head_dim, threads);
+        T* key_cache = static_cast<T*>(layer.key_cache);
+        T* value_cache = static_cast<T*>(layer.value_cache);
+        store_kv(k, v, qkv_width, qkv_width, key_cache, value_cache, s.slots, rows, m.kv_heads, m.head_dim,
+                 m.pool_blocks, m.block_size);
+        paged_decode(q, key_cache, value_cache, s.block_tables, s.context_lens, attention.data(), rows, m.heads,
+                     m.kv_heads, m.head_dim, m.block_size, m.pool_blocks, s.table_stride, qkv_width, scale, threads);
+        linear(layer.o, attention.data(), x.data());
+        rms_norm(x.data(), residual.data(), static_cast<const T*>(layer.post_attention_norm), normed.data(),
+                 residual.data(), rows, hidden, eps, threads);
+        linear(layer.gate_up, normed.data(), gate_up.data());
+        silu_and_mul(gate_up.data(), activated.data(), rows, m.ffn, threads);
+        linear(layer.down, activated.data(), x.data());
+    }
+    rms_norm(x.data(), residual.data(), static_cast<const T*>(m.final_norm), out, residual.data(), rows, hidden, eps,
+             threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+void tokenmill_decode_stack_f32(const TokenmillModel* model, const TokenmillStep* step, const float* embedded,
+                                float* out, int threads) {
+    run_layers(*model, *step, embedded, out, threads);
+}
+
+void tokenmill_decode_stack_bf16(const TokenmillModel* model, const TokenmillStep* step, const uint16_t* embedded,
+                                 uint16_t* out, int threads) {
+    run_layers(*model, *step, embedded, out, threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,214 @@
+"""A decode step's decoder layers in one native call (kernels/csrc/decode_stack_cpu.cpp), for packed weights.
+
+At one to a few streams, the ~300 small calls of a step around its matmuls cost about as much as the matmuls
+(Python wrappers, allocations, ctypes crossings). `DecodeStack` runs the same kernels in the same order from
+C++, so its output equals the per-op path bit for bit; engine/models/llama.py uses it for decode-only steps
+on the CPU when every linear is packed (`--quantization int8|int4`) and the native kernels are built.
+
+The weights, norms and cache pointers are gathered once (`DecodeStack(...)`); a call passes only the step's
+rows. The stack holds references to every tensor it points into, so they live as long as it does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import cast
+
+import torch
+
+from kernels.cpu_native import library
+from kernels.qlinear import FORMAT_CODES, PackedWeight
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_KERNELS = (  # (field, library, function) in TokenmillKernels' order
+    ("qlinear", "qlinear_cpu", "tokenmill_qlinear"),
+    ("rms_norm", "elementwise_cpu", "tokenmill_rms_norm"),
+    ("rotary", "elementwise_cpu", "tokenmill_rotary"),
+    ("silu_and_mul", "elementwise_cpu", "tokenmill_silu_and_mul"),
+    ("store_kv", "elementwise_cpu", "tokenmill_store_kv"),
+    ("paged_decode", "paged_decode_cpu", "tokenmill_paged_decode"),
+)
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _P) for name, _, _ in _KERNELS]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("packed", _P), ("scales", _P), ("mins", _P), ("bias", _P)] + [
+        (name, _I64) for name in ("in_features", "out_features", "group", "format")
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("input_norm", "post_attention_norm", "key_cache", "value_cache")] + [
+        (name, _Linear) for name in ("qkv", "o", "gate_up", "down")
+    ]
+
+
+_MODEL_SIZES = ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "block_size", "pool_blocks")
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in _MODEL_SIZES),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("cos_sin", _P),
+        ("final_norm", _P),
+        ("layer", ctypes.POINTER(_Layer)),
+        ("kernels", _Kernels),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _I64), ("table_stride", _I64)] + [
+        (name, _P) for name in ("positions", "slots", "block_tables", "context_lens")
+    ]
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    input_norm: torch.Tensor  # [hidden], the activation dtype
+    post_attention_norm: torch.Tensor
+    qkv: PackedWeight
+    qkv_bias: torch.Tensor | None  # float32 [q + 2 kv] or None
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+@dataclass(frozen=True)
+class StackShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+
+@cache
+def _kernel_addresses(dtype: torch.dtype) -> _Kernels | None:
+    suffix = _SUFFIX[dtype]
+    addresses = {}
+    for field, library_name, function in _KERNELS:
+        native = library(library_name)
+        if native is None:
+            return None
+        addresses[field] = ctypes.cast(getattr(native, f"{function}_{suffix}"), _P).value
+    return _Kernels(**addresses)
+
+
+@cache
+def _entry(dtype: torch.dtype) -> Callable[..., None] | None:
+    native = library("decode_stack_cpu")
+    if native is None:
+        return None
+    function = getattr(native, f"tokenmill_decode_stack_{_SUFFIX[dtype]}")
+    function.restype = None
+    function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _P, _P, ctypes.c_int]
+    return cast(Callable[..., None], function)
+
+
+def available(dtype: torch.dtype) -> bool:
+    """Whether the native libraries for a fused decode in `dtype` are built."""
+    return dtype in _SUFFIX and _entry(dtype) is not None and _kernel_addresses(dtype) is not None
+
+
+def _linear(weight: PackedWeight, bias: torch.Tensor | None = None) -> _Linear:
+    def address(tensor: torch.Tensor | None) -> int | None:
+        return None if tensor is None else tensor.data_ptr()
+
+    return _Linear(
+        address(weight.packed),
+        address(weight.scales),
+        address(weight.mins),
+        address(bias),
+        weight.in_features,
+        weight.out_features,
+        weight.group,
+        FORMAT_CODES[weight.format],
+    )
+
+
+class DecodeStack:
+    """Every decoder layer of a decode-only step, then the final norm, over heads-major KV caches."""
+
+    def __init__(
+        self,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        cos_sin: torch.Tensor,
+        shape: StackShape,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        dtype = final_norm.dtype
+        kernels = _kernel_addresses(dtype)
+        if not available(dtype) or kernels is None:
+            raise RuntimeError("the native decode stack is not built for this dtype (check `available` first)")
+        self.dtype = dtype
+        self.kv_caches = kv_caches
+        self._keep = (layers, final_norm, cos_sin, kv_caches)
+        pool_blocks, block_size = kv_caches[0][0].shape[0], kv_caches[0][0].shape[1]
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    weights.input_norm.data_ptr(),
+                    weights.post_attention_norm.data_ptr(),
+                    key_cache.data_ptr(),
+                    value_cache.data_ptr(),
+                    _linear(weights.qkv, weights.qkv_bias),
+                    _linear(weights.o),
+                    _linear(weights.gate_up),
+                    _linear(weights.down),
+                )
+                for weights, (key_cache, value_cache) in zip(layers, kv_caches, strict=True)
+            )
+        )
+        self.hidden = final_norm.shape[0]
+        self._model = _Model(
+            len(layers),
+            self.hidden,
+            shape.heads,
+            shape.kv_heads,
+            shape.head_dim,
+            layers[0].down.in_features,
+            block_size,
+            pool_blocks,
+            shape.eps,
+            shape.scale,
+            cos_sin.data_ptr(),
+            final_norm.data_ptr(),
+            self._layers,
+            kernels,
+        )
+
+    def __call__(
+        self,
+        embedded: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """embedded [rows, hidden] in the stack's dtype, one row per sequence -> final-normed [rows, hidden]."""
+        embedded = embedded.contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lengths = context_lens.to(torch.int32).contiguous()
+        rows = embedded.shape[0]
+        out = torch.empty(rows, self.hidden, dtype=self.dtype)
+        step = _Step(
+            rows, tables.shape[1], positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lengths.data_ptr()
+        )
+        entry = _entry(self.dtype)
+        assert entry is not None
+        entry(
+            ctypes.byref(self._model), ctypes.byref(step), embedded.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        )
+        return out
