@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.config import EngineConfig
+from kernels.cpu_attention import heads_major_cache
 from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
 from kernels.qlinear import Format, PackedLinear, embedding_rows
@@ -237,14 +239,25 @@ class LlamaForCausalLM:
         assert isinstance(self.lm_head, PackedLinear)
         return embedding_rows(self.lm_head.weight, input_ids).to(self.dtype).view(*input_ids.shape, -1)
 
+    def has_fused_decode(self, config: EngineConfig) -> bool:
+        """Whether decode steps under `config` run as one native call (`decode_stack`)."""
+        if self.quantization == "none" or config.torch_device.type != "cpu" or not config.heads_major_kv:
+            return False
+        shape = self.shape
+        probe_cache = heads_major_cache(1, config.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+        return self.decode_stack_applies(torch.empty(0, shape.hidden_size, dtype=self.dtype), probe_cache)
+
+    def decode_stack_applies(self, hidden: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return (
+            self.quantization != "none"
+            and self.cos_sin.dtype == torch.float32
+            and kernels.decode_stack_available(hidden, key_cache, self.shape.num_heads)
+        )
+
     def decode_stack(self, hidden: torch.Tensor, kv_caches) -> DecodeStack | None:
         """The layers as one native call, for decode steps with packed weights on the CPU (None: per op).
         Built on first use for these caches (the runner allocates them once)."""
-        if (
-            self.quantization == "none"
-            or self.cos_sin.dtype != torch.float32
-            or not kernels.decode_stack_available(hidden, kv_caches[0][0], self.shape.num_heads)
-        ):
+        if not self.decode_stack_applies(hidden, kv_caches[0][0]):
             return None
         if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
             weights = []
