@@ -45,7 +45,7 @@ BUILD_SCRIPT = ROOT / "bench" / "build_llama_server.sh"
 MODES = {
     "int4": "--quantization int4",  # float32 activations: the configuration that meets the quality bar
     "int4-bf16": "--quantization int4 --dtype bfloat16",
-    "bf16": "--dtype bfloat16",
+    "bf16": "--dtype bfloat16 --quantization none",
     "fp32": "",
 }
 LLAMA = "llama.cpp"

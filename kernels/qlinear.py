@@ -3,7 +3,7 @@
 At one to a few dozen rows (decode steps of 1 to 8 users) a linear is a read of its weights, and the
 oneDNN path is built for many rows: on this project's 2-core VMs its bf16 GEMV read weights at ~10 GB/s.
 kernels/csrc/qlinear_cpu.cpp streams a packed copy at memory speed and dequantizes in registers;
-bench/qlinear_bench.py measures it against the machine's bandwidth.
+bench/qlinear_bench.py measures it against a plain read of as many bytes, in the same run.
 
 Formats (`pack_weight`):
 - "bf16": the weight as is, bfloat16.
