@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -221,10 +222,11 @@ def target_weights(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
             [states[i].params.top_p for i in truncated],
             [states[i].params.min_p for i in truncated],
         )
-        if len(truncated) == len(states):
-            logits.masked_fill_(logits < threshold, float("-inf"))
-        else:
-            logits[truncated] = selected.masked_fill(selected < threshold, float("-inf"))
+        # Keep each row's logits >= its threshold. F.threshold_ keeps x > t, so t is the float32 just below:
+        # a row at a time it is ~10x faster than masked_fill with a vocabulary-wide mask (~100 us a row).
+        below = torch.nextafter(threshold, torch.tensor(float("-inf"))).squeeze(1).tolist()
+        for row, limit in zip(truncated, below):
+            F.threshold_(logits[row], limit, float("-inf"))
     # exp2 rather than exp: torch's CPU exp is ~100x slower on very negative inputs (low
     # temperatures), exp2 only in its narrow denormal band, and exp2(-inf) stays exactly 0.
     return logits.mul_(LOG2_E).exp2_()
