@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -222,11 +221,11 @@ def target_weights(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
             [states[i].params.top_p for i in truncated],
             [states[i].params.min_p for i in truncated],
         )
-        # Keep each row's logits >= its threshold. F.threshold_ keeps x > t, so t is the float32 just below:
+        # Keep each row's logits >= its threshold. threshold_ keeps x > t, so t is the float32 just below:
         # a row at a time it is ~10x faster than masked_fill with a vocabulary-wide mask (~100 us a row).
         below = torch.nextafter(threshold, torch.tensor(float("-inf"))).squeeze(1).tolist()
         for row, limit in zip(truncated, below):
-            F.threshold_(logits[row], limit, float("-inf"))
+            torch.threshold_(logits[row], limit, float("-inf"))
     # exp2 rather than exp: torch's CPU exp is ~100x slower on very negative inputs (low
     # temperatures), exp2 only in its narrow denormal band, and exp2(-inf) stays exactly 0.
     return logits.mul_(LOG2_E).exp2_()

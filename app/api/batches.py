@@ -9,6 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import BatchesDep, PrincipalDep
+from app.api.pages import list_page
 from app.batches.files import expiry_after
 from app.batches.jobs import ENDPOINTS, batch_view, completion_window_length
 from app.batches.lines import count_lines
@@ -82,13 +83,7 @@ async def list_batches(
 ):
     rows, has_more = await run_in_threadpool(batches.jobs.page, team_id=principal.team_id, after=after, limit=limit)
     data = [batch_view(row) for row in rows]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 @router.get("/v1/batches/{batch_id}")

@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.datastructures import UploadFile
 
 from app.api.deps import BatchesDep, PrincipalDep
+from app.api.pages import list_page
 from app.batches.files import UPLOAD_PURPOSES, expiry_after, file_view
 from app.errors import invalid_request
 
@@ -72,13 +73,7 @@ async def list_files(
         ascending=order == "asc",
     )
     data = [file_view(row) for row in rows]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 @router.get("/v1/files/{file_id}")

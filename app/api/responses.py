@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.api.deps import ContextDep, PrincipalDep
+from app.api.pages import list_page
 from app.errors import OpenAIError, invalid_request, server_error
 from app.gateway.contract import Principal
 from app.serving.body import read_body
@@ -304,10 +305,4 @@ async def list_input_items(response_id: str, request: Request, server: ContextDe
             raise invalid_request(f"No input item with id '{after}' in this response.", param="after")
         items = items[ids.index(after) + 1 :]
     page = items[: int(limit_text)]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > len(page),
-    }
+    return list_page(page, has_more=len(items) > len(page))

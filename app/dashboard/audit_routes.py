@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from datetime import date, datetime, time, timedelta
+from typing import Annotated
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from app.dashboard.deps import DashboardDep, PageSession
@@ -56,22 +57,27 @@ class AuditQuery:
         return urlencode({name: value for name, value in values.items() if value not in (None, "")})
 
 
-@router.get("/admin/audit", include_in_schema=False)
-def audit_page(
-    request: Request,
-    session: PageSession,
-    dashboard: DashboardDep,
+def audit_query(
     actor: str | None = None,
     action: str | None = None,
     target_type: str | None = None,
     target_id: str | None = None,
     since: str | None = None,
     until: str | None = None,
-    after: int | None = None,
-) -> Response:
-    query = AuditQuery.of(
+) -> AuditQuery:
+    """The filters of the page and of its CSV, from the query string."""
+    return AuditQuery.of(
         actor=actor, action=action, target_type=target_type, target_id=target_id, since=since, until=until
     )
+
+
+AuditQueryDep = Annotated[AuditQuery, Depends(audit_query)]
+
+
+@router.get("/admin/audit", include_in_schema=False)
+def audit_page(
+    request: Request, session: PageSession, dashboard: DashboardDep, query: AuditQueryDep, after: int | None = None
+) -> Response:
     with dashboard.gateway.sessions() as db:
         entries = list(list_entries(db, query.filter(), limit=PAGE_SIZE + 1, after=after))
     return render(
@@ -87,19 +93,7 @@ def audit_page(
 
 
 @router.get("/admin/audit.csv", include_in_schema=False)
-def audit_csv(
-    session: PageSession,
-    dashboard: DashboardDep,
-    actor: str | None = None,
-    action: str | None = None,
-    target_type: str | None = None,
-    target_id: str | None = None,
-    since: str | None = None,
-    until: str | None = None,
-) -> Response:
-    query = AuditQuery.of(
-        actor=actor, action=action, target_type=target_type, target_id=target_id, since=since, until=until
-    )
+def audit_csv(session: PageSession, dashboard: DashboardDep, query: AuditQueryDep) -> Response:
     return StreamingResponse(
         csv_chunks(dashboard.gateway.sessions, query.filter()),
         media_type="text/csv",
