@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -20,7 +19,7 @@ import pytest
 from app.gateway import admin, crud
 from app.gateway.audit import SYSTEM
 from app.gateway.schemas import KeyCreate, TeamCreate
-from tests.dashboard.test_dashboard_browser import CHROMIUM, CHROMIUM_FLAGS, unavailable
+from tests.dashboard.test_dashboard_browser import browser, playwright_api  # noqa: F401 (fixtures)
 from tests.support.dashboard import make_dashboard_gateway
 from tests.support.gateway import FakeEngine, build_app, free_port, serve_in_thread
 from tests.support.oidc import ADMIN_GROUP, ML_GROUP, running_provider, sso_settings
@@ -29,21 +28,7 @@ TIMEOUT_MS = 30_000
 
 
 @pytest.fixture(scope="module")
-def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("playwright (pip install playwright)")
-    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        unavailable(f"Chromium at {CHROMIUM} (apt-get install -y chromium)")
-    with sync_playwright() as api:
-        browser = api.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
-def provider(browser):
+def provider(browser):  # noqa: F811 - the fixture imported above
     with running_provider() as provider:
         yield provider
 
@@ -60,7 +45,7 @@ def server(provider, tmp_path_factory):
 
 
 @pytest.fixture
-def visit(browser, server, provider):
+def visit(browser, server, provider):  # noqa: F811
     url, gateway = server
     context = browser.new_context(base_url=url, viewport={"width": 1280, "height": 900})
     outside: list[str] = []
