@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import cpu_native_ops as native
-from kernels import decode_stack
+from kernels import decode_stack, sampling
 from kernels._triton import HAS_TRITON
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
 from kernels.cpu_attention import is_heads_major, paged_attention_decode_cpu, paged_attention_prefill_cpu
@@ -113,6 +113,17 @@ def decode_stack_available(hidden: torch.Tensor, key_cache: torch.Tensor, heads:
     return native.decode_available(query_shape, key_cache)
 
 
+def native_sampling_available(logits: torch.Tensor) -> bool:
+    """Whether `sample_tokens` can draw these rows: float32 CPU logits and the native sampler built."""
+    return _use_native(logits) and sampling.sample_available(logits)
+
+
+def sample_tokens(logits, temperature, top_k, top_p, min_p, uniform) -> torch.Tensor:
+    """One token per row with temperature, top-k, top-p and min-p (kernels/sampling.py), drawn with the
+    row's uniform in [0, 1). Only where native_sampling_available; engine/sampler.py has the torch path."""
+    return sampling.sample_native(logits, temperature, top_k, top_p, min_p, uniform)[0]
+
+
 def silu_and_mul(x):
     if _use_triton(x):
         op = silu_and_mul_triton
@@ -126,10 +137,12 @@ def silu_and_mul(x):
 __all__ = [
     "decode_stack_available",
     "force_reference",
+    "native_sampling_available",
     "paged_attention_decode",
     "paged_attention_prefill",
     "rms_norm",
     "rotary_embedding",
+    "sample_tokens",
     "silu_and_mul",
     "store_kv",
     "use_native_cpu",

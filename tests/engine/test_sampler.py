@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import kernels
 from engine.sampler import (
     Sampler,
     SamplingState,
@@ -26,6 +27,16 @@ EOS = 2
 def fixed_global_seed():
     """Unseeded rows draw from torch's global generator: fixed here so statistical checks cannot flake."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def sampling_path(request):
+    """Every behaviour holds on both paths: the native sampler (kernels/sampling.py) and the torch ops."""
+    if request.param == "native" and not kernels.native_sampling_available(torch.zeros(1, 2)):
+        pytest.skip("the native CPU kernels can't be built here")
+    kernels.use_native_cpu(request.param == "native")
+    yield request.param
+    kernels.use_native_cpu(True)
 
 
 def state(prompt=(), output=(), seed=None, eos=EOS, **params) -> SamplingState:
