@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import app.offline  # noqa: F401 - before anything imports huggingface_hub or transformers
-
-# Before torch loads: an idle OpenMP worker spins briefly, then sleeps. A decode step is ~100 parallel regions
-# a few microseconds apart, and waking a sleeping worker for each (OMP_WAIT_POLICY=PASSIVE) cost 3 of 10 ms
-# per token at one stream; libgomp's default spin (300k rounds, ~ms) would let idle workers starve the event
-# loop and the engine thread on small machines. 10k rounds is tens of microseconds: it bridges the gaps
-# inside a step, not the time between steps. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the operator wins.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
+import app.offline  # before anything imports huggingface_hub or transformers
+import app.openmp  # noqa: F401 - before anything imports torch
 from app.cli import admin, batches, models
 from app.cli.serve import serve, serve_arguments
 

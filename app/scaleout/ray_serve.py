@@ -57,7 +57,7 @@ ROUTERS = {
     "prefix": "app.scaleout.ray_serve.PrefixAwareRouter",
     "round-robin": "app.scaleout.ray_serve.RoundRobinRouter",
 }
-FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "HF_", "TRANSFORMERS_")
+FORWARDED_ENV_PREFIXES = ("TOKENMILL_", "OMP_", "GOMP_", "HF_", "TRANSFORMERS_")
 # How often each replica reports its prefix cache's block hashes to the routers (through Serve's
 # controller; 8 bytes a cached block). Between reports a tenant's cold prompts follow its first one
 # (app.scaleout.cold_placement), unless that replica is at the load bound. In a

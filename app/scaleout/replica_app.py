@@ -7,7 +7,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-import app.offline  # noqa: F401 - Ray Serve replicas start here, not in app.cli.main
+import app.offline  # Ray Serve replicas start here, not in app.cli.main
+import app.openmp  # noqa: F401 - before anything imports torch
 from app.settings import Settings
 
 
