@@ -53,7 +53,9 @@ class Sampler:
         random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
         token_ids = torch.empty(len(states), dtype=torch.long)
         if greedy_rows:
-            token_ids[greedy_rows] = blocked_argmax(_rows(logits, greedy_rows))
+            greedy_logits = _rows(logits, greedy_rows)
+            argmax = kernels.greedy_tokens if kernels.native_sampling_available(greedy_logits) else blocked_argmax
+            token_ids[greedy_rows] = argmax(greedy_logits)
         accepted = None
         if drafts is None:
             if random_rows:

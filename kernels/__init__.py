@@ -118,6 +118,11 @@ def native_sampling_available(logits: torch.Tensor) -> bool:
     return _use_native(logits) and sampling.sample_available(logits)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) in one native pass per row; only where native_sampling_available."""
+    return sampling.argmax_native(logits)
+
+
 def sample_tokens(logits, temperature, top_k, top_p, min_p, uniform) -> torch.Tensor:
     """One token per row with temperature, top-k, top-p and min-p (kernels/sampling.py), drawn with the
     row's uniform in [0, 1). Only where native_sampling_available; engine/sampler.py has the torch path."""
@@ -137,6 +142,7 @@ def silu_and_mul(x):
 __all__ = [
     "decode_stack_available",
     "force_reference",
+    "greedy_tokens",
     "native_sampling_available",
     "paged_attention_decode",
     "paged_attention_prefill",

@@ -28,8 +28,38 @@ def _function() -> Callable[..., None] | None:
         return None
     function = native.tokenmill_sample_f32
     function.restype = None
-    function.argtypes = [_P, _I64, _I64, _I64] + [_P] * 7 + [_I]
+    function.argtypes = [_P, _I64, _I64, _I64, *([_P] * 7), _I]
     return cast(Callable[..., None], function)
+
+
+@cache
+def _argmax_function() -> Callable[..., None] | None:
+    native = library("sample_cpu")
+    if native is None:
+        return None
+    function = native.tokenmill_argmax_f32
+    function.restype = None
+    function.argtypes = [_P, _I64, _I64, _I64, _P]
+    return cast(Callable[..., None], function)
+
+
+def argmax_native(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum, as torch.argmax(dim=-1) (NaNs are passed over, not taken)."""
+    function = _argmax_function()
+    if function is None:
+        raise RuntimeError("the native sampler is not built (kernels.sampling.sample_available)")
+    logits, row_stride = _rows_in_place(logits)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    function(logits.data_ptr(), logits.shape[0], logits.shape[1], row_stride, tokens.data_ptr())
+    return tokens
+
+
+def _rows_in_place(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows as the kernels read them (unit stride inside a row, one stride between rows) and that stride."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1 or (rows > 1 and logits.stride(0) not in (0, vocab)):
+        logits = logits.contiguous()
+    return logits, logits.stride(0) if rows > 1 else vocab
 
 
 def sample_available(logits: torch.Tensor) -> bool:
@@ -56,9 +86,7 @@ def sample_native(
     if function is None:
         raise RuntimeError("the native sampler is not built (kernels.sampling.sample_available)")
     rows, vocab = logits.shape
-    if logits.stride(1) != 1 or (rows > 1 and logits.stride(0) not in (0, vocab)):
-        logits = logits.contiguous()
-    row_stride = logits.stride(0) if rows > 1 else vocab
+    logits, row_stride = _rows_in_place(logits)
     settings = (
         torch.tensor(temperature, dtype=torch.float32),
         torch.tensor(top_k, dtype=torch.int64),

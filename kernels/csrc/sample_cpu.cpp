@@ -257,6 +257,17 @@ int64_t sample_row(const float* x, int64_t vocab, float temperature, int64_t top
 }  // namespace
 
 extern "C" {
+// The first index of each row's maximum (torch.argmax's answer): the greedy token.
+void tokenmill_argmax_f32(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride, int64_t* tokens) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* x = logits + r * row_stride;
+        const float max = row_max(x, vocab);
+        int64_t i = 0;
+        while (i < vocab - 1 && !(x[i] == max)) ++i;
+        tokens[r] = i;
+    }
+}
+
 // logits: rows x vocab float32, rows `row_stride` apart (0 for a broadcast row). probabilities, when not
 // null: rows x vocab, each row the normalised distribution the token was drawn from (for tests).
 void tokenmill_sample_f32(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride,

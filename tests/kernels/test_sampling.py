@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import sample_available, sample_native, sample_reference
+from kernels.sampling import argmax_native, sample_available, sample_native, sample_reference
 
 pytestmark = pytest.mark.skipif(
     not sample_available(torch.zeros(1, 2)), reason="the native CPU kernels can't be built here"
@@ -97,3 +97,16 @@ def test_broadcast_and_strided_rows_read_the_right_logits():
     strided = torch.randn(3, 4000, generator=torch.Generator().manual_seed(4))[:, ::2]
     for logits in (base[1:2].expand(3, 2000), strided, base[:, :1000]):
         check_against_reference(logits, [(0.8, 0, 0.9, 0.0), (1.0, 20, 1.0, 0.0), (1.5, 0, 1.0, 0.1)])
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 16, 17, 1000, 49152])
+def test_native_argmax_is_torch_argmax_including_ties(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=generator)
+    logits[1] = 0.5  # all tied: the first index
+    logits[2, vocab // 2 :] = 9.0  # a tie in the second half: its first index
+    logits[3, -1] = 50.0  # the last one
+    logits[4] = float("-inf")
+    logits[4, vocab // 3] = -1e30
+    for rows in (logits, logits[:, : max(1, vocab - 1)], logits[2:3].expand(4, vocab)):
+        assert torch.equal(argmax_native(rows), rows.argmax(dim=-1))
