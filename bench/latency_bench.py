@@ -83,6 +83,15 @@ class System:
 
 
 async def one_request(http: httpx.AsyncClient, system: System, job: Job) -> Result:
+    result = await _attempt(http, system, job)
+    if not result.ok and result.error.startswith("RemoteProtocolError") and result.ttft == 0.0:
+        # The server closed a kept-alive connection as the request went out on it (llama-server does, now
+        # and then): nothing was processed, so the request goes again on a fresh connection.
+        result = await _attempt(http, system, job)
+    return result
+
+
+async def _attempt(http: httpx.AsyncClient, system: System, job: Job) -> Result:
     body: dict[str, Any] = {
         "model": system.model,
         "messages": job.messages,
