@@ -1,7 +1,7 @@
 """How idle OpenMP workers wait, set before torch loads (imported first by app.cli.main and the Ray replicas).
 
-A decode step is ~100 parallel regions a few microseconds apart, run from the engine's own thread. Two things
-decide whether a worker is awake for the next one:
+A one-stream decode step is ~150 parallel regions a few microseconds apart, run from the engine's own
+thread. Two things decide whether a worker is awake for the next one:
 - GOMP_SPINCOUNT: rounds an idle worker spins before it sleeps. libgomp's default (300k rounds, ~ms) would let
   idle workers starve the event loop between steps on small machines; waking a sleeping worker for each
   region (OMP_WAIT_POLICY=PASSIVE) cost 3 of 10 ms per token at one stream. 10k rounds bridge the gaps inside
@@ -9,8 +9,8 @@ decide whether a worker is awake for the next one:
 - libgomp counts every thread it manages (the main thread's pool and the engine thread's) and, once they
   outnumber the CPUs, as on a 2-core machine, spins only GOMP_SPINCOUNT's "throttled" 100 rounds, which is
   under a microsecond on AMD Zen (its pause instruction is short): the worker slept between regions, and one
-  stream ran 11 ms a token where the same step run from the main thread took 4 (bench/latency_bench.py:
-  75 -> 210 tok/s on a 2-core EPYC). OMP_WAIT_POLICY=ACTIVE raises the throttled spin to 1000 rounds, and
+  stream ran 11 ms a token where the same step run from the main thread took 4 (one streamed chat on a
+  2-core EPYC: 75 -> ~210 tok/s). OMP_WAIT_POLICY=ACTIVE raises the throttled spin to 1000 rounds, and
   GOMP_SPINCOUNT still bounds the ordinary spin, so workers do go to sleep between steps.
 An operator's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins over both defaults.
 """
