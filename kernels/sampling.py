@@ -19,33 +19,26 @@ import torch
 from kernels.cpu_native import library
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "tokenmill_sample_f32": [_P, _I64, _I64, _I64, *([_P] * 7), _I],
+    "tokenmill_argmax_f32": [_P, _I64, _I64, _I64, _P],
+}
 
 
 @cache
-def _function() -> Callable[..., None] | None:
+def _function(name: str) -> Callable[..., None] | None:
     native = library("sample_cpu")
     if native is None:
         return None
-    function = native.tokenmill_sample_f32
+    function = getattr(native, name)
     function.restype = None
-    function.argtypes = [_P, _I64, _I64, _I64, *([_P] * 7), _I]
-    return cast(Callable[..., None], function)
-
-
-@cache
-def _argmax_function() -> Callable[..., None] | None:
-    native = library("sample_cpu")
-    if native is None:
-        return None
-    function = native.tokenmill_argmax_f32
-    function.restype = None
-    function.argtypes = [_P, _I64, _I64, _I64, _P]
+    function.argtypes = _SIGNATURES[name]
     return cast(Callable[..., None], function)
 
 
 def argmax_native(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum, as torch.argmax(dim=-1) (NaNs are passed over, not taken)."""
-    function = _argmax_function()
+    function = _function("tokenmill_argmax_f32")
     if function is None:
         raise RuntimeError("the native sampler is not built (kernels.sampling.sample_available)")
     logits, row_stride = _rows_in_place(logits)
@@ -68,7 +61,7 @@ def sample_available(logits: torch.Tensor) -> bool:
         and logits.dtype == torch.float32
         and not logits.is_cuda
         and logits.shape[1] < 2**31
-        and _function() is not None
+        and _function("tokenmill_sample_f32") is not None
     )
 
 
@@ -82,7 +75,7 @@ def sample_native(
     with_probabilities: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens [rows] int64, and with `with_probabilities` the distribution each row drew from [rows, vocab])."""
-    function = _function()
+    function = _function("tokenmill_sample_f32")
     if function is None:
         raise RuntimeError("the native sampler is not built (kernels.sampling.sample_available)")
     rows, vocab = logits.shape
