@@ -433,27 +433,15 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     const Problem p{x_float.data(), xq.data(), x_scales.data(), xq_sums.data(), rows, K, Kp, N, group, groups,
                     packed, scales, mins, bias};
     const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
-    if (rows <= 2) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t h = 0; h < 2 * tiles; ++h) {
-            if (format == kBf16)
-                run_half_tile<kBf16>(p, h, out);
-            else if (format == kInt8)
-                run_half_tile<kInt8>(p, h, out);
-            else
-                run_half_tile<kInt4>(p, h, out);
-        }
-        return;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
-    for (int64_t t = 0; t < tiles; ++t) {
-        if (format == kBf16)
-            run_tile<kBf16>(p, t, out);
-        else if (format == kInt8)
-            run_tile<kInt8>(p, t, out);
-        else
-            run_tile<kInt4>(p, t, out);
-    }
+    // The unit of work: half tiles for one or two rows, whole tiles (up to 4 rows at a time) otherwise.
+    using Unit = void (*)(const Problem&, int64_t, T*);
+    const bool halves = rows <= 2;
+    const Unit run = format == kBf16  ? (halves ? run_half_tile<kBf16, T> : run_tile<kBf16, T>)
+                     : format == kInt8 ? (halves ? run_half_tile<kInt8, T> : run_tile<kInt8, T>)
+                                       : (halves ? run_half_tile<kInt4, T> : run_tile<kInt4, T>);
+    const int64_t units = halves ? 2 * tiles : tiles;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
+    for (int64_t u = 0; u < units; ++u) run(p, u, out);
 }
 
 }  // namespace
