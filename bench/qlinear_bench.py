@@ -17,25 +17,26 @@ under bench/results/.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as the server (app/cli/main.py)
-
-import argparse
-import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.qlinear import PackedWeight, native_available, pack_weight, qlinear_native, vector_unit
+from app.openmp import default_openmp_waiting
+
+default_openmp_waiting()  # OpenMP workers wait as in the server (set before torch loads)
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.qlinear import PackedWeight, native_available, pack_weight, place_together, qlinear_native, vector_unit
 
 RESULTS = ROOT / "bench" / "results"
 LAYERS = 30
@@ -57,7 +58,8 @@ def model_weights(fmt: str) -> list[PackedWeight]:
         for _ in range(LAYERS)
         for shape in LAYER_SHAPES.values()
     ]
-    return [*weights, pack_weight(torch.randn(*HEAD_SHAPE, generator=generator) * 0.05, head_format, head_group)]
+    head = pack_weight(torch.randn(*HEAD_SHAPE, generator=generator) * 0.05, head_format, head_group)
+    return place_together([*weights, head])  # in one buffer on huge pages, as the model holds them
 
 
 def onednn_weights() -> list[torch.Tensor]:

@@ -22,8 +22,9 @@ outputs agree to float32 rounding before the cast to the activation dtype.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Literal
 
@@ -121,6 +122,55 @@ def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> 
         _blocked(scales),
         _blocked(minimums),
     )
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h>
+_ALIGN = 64
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of uninitialized uint8 starting on a 2 MB boundary, advised for transparent huge pages.
+
+    Linux in `madvise` mode (the common default) backs memory with 2 MB pages only where asked; a best-effort
+    request: where THP is off, or off Linux, the buffer is the same memory on 4 KB pages."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    buffer = raw[start : start + nbytes]
+    whole_pages = nbytes // HUGE_PAGE * HUGE_PAGE
+    if sys.platform.startswith("linux") and whole_pages:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(whole_pages), _MADV_HUGEPAGE)
+    return buffer
+
+
+def place_together(weights: Sequence[PackedWeight]) -> list[PackedWeight]:
+    """Copies of `weights`, laid out one after another in the order given (a decode step's order) in one buffer
+    on huge pages.
+
+    Why: a decode step at one row reads ~100 MB of packed weights once, and with each linear a tensor of its own
+    (4 KB pages, scattered) the reads crossed a page, and a TLB walk, every 4 KB. On 2 MB pages a step's matmuls
+    ran ~10% faster (2-core EPYC, decode step at one row, the same bits)."""
+    tensors = [t for weight in weights for t in (weight.packed, weight.scales, weight.mins) if t is not None]
+    total = sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
+    buffer = _huge_page_buffer(max(total, 1))
+    offset = 0
+
+    def copied(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        nbytes = tensor.numel() * tensor.element_size()
+        view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+        return view
+
+    placed = []
+    for weight in weights:
+        packed = copied(weight.packed)  # in this order: a weight's scales and minimums follow its values
+        scales = None if weight.scales is None else copied(weight.scales)
+        mins = None if weight.mins is None else copied(weight.mins)
+        placed.append(replace(weight, packed=packed, scales=scales, mins=mins))
+    return placed
 
 
 def _dequantized_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:

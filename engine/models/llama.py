@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from kernels.cpu_attention import heads_major_cache
 from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
-from kernels.qlinear import Format, PackedLinear, embedding_rows
+from kernels.qlinear import Format, PackedLinear, embedding_rows, place_together
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -209,8 +209,20 @@ class LlamaForCausalLM:
             self.lm_head = PackedLinear(embed if tied else head, head_format, group=head_group)
             if not tied:
                 self.embed = embed.to(self.dtype).contiguous()
+            self._place_packed_weights_together()
         self.cos_sin = cos_sin
         self._decode_stack: DecodeStack | None = None
+
+    def _place_packed_weights_together(self) -> None:
+        """One buffer on huge pages for the packed weights, in the order a decode step reads them."""
+        linears = [
+            linear
+            for layer in self.layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        packed = [linear for linear in [*linears, self.lm_head] if isinstance(linear, PackedLinear)]
+        for linear, weight in zip(packed, place_together([linear.weight for linear in packed]), strict=True):
+            linear.weight = weight
 
     def weight_nbytes(self) -> int:
         """Bytes of the linears, logits head and embedding as held in memory (a tied embedding once)."""

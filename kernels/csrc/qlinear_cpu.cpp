@@ -44,11 +44,11 @@
 namespace {
 
 constexpr int kLanes = 16;
-constexpr int kTileBlocks = 4;  // output blocks per tile: a tile is the unit of work of a thread
+constexpr int kTileBlocks = 4;  // output blocks per tile: the unit of work of a thread (half a tile for 1-2 rows)
 constexpr int kXBlock = 32;     // inputs per int8 scale of x
-// Bytes ahead of each weight load to prefetch: a block's stream is 4.6 KB at K = 576, so this mostly asks for
-// the next blocks while the current ones are summed (hardware prefetchers restart at every short stream): a
-// decode step's matmuls at one row, 2-core EPYC, ~5% faster. A prefetch past the end of the weights is harmless.
+// Bytes ahead of each weight load to prefetch, in the thread's one sequential stream of blocks (a block is 4.6 KB
+// at K = 576, so this asks for the next block while this one is summed; hardware prefetchers stop at page
+// edges): a decode step's matmuls at one row, 2-core EPYC, ~5-10% faster. A prefetch past the end is harmless.
 constexpr int64_t kPrefetchAhead = 4096;
 
 #if defined(__AVX512F__)
@@ -236,141 +236,109 @@ struct Problem {
     const float* bias;  // [N] or null
 };
 
-constexpr int kTileWidth = kTileBlocks * kLanes;
+constexpr int kMaxRows = 4;  // rows of x per pass over a block: 4 x 2 digits + 4 float sums stay in registers
 
-// Sums of MT rows against NB consecutive blocks, one group (or all of K for bf16) at a time, into
-// result[m * kTileWidth + b * kLanes + lane].
-template <Format F, int MT, int NB>
-void tile(const Problem& p, int64_t first_block, int64_t row, float* result) {
-    Vec acc[MT][NB];
-    for (int m = 0; m < MT; ++m)
-        for (int b = 0; b < NB; ++b) acc[m][b] = Vec::zero();
+// Sums of MT rows against one block (16 outputs), one group (or all of K for bf16) at a time, into
+// result[m * kLanes + lane].
+// One block at a time, not several side by side: a block's weights are one contiguous run of memory, so a
+// thread's work (consecutive blocks) reads as a single sequential stream, which the prefetchers follow; two
+// or four blocks read side by side were as many interleaved streams, and a decode step's matmuls ran ~20%
+// slower at 1 to 8 rows (2-core EPYC, bench/qlinear_bench.py), with the same bits.
+template <Format F, int MT>
+void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
+    Vec acc[MT];
+    for (Vec& sum : acc) sum = Vec::zero();
     const int64_t groups = F == kBf16 ? 1 : p.groups;
     const int64_t group = F == kBf16 ? p.Kp : p.group;
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group, k1 = k0 + group;
         if constexpr (F == kBf16) {
             for (int64_t k = k0; k < k1; ++k) {
-                Vec w[NB];
-                for (int b = 0; b < NB; ++b)
-                    w[b] = Vec::load_bf16(static_cast<const uint16_t*>(p.packed) +
-                                          ((first_block + b) * p.Kp + k) * kLanes);
-                for (int m = 0; m < MT; ++m) {
-                    const Vec xv = Vec::broadcast(p.x[(row + m) * p.Kp + k]);
-                    for (int b = 0; b < NB; ++b) acc[m][b] = Vec::fma(xv, w[b], acc[m][b]);
-                }
+                const Vec w = Vec::load_bf16(static_cast<const uint16_t*>(p.packed) + (block * p.Kp + k) * kLanes);
+                for (int m = 0; m < MT; ++m) acc[m] = Vec::fma(Vec::broadcast(p.x[(row + m) * p.Kp + k]), w, acc[m]);
             }
         } else {
             // one x block (32 inputs) at a time; for int4 a group is one x block
             const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
             for (int64_t xb = k0 / kXBlock; xb < k1 / kXBlock; ++xb) {
-                IVec high_sums[MT][NB], low_sums[MT][NB];
-                for (int m = 0; m < MT; ++m)
-                    for (int b = 0; b < NB; ++b) high_sums[m][b] = low_sums[m][b] = IVec::zero();
+                IVec high_sums[MT], low_sums[MT];
+                for (int m = 0; m < MT; ++m) high_sums[m] = low_sums[m] = IVec::zero();
                 if constexpr (F == kInt8) {
                     for (int q = 0; q < kXBlock / 4; ++q) {
-                        for (int b = 0; b < NB; ++b) {
-                            const uint8_t* at = bytes + ((first_block + b) * (p.Kp / 4) + xb * 8 + q) * 64;
-                            __builtin_prefetch(at + kPrefetchAhead);
-                            const auto w = IVec::load(at);
-                            for (int m = 0; m < MT; ++m) {
-                                const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * q) * 2;
-                                high_sums[m][b].dot(w, IVec::quad(x));
-                                low_sums[m][b].dot(w, IVec::quad(x + 4));
-                            }
+                        const uint8_t* at = bytes + (block * (p.Kp / 4) + xb * 8 + q) * 64;
+                        __builtin_prefetch(at + kPrefetchAhead);
+                        const auto w = IVec::load(at);
+                        for (int m = 0; m < MT; ++m) {
+                            const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * q) * 2;
+                            high_sums[m].dot(w, IVec::quad(x));
+                            low_sums[m].dot(w, IVec::quad(x + 4));
                         }
                     }
                 } else {
                     for (int c = 0; c < 4; ++c) {
-                        for (int b = 0; b < NB; ++b) {
-                            const uint8_t* at = bytes + (((first_block + b) * (p.Kp / kXBlock) + xb) * 4 + c) * 64;
-                            __builtin_prefetch(at + kPrefetchAhead);
-                            const auto packed = IVec::load(at);
-                            const auto low = IVec::low_nibbles(packed), high = IVec::high_nibbles(packed);
-                            for (int m = 0; m < MT; ++m) {
-                                const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * c) * 2;
-                                high_sums[m][b].dot(low, IVec::quad(x));
-                                low_sums[m][b].dot(low, IVec::quad(x + 4));
-                                high_sums[m][b].dot(high, IVec::quad(x + 32));
-                                low_sums[m][b].dot(high, IVec::quad(x + 36));
-                            }
+                        const uint8_t* at = bytes + ((block * (p.Kp / kXBlock) + xb) * 4 + c) * 64;
+                        __builtin_prefetch(at + kPrefetchAhead);
+                        const auto packed = IVec::load(at);
+                        const auto low = IVec::low_nibbles(packed), high = IVec::high_nibbles(packed);
+                        for (int m = 0; m < MT; ++m) {
+                            const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * c) * 2;
+                            high_sums[m].dot(low, IVec::quad(x));
+                            low_sums[m].dot(low, IVec::quad(x + 4));
+                            high_sums[m].dot(high, IVec::quad(x + 32));
+                            low_sums[m].dot(high, IVec::quad(x + 36));
                         }
                     }
                 }
-                for (int b = 0; b < NB; ++b) {
-                    const int64_t at = ((first_block + b) * p.groups + g) * kLanes;
-                    const Vec scale = Vec::load_f16(p.scales + at);
-                    for (int m = 0; m < MT; ++m) {
-                        const int64_t x_at = (row + m) * (p.Kp / kXBlock) + xb;
-                        const float x_scale = p.x_scales[x_at];
-                        const int32_t offset = F == kInt8 ? 128 * p.xq_sums[x_at] : 0;
-                        const Vec combined = Vec::mul(scale, Vec::broadcast(x_scale / 254.f));
-                        const IVec total = IVec::combine(high_sums[m][b], low_sums[m][b]);
-                        acc[m][b] = Vec::fma(total.to_float(offset), combined, acc[m][b]);
-                        if constexpr (F == kInt4) {
-                            const Vec minimum = Vec::load_f16(p.mins + at);
-                            const float x_sum = x_scale / 254.f * static_cast<float>(p.xq_sums[x_at]);
-                            acc[m][b] = Vec::fma(Vec::broadcast(x_sum), minimum, acc[m][b]);
-                        }
+                const int64_t at = (block * p.groups + g) * kLanes;
+                const Vec scale = Vec::load_f16(p.scales + at);
+                for (int m = 0; m < MT; ++m) {
+                    const int64_t x_at = (row + m) * (p.Kp / kXBlock) + xb;
+                    const float x_scale = p.x_scales[x_at];
+                    const int32_t offset = F == kInt8 ? 128 * p.xq_sums[x_at] : 0;
+                    const Vec combined = Vec::mul(scale, Vec::broadcast(x_scale / 254.f));
+                    const IVec total = IVec::combine(high_sums[m], low_sums[m]);
+                    acc[m] = Vec::fma(total.to_float(offset), combined, acc[m]);
+                    if constexpr (F == kInt4) {
+                        const Vec minimum = Vec::load_f16(p.mins + at);
+                        const float x_sum = x_scale / 254.f * static_cast<float>(p.xq_sums[x_at]);
+                        acc[m] = Vec::fma(Vec::broadcast(x_sum), minimum, acc[m]);
                     }
                 }
             }
         }
     }
-    for (int m = 0; m < MT; ++m)
-        for (int b = 0; b < NB; ++b) acc[m][b].store(result + m * kTileWidth + b * kLanes);
+    for (int m = 0; m < MT; ++m) acc[m].store(result + m * kLanes);
 }
 
 template <typename T>
-void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const float* result, T* out,
-                int64_t tile_width = kTileWidth) {
-    const int64_t width = std::min<int64_t>(tile_width, p.N - first_n);
+void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const float* result, T* out) {
+    const int64_t width = std::min<int64_t>(kLanes, p.N - first_n);
     for (int m = 0; m < rows; ++m) {
         T* out_row = out + (row + m) * p.N + first_n;
         for (int64_t i = 0; i < width; ++i) {
             const float bias = p.bias != nullptr ? p.bias[first_n + i] : 0.f;
-            tokenmill::store(result[m * kTileWidth + i] + bias, out_row + i);
+            tokenmill::store(result[m * kLanes + i] + bias, out_row + i);
         }
     }
 }
 
-// Rows go up to four at a time: each weight vector loaded is used for every row before the next load
-// (a tile's weights stay in L1/L2 between row chunks, so only the first chunk reads memory).
+// `count` consecutive blocks, each against every row of x, up to four rows at a time: a block's weights
+// are read from memory by the first rows and from L1 by the rest.
 template <Format F, typename T>
-void run_tile(const Problem& p, int64_t tile_index, T* out) {
-    alignas(64) float result[4 * kTileWidth];
-    const int64_t first_block = tile_index * kTileBlocks;
-    for (int64_t row = 0; row < p.rows;) {
-        const int64_t left = p.rows - row;
-        const int rows = left >= 4 ? 4 : static_cast<int>(left);
-        if (rows >= 3) {  // 2 blocks x 4 rows: 8 sums (x3 registers for int4), half the tile per call
-            for (int half = 0; half < 2; ++half) {
-                if (rows == 4)
-                    tile<F, 4, 2>(p, first_block + 2 * half, row, result + half * 2 * kLanes);
-                else
-                    tile<F, 3, 2>(p, first_block + 2 * half, row, result + half * 2 * kLanes);
+void run_blocks(const Problem& p, int64_t first_block, int64_t count, T* out) {
+    alignas(64) float result[kMaxRows * kLanes];
+    for (int64_t block = first_block; block < first_block + count; ++block) {
+        for (int64_t row = 0; row < p.rows; row += kMaxRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - row));
+            switch (rows) {
+                case 4: block_sums<F, 4>(p, block, row, result); break;
+                case 3: block_sums<F, 3>(p, block, row, result); break;
+                case 2: block_sums<F, 2>(p, block, row, result); break;
+                default: block_sums<F, 1>(p, block, row, result); break;
             }
-        } else if (rows == 2) {
-            tile<F, 2, 4>(p, first_block, row, result);
-        } else {
-            tile<F, 1, 4>(p, first_block, row, result);
+            write_rows(p, row, rows, block * kLanes, result, out);
         }
-        write_rows(p, row, rows, first_block * kLanes, result, out);
-        row += rows;
     }
-}
-
-// One or two rows against half a tile (2 blocks): a decode step's matmuls have 9 to 48 tiles, and with whole
-// tiles as the unit two threads split 9 as 5 + 4; halves split them evenly.
-template <Format F, typename T>
-void run_half_tile(const Problem& p, int64_t half_index, T* out) {
-    alignas(64) float result[2 * kTileWidth];
-    const int64_t first_block = half_index * 2;
-    if (p.rows == 2)
-        tile<F, 2, 2>(p, first_block, 0, result);
-    else
-        tile<F, 1, 2>(p, first_block, 0, result);
-    write_rows(p, 0, static_cast<int>(p.rows), first_block * kLanes, result, out, 2 * kLanes);
 }
 
 template <typename T>
@@ -433,15 +401,14 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     const Problem p{x_float.data(), xq.data(), x_scales.data(), xq_sums.data(), rows, K, Kp, N, group, groups,
                     packed, scales, mins, bias};
     const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
-    // The unit of work: half tiles for one or two rows, whole tiles (up to 4 rows at a time) otherwise.
-    using Unit = void (*)(const Problem&, int64_t, T*);
-    const bool halves = rows <= 2;
-    const Unit run = format == kBf16  ? (halves ? run_half_tile<kBf16, T> : run_tile<kBf16, T>)
-                     : format == kInt8 ? (halves ? run_half_tile<kInt8, T> : run_tile<kInt8, T>)
-                                       : (halves ? run_half_tile<kInt4, T> : run_tile<kInt4, T>);
-    const int64_t units = halves ? 2 * tiles : tiles;
+    // The unit of work: half tiles for one or two rows (a decode step's matmuls have 9 to 48 tiles, and
+    // with whole tiles two threads split 9 as 5 + 4; halves split them evenly), whole tiles otherwise.
+    using Blocks = void (*)(const Problem&, int64_t, int64_t, T*);
+    const Blocks run = format == kBf16 ? run_blocks<kBf16, T> : format == kInt8 ? run_blocks<kInt8, T> : run_blocks<kInt4, T>;
+    const int64_t unit = rows <= 2 ? kTileBlocks / 2 : kTileBlocks;
+    const int64_t units = tiles * kTileBlocks / unit;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
-    for (int64_t u = 0; u < units; ++u) run(p, u, out);
+    for (int64_t u = 0; u < units; ++u) run(p, u * unit, unit, out);
 }
 
 }  // namespace

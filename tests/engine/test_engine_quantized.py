@@ -67,6 +67,18 @@ def test_int4_weights_take_at_most_40_percent_of_bf16(quantized):
     assert fraction <= (0.40 if quantized.model.quantization == "int4" else 0.55)
 
 
+def test_packed_weights_lie_in_one_buffer_in_the_order_a_decode_step_reads_them(quantized):
+    model = quantized.model
+    linears = [
+        linear
+        for layer in model.layers
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
+    packed = [linear.weight.packed for linear in [*linears, model.lm_head]]
+    assert [tensor.data_ptr() for tensor in packed] == sorted(tensor.data_ptr() for tensor in packed)
+    assert len({tensor.untyped_storage().data_ptr() for tensor in packed}) == 1
+
+
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from kernels.qlinear import (
     embedding_rows,
     native_available,
     pack_weight,
+    place_together,
     qlinear_native,
     qlinear_reference,
     quantize_activations,
@@ -109,6 +110,26 @@ def test_activation_quantization_keeps_16_bits_and_zero_rows_zero() -> None:
     assert torch.equal(quantized, x)  # a block's maximum is exact; zero blocks stay zero, no NaN
     weight = pack_weight(torch.randn(16, 40), "int4")
     assert torch.isfinite(qlinear_native(x, weight)).all()
+
+
+def test_weights_placed_together_hold_the_same_values_in_one_buffer() -> None:
+    """The model's packed weights are copied into one buffer, in the order given (a decode step's): the copies
+    hold the same values and compute the same bits as the originals."""
+    weights = [pack_weight(torch.randn(*shape), fmt) for shape, fmt in zip(SHAPES, FORMATS)]  # type: ignore[arg-type]
+    placed = place_together(weights)
+    starts = []
+    for original, copy in zip(weights, placed, strict=True):
+        for name in ("packed", "scales", "mins"):
+            before, after = getattr(original, name), getattr(copy, name)
+            assert (before is None) == (after is None)
+            if after is not None:
+                assert torch.equal(before, after) and after.data_ptr() % 64 == 0
+                starts.append(after.data_ptr())
+        x = torch.randn(5, original.in_features)
+        assert torch.equal(qlinear_native(x, copy), qlinear_native(x, original))
+    assert starts == sorted(starts)
+    tensors = [t for weight in placed for t in (weight.packed, weight.scales, weight.mins) if t is not None]
+    assert len({tensor.untyped_storage().data_ptr() for tensor in tensors}) == 1
 
 
 def test_weights_resident_int4_is_under_40_percent_of_bf16() -> None:
