@@ -137,6 +137,11 @@ class LlamaLayer:
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
 
+    @property
+    def linears(self) -> tuple[LinearLayer, LinearLayer, LinearLayer, LinearLayer]:
+        """qkv, o, gate_up and down: in the order a step runs them."""
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+
     def attention(self, hidden, positions, cos_sin, key_cache, value_cache, meta: AttentionMetadata):
         shape = self.shape
         qkv = self.qkv_proj(hidden)
@@ -215,11 +220,7 @@ class LlamaForCausalLM:
 
     def _place_packed_weights_together(self) -> None:
         """One buffer on huge pages for the packed weights, in the order a decode step reads them."""
-        linears = [
-            linear
-            for layer in self.layers
-            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        ]
+        linears = [linear for layer in self.layers for linear in layer.linears]
         packed = [linear for linear in [*linears, self.lm_head] if isinstance(linear, PackedLinear)]
         for linear, weight in zip(packed, place_together([linear.weight for linear in packed]), strict=True):
             linear.weight = weight
@@ -234,11 +235,7 @@ class LlamaForCausalLM:
             assert stored is not None
             return linear.out_features * linear.in_features * stored.element_size()
 
-        total = sum(
-            linear_bytes(linear)
-            for layer in self.layers
-            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        )
+        total = sum(linear_bytes(linear) for layer in self.layers for linear in layer.linears)
         total += linear_bytes(self.lm_head)
         head_is_embedding = self.shape.tie_word_embeddings and isinstance(self.lm_head, Linear)
         if self.embed is not None and not head_is_embedding:
@@ -274,7 +271,7 @@ class LlamaForCausalLM:
         if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
             weights = []
             for layer in self.layers:
-                linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                linears = layer.linears
                 assert all(isinstance(linear, PackedLinear) for linear in linears)
                 qkv, o, gate_up, down = (linear.weight for linear in linears if isinstance(linear, PackedLinear))
                 bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, PackedLinear) else None
