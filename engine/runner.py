@@ -80,6 +80,7 @@ class ModelRunner:
         self.kv_caches = pool(self.num_blocks + (1 if use_graphs else 0), self.device)
         # The swap pool stays in CPU memory (page-locked on CUDA, for full-speed copies), in the device's layout.
         self.cpu_kv_caches = pool(self.num_cpu_blocks, torch.device("cpu"), on_cuda) if self.num_cpu_blocks else []
+        self._no_prefills = torch.zeros(1, dtype=torch.int32, device=self.device)  # query starts of no prefills
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             max_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
@@ -150,10 +151,12 @@ class ModelRunner:
                 last_token_rows.extend(range(len(token_ids) - 1 - num_drafts, len(token_ids)))
                 samplers.append(request)
 
+        # Few tensors, each made once from a list: right after a decode step, whose weights have streamed through
+        # every cache, each small torch call costs ~10-80 us cold, not ~2.
         max_blocks = max(len(r.block_ids) for r in requests)
-        tables = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
-        for row, request in enumerate(requests):
-            tables[row, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+        tables = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests], dtype=torch.int32
+        )
         lens = torch.tensor(context_lens, dtype=torch.int32)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions_cpu = torch.tensor(positions, dtype=torch.long)
@@ -168,8 +171,10 @@ class ModelRunner:
                 )
             if not samplers:
                 return torch.empty(0), []
-            rows = torch.tensor(last_token_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows])
+            if len(last_token_rows) < len(token_ids):  # else every row samples, in order (decode steps)
+                rows = torch.tensor(last_token_rows, dtype=torch.long).to(self.device, non_blocking=True)
+                hidden = hidden[rows]
+            logits = self.model.compute_logits(hidden)
         return logits.to("cpu"), samplers
 
     def _forward_eager(self, ids, positions, slot_mapping, tables, lens, num_new_tokens, num_decodes) -> torch.Tensor:
@@ -177,14 +182,18 @@ class ModelRunner:
             return tensor.to(self.device, non_blocking=True)
 
         tables, lens = to_device(tables), to_device(lens)
-        prefill_counts = torch.tensor([0] + num_new_tokens[num_decodes:], dtype=torch.int32)
+        if num_decodes < len(num_new_tokens):
+            prefill_counts = torch.tensor([0] + num_new_tokens[num_decodes:], dtype=torch.int32)
+            query_start_loc = to_device(torch.cumsum(prefill_counts, 0, dtype=torch.int32))
+        else:
+            query_start_loc = self._no_prefills
         meta = AttentionMetadata(
             slot_mapping=to_device(slot_mapping),
             num_decode_tokens=num_decodes,
             decode_block_tables=tables[:num_decodes],
             decode_context_lens=lens[:num_decodes],
             prefill_block_tables=tables[num_decodes:],
-            prefill_query_start_loc=to_device(torch.cumsum(prefill_counts, 0, dtype=torch.int32)),
+            prefill_query_start_loc=query_start_loc,
             prefill_context_lens=lens[num_decodes:],
             num_prefills=len(tables) - num_decodes,
         )

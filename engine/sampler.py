@@ -55,13 +55,12 @@ class Sampler:
         if greedy_rows:
             greedy_logits = _rows(logits, greedy_rows)
             argmax = kernels.greedy_tokens if kernels.native_sampling_available(greedy_logits) else blocked_argmax
-            token_ids[greedy_rows] = argmax(greedy_logits)
+            token_ids = _placed(token_ids, greedy_rows, argmax(greedy_logits))
         accepted = None
         if drafts is None:
             if random_rows:
-                token_ids[random_rows] = sample_random_rows(
-                    _rows(logits, random_rows), [states[r] for r in random_rows]
-                )
+                sampled = sample_random_rows(_rows(logits, random_rows), [states[r] for r in random_rows])
+                token_ids = _placed(token_ids, random_rows, sampled)
         else:
             if len(drafts) != len(states):
                 raise ValueError(f"{len(drafts)} drafts for {len(states)} sampling states")
@@ -82,6 +81,14 @@ class Sampler:
 
 def _rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return tensor if len(rows) == tensor.shape[0] else tensor[rows]
+
+
+def _placed(tensor: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
+    """`tensor` with `values` at `rows`; `values` itself when the rows are all of them (no scatter)."""
+    if len(rows) == tensor.shape[0]:
+        return values
+    tensor[rows] = values
+    return tensor
 
 
 def apply_logit_processors(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -207,6 +214,8 @@ def verify_drafts(
 
 def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
     """One uniform in [0, 1) per row; seeded rows advance their own generator."""
+    if all(generator is None for generator in generators):
+        return torch.rand(len(generators))
     uniform = torch.empty(len(generators))
     unseeded = [i for i, generator in enumerate(generators) if generator is None]
     if unseeded:

@@ -40,12 +40,17 @@ def use_native_cpu(enabled: bool) -> None:
     _native_cpu = enabled
 
 
+def native_cpu_enabled() -> bool:
+    """Whether CPU tensors may take the native kernels (neither switched off nor forced to the reference)."""
+    return _native_cpu and not _force_reference
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and HAS_TRITON and not _force_reference
 
 
 def _use_native(tensor: torch.Tensor) -> bool:
-    return not tensor.is_cuda and _native_cpu and not _force_reference
+    return not tensor.is_cuda and native_cpu_enabled()
 
 
 def _cpu_fast_path(cache: torch.Tensor) -> bool:

@@ -200,9 +200,57 @@ def dequantize(weight: PackedWeight) -> torch.Tensor:
     return _dequantized_rows(weight, torch.arange(weight.out_features))
 
 
+def _native_arguments(weight: PackedWeight) -> tuple[int, int, int | None, int | None]:
+    """The format code and the packed values', scales' and minimums' addresses, as the native calls take them."""
+    return (
+        FORMAT_CODES[weight.format],
+        weight.packed.data_ptr(),
+        None if weight.scales is None else weight.scales.data_ptr(),
+        None if weight.mins is None else weight.mins.data_ptr(),
+    )
+
+
 def embedding_rows(weight: PackedWeight, token_ids: torch.Tensor) -> torch.Tensor:
-    """Rows of a (tied) embedding kept only in packed form: float32 [tokens, in_features]."""
-    return _dequantized_rows(weight, token_ids.reshape(-1).long())
+    """Rows of a (tied) embedding kept only in packed form: float32 [tokens, in_features], the values of
+    `_dequantized_rows`, in one native call where built (one call, not eight torch ops a decode step)."""
+    ids = token_ids.reshape(-1).long()
+    lookup = _rows_kernel()
+    if lookup is None or ids.is_cuda or weight.packed.is_cuda:
+        return _dequantized_rows(weight, ids)
+    ids = ids.contiguous()
+    out = torch.empty(len(ids), weight.in_features)
+    padded = weight.packed.shape[1] if weight.format == "bf16" else weight.padded_in_features
+    status = lookup(
+        ids.data_ptr(),
+        len(ids),
+        weight.out_features,
+        *_native_arguments(weight),
+        weight.in_features,
+        padded,
+        weight.group,
+        out.data_ptr(),
+    )
+    if status != 0:
+        raise IndexError(f"token ids must lie in [0, {weight.out_features})")
+    return out
+
+
+@cache
+def _rows_kernel() -> Callable[..., int] | None:
+    native = library("qlinear_cpu")
+    if native is None:
+        return None
+    function = native.tokenmill_packed_rows
+    function.restype = ctypes.c_int
+    function.argtypes = (
+        [ctypes.c_void_p]
+        + [ctypes.c_int64] * 2
+        + [ctypes.c_int]
+        + [ctypes.c_void_p] * 3
+        + [ctypes.c_int64] * 3
+        + [ctypes.c_void_p]
+    )
+    return function
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -276,10 +324,7 @@ def qlinear_native(
         rows.shape[0],
         weight.in_features,
         weight.out_features,
-        FORMAT_CODES[weight.format],
-        weight.packed.data_ptr(),
-        None if weight.scales is None else weight.scales.data_ptr(),
-        None if weight.mins is None else weight.mins.data_ptr(),
+        *_native_arguments(weight),
         weight.group,
         None if bias is None else bias.data_ptr(),
         threads or torch.get_num_threads(),

@@ -80,11 +80,12 @@ def sample_native(
         raise RuntimeError("the native sampler is not built (kernels.sampling.sample_available)")
     rows, vocab = logits.shape
     logits, row_stride = _rows_in_place(logits)
+    # ctypes arrays, not tensors: a step's small torch calls run with cold caches (~10-80 us each)
     settings = (
-        torch.tensor(temperature, dtype=torch.float32),
-        torch.tensor(top_k, dtype=torch.int64),
-        torch.tensor(top_p, dtype=torch.float32),
-        torch.tensor(min_p, dtype=torch.float32),
+        (ctypes.c_float * rows)(*temperature),
+        (ctypes.c_int64 * rows)(*top_k),
+        (ctypes.c_float * rows)(*top_p),
+        (ctypes.c_float * rows)(*min_p),
     )
     draws = uniform.to(torch.float32).contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
@@ -94,7 +95,7 @@ def sample_native(
         rows,
         vocab,
         row_stride,
-        *(setting.data_ptr() for setting in settings),
+        *settings,
         draws.data_ptr(),
         tokens.data_ptr(),
         probabilities.data_ptr() if probabilities is not None else None,

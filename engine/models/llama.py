@@ -266,23 +266,27 @@ class LlamaForCausalLM:
     def decode_stack(self, hidden: torch.Tensor, kv_caches) -> DecodeStack | None:
         """The layers as one native call, for decode steps with packed weights on the CPU (None: per op).
         Built on first use for these caches (the runner allocates them once)."""
+        built = self._decode_stack
+        if built is not None and built.kv_caches is kv_caches and built.dtype == hidden.dtype:
+            # what decode_stack_applies checked when it was built holds while the native kernels stay on (the
+            # check is ~10 small torch calls, run cold after every step's weights have swept the caches)
+            return built if kernels.native_cpu_enabled() else None
         if not self.decode_stack_applies(hidden, kv_caches[0][0]):
             return None
-        if self._decode_stack is None or self._decode_stack.kv_caches is not kv_caches:
-            weights = []
-            for layer in self.layers:
-                linears = layer.linears
-                assert all(isinstance(linear, PackedLinear) for linear in linears)
-                qkv, o, gate_up, down = (linear.weight for linear in linears if isinstance(linear, PackedLinear))
-                bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, PackedLinear) else None
-                weights.append(
-                    DecoderLayerWeights(layer.input_norm, layer.post_attention_norm, qkv, bias, o, gate_up, down)
-                )
-            shape = self.shape
-            stack_shape = StackShape(
-                shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps, self.layers[0].scale
+        weights = []
+        for layer in self.layers:
+            linears = layer.linears
+            assert all(isinstance(linear, PackedLinear) for linear in linears)
+            qkv, o, gate_up, down = (linear.weight for linear in linears if isinstance(linear, PackedLinear))
+            bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, PackedLinear) else None
+            weights.append(
+                DecoderLayerWeights(layer.input_norm, layer.post_attention_norm, qkv, bias, o, gate_up, down)
             )
-            self._decode_stack = DecodeStack(weights, self.final_norm, self.cos_sin, stack_shape, kv_caches)
+        shape = self.shape
+        stack_shape = StackShape(
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps, self.layers[0].scale
+        )
+        self._decode_stack = DecodeStack(weights, self.final_norm, self.cos_sin, stack_shape, kv_caches)
         return self._decode_stack
 
     @torch.inference_mode()

@@ -51,6 +51,31 @@ constexpr int kXBlock = 32;     // inputs per int8 scale of x
 // edges): a decode step's matmuls at one row, 2-core EPYC, ~5-10% faster. A prefetch past the end is harmless.
 constexpr int64_t kPrefetchAhead = 4096;
 
+// float16 -> float32, exactly (the scalar Vec and the embedding lookup below)
+float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exponent = 127 - 15 + 1;
+            while ((mantissa & 0x400u) == 0) {
+                mantissa <<= 1;
+                --exponent;
+            }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+}
+
 #if defined(__AVX512F__)
 struct Vec {
     __m512 v;
@@ -91,30 +116,6 @@ struct Vec {
     }
 };
 #else
-float half_to_float(uint16_t h) {
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
-    if (exponent == 0) {
-        if (mantissa == 0) {
-            bits = sign;
-        } else {  // subnormal: normalize
-            exponent = 127 - 15 + 1;
-            while ((mantissa & 0x400u) == 0) {
-                mantissa <<= 1;
-                --exponent;
-            }
-            bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-        }
-    } else if (exponent == 31) {
-        bits = sign | 0x7f800000u | (mantissa << 13);
-    } else {
-        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-    }
-    float out;
-    std::memcpy(&out, &bits, sizeof(out));
-    return out;
-}
-
 struct Vec {
     float v[kLanes];
     static Vec zero() { return broadcast(0.f); }
@@ -411,11 +412,51 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     for (int64_t u = 0; u < units; ++u) run(p, u * unit, unit, out);
 }
 
+// Rows `ids` of a packed weight as float32 [count][K]: a tied embedding is held only in the head's packed form.
+// The values and roundings of kernels/qlinear.py's _dequantized_rows (q * scale, then + min: not fused).
+__attribute__((optimize("fp-contract=off"))) void packed_rows(const int64_t* ids, int64_t count, int format,
+                                                              const void* packed, const uint16_t* scales,
+                                                              const uint16_t* mins, int64_t K, int64_t Kp,
+                                                              int64_t group, float* out) {
+    const int64_t groups = Kp / group;
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t block = ids[i] / kLanes, lane = ids[i] % kLanes;
+        float* row = out + i * K;
+        for (int64_t k = 0; k < K; ++k) {
+            if (format == kBf16) {
+                row[k] = tokenmill::to_float(static_cast<const uint16_t*>(packed)[(block * Kp + k) * kLanes + lane]);
+                continue;
+            }
+            const uint8_t* bytes = static_cast<const uint8_t*>(packed);
+            const int64_t at = (block * groups + k / group) * kLanes + lane;
+            float q;
+            if (format == kInt8) {
+                q = static_cast<float>(bytes[((block * (Kp / 4) + k / 4) * kLanes + lane) * 4 + k % 4] - 128);
+            } else {  // int4: group of 32, low nibbles k 0..15, high nibbles k 16..31
+                const int64_t within = k % kXBlock, c = within % 16 / 4;
+                const uint8_t byte = bytes[(((block * (Kp / kXBlock) + k / kXBlock) * 4 + c) * kLanes + lane) * 4 + within % 4];
+                q = static_cast<float>(within < 16 ? byte & 15 : byte >> 4);
+            }
+            const float scaled = q * half_to_float(scales[at]);
+            row[k] = mins != nullptr ? scaled + half_to_float(mins[at]) : scaled;
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
 const char* tokenmill_qlinear_vector_unit() { return TOKENMILL_VEC; }
+
+// 0, or -1 (and nothing written) when an id is outside [0, N).
+int tokenmill_packed_rows(const int64_t* ids, int64_t count, int64_t N, int format, const void* packed,
+                          const uint16_t* scales, const uint16_t* mins, int64_t K, int64_t Kp, int64_t group, float* out) {
+    for (int64_t i = 0; i < count; ++i)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    packed_rows(ids, count, format, packed, scales, mins, K, Kp, group, out);
+    return 0;
+}
 
 void tokenmill_qlinear_f32(const float* x, float* out, int64_t rows, int64_t K, int64_t N, int format,
                            const void* packed, const uint16_t* scales, const uint16_t* mins, int64_t group,

@@ -129,3 +129,21 @@ def test_prefill_and_unquantized_models_keep_the_per_op_path():
         assert tiny_model(torch.float32, "int4").decode_stack(hidden, caches_) is None
     finally:
         kernels.use_native_cpu(True)
+
+
+@pytest.mark.parametrize("switch_off", [kernels.use_native_cpu, lambda off: kernels.force_reference(not off)])
+def test_a_built_stack_is_not_used_once_the_native_kernels_are_switched_off(switch_off):
+    """The model keeps its stack between steps without re-checking that it applies; switching the native
+    kernels off (or forcing the references) must still send decode steps down the per-op path."""
+    caches_ = caches(torch.float32, 4)
+    hidden = torch.zeros(1, SHAPE.hidden_size)
+    model = tiny_model(torch.float32, "int4")
+    stack = model.decode_stack(hidden, caches_)
+    assert stack is not None and model.decode_stack(hidden, caches_) is stack
+    switch_off(False)
+    try:
+        assert model.decode_stack(hidden, caches_) is None
+    finally:
+        switch_off(True)
+    assert model.decode_stack(hidden, caches_) is stack
+    assert model.decode_stack(hidden, caches(torch.float32, 4)) is not stack  # other caches: a stack of their own

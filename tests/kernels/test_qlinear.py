@@ -95,9 +95,18 @@ def test_gguf_q4_1_and_q8_0_values_come_back_unchanged() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
-    weight = pack_weight(torch.randn(300, 72), fmt)  # type: ignore[arg-type]
-    ids = torch.tensor([[0, 299], [17, 17]])
-    assert torch.equal(embedding_rows(weight, ids), dequantize(weight)[ids.reshape(-1)])
+    for group in (None, 32):  # per channel (bf16: the whole row), and per 32 as the tied int4/int8 heads
+        weight = pack_weight(torch.randn(300, 72), fmt, group)  # type: ignore[arg-type]
+        ids = torch.tensor([[0, 299], [17, 17]])
+        assert torch.equal(embedding_rows(weight, ids), dequantize(weight)[ids.reshape(-1)])
+
+
+def test_embedding_rows_outside_the_vocabulary_are_refused() -> None:
+    weight = pack_weight(torch.randn(300, 72), "int8", 32)
+    for ids in (torch.tensor([0, 300]), torch.tensor([-1])):
+        with pytest.raises(IndexError):
+            embedding_rows(weight, ids)
+    assert embedding_rows(weight, torch.tensor([], dtype=torch.long)).shape == (0, 72)
 
 
 def test_activation_quantization_keeps_16_bits_and_zero_rows_zero() -> None:
