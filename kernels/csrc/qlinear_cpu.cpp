@@ -225,11 +225,30 @@ struct IVec {
 
 enum Format : int { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
 
+// Per row of x and block of 32 inputs, the terms of the epilogue, computed once per call, not per output block
+// (a division per row, block and output block was the epilogue's slowest step).
+struct XBlockTerms {
+    float low_scale;  // s / 254, the step of the low digit: x ~ low_scale * (254 * hi + lo)
+    float sum;        // low_scale * the block's sum of 254 * hi + lo: for int4's min term
+    int32_t offset;   // 128 * the block's sum of 254 * hi + lo: int8's +128 bias on q
+    int32_t unused;
+};
+
+// acc + the int32 sums of one x block, combined as the row's digits, times the weight scale (+ int4's min term)
+template <Format F>
+Vec add_x_block(const XBlockTerms& x, IVec high, IVec low, Vec scale, Vec minimum, Vec acc) {
+    const Vec combined = Vec::mul(scale, Vec::broadcast(x.low_scale));
+    const IVec total = IVec::combine(high, low);
+    acc = Vec::fma(total.to_float(F == kInt8 ? x.offset : 0), combined, acc);
+    if constexpr (F == kInt4) acc = Vec::fma(Vec::broadcast(x.sum), minimum, acc);
+    return acc;
+}
+
 struct Problem {
     const float* x;         // bf16 format: [rows][Kp] float32
-    const int8_t* xq;       // int formats: [rows][Kp][2] x quantized per block of 32: (hi, lo) digits
-    const float* x_scales;  // [rows][Kp/32]: s; x ~ s * (hi + lo / 254)
-    const int32_t* xq_sums; // [rows][Kp/32]: sum of the block's 254*hi + lo
+    const int8_t* xq_high;  // int formats: [rows][Kp] x quantized per block of 32, the high digits ...
+    const int8_t* xq_low;   // ... and [rows][Kp] the low ones
+    const XBlockTerms* x_terms;  // [rows][Kp/32]
     int64_t rows, K, Kp, N, group, groups;
     const void* packed;
     const uint16_t* scales;
@@ -270,9 +289,9 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
                         __builtin_prefetch(at + kPrefetchAhead);
                         const auto w = IVec::load(at);
                         for (int m = 0; m < MT; ++m) {
-                            const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * q) * 2;
-                            high_sums[m].dot(w, IVec::quad(x));
-                            low_sums[m].dot(w, IVec::quad(x + 4));
+                            const int64_t x = (row + m) * p.Kp + xb * kXBlock + 4 * q;
+                            high_sums[m].dot(w, IVec::quad(p.xq_high + x));
+                            low_sums[m].dot(w, IVec::quad(p.xq_low + x));
                         }
                     }
                 } else {
@@ -282,29 +301,20 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
                         const auto packed = IVec::load(at);
                         const auto low = IVec::low_nibbles(packed), high = IVec::high_nibbles(packed);
                         for (int m = 0; m < MT; ++m) {
-                            const int8_t* x = p.xq + ((row + m) * p.Kp + xb * kXBlock + 4 * c) * 2;
-                            high_sums[m].dot(low, IVec::quad(x));
-                            low_sums[m].dot(low, IVec::quad(x + 4));
-                            high_sums[m].dot(high, IVec::quad(x + 32));
-                            low_sums[m].dot(high, IVec::quad(x + 36));
+                            const int64_t x = (row + m) * p.Kp + xb * kXBlock + 4 * c;
+                            high_sums[m].dot(low, IVec::quad(p.xq_high + x));
+                            low_sums[m].dot(low, IVec::quad(p.xq_low + x));
+                            high_sums[m].dot(high, IVec::quad(p.xq_high + x + 16));
+                            low_sums[m].dot(high, IVec::quad(p.xq_low + x + 16));
                         }
                     }
                 }
                 const int64_t at = (block * p.groups + g) * kLanes;
                 const Vec scale = Vec::load_f16(p.scales + at);
-                for (int m = 0; m < MT; ++m) {
-                    const int64_t x_at = (row + m) * (p.Kp / kXBlock) + xb;
-                    const float x_scale = p.x_scales[x_at];
-                    const int32_t offset = F == kInt8 ? 128 * p.xq_sums[x_at] : 0;
-                    const Vec combined = Vec::mul(scale, Vec::broadcast(x_scale / 254.f));
-                    const IVec total = IVec::combine(high_sums[m], low_sums[m]);
-                    acc[m] = Vec::fma(total.to_float(offset), combined, acc[m]);
-                    if constexpr (F == kInt4) {
-                        const Vec minimum = Vec::load_f16(p.mins + at);
-                        const float x_sum = x_scale / 254.f * static_cast<float>(p.xq_sums[x_at]);
-                        acc[m] = Vec::fma(Vec::broadcast(x_sum), minimum, acc[m]);
-                    }
-                }
+                const Vec minimum = F == kInt4 ? Vec::load_f16(p.mins + at) : Vec::zero();
+                for (int m = 0; m < MT; ++m)
+                    acc[m] = add_x_block<F>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb], high_sums[m], low_sums[m],
+                                            scale, minimum, acc[m]);
             }
         }
     }
@@ -350,36 +360,92 @@ void to_float_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, float* out) 
     }
 }
 
-// x per row and block of 32 as (hi, lo) int8 pairs, interleaved by 4: [hi k0..3][lo k0..3][hi k4..7]...
+// One row of x per block of 32 as two int8 digits, the high ones in one [rows][Kp] plane and the low in another:
+// high = round(x / s), low = round((x - high * s) / (s / 254)) (the difference in one rounding, an FMA).
+// The scalar loop and the AVX-512 one give the same digits (IEEE division and round-to-nearest-even in both).
 template <typename T>
-void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq, float* scales, int32_t* sums) {
-    for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t xb = 0; xb < Kp / kXBlock; ++xb) {
-            float block[kXBlock];
-            float amax = 0.f;
-            for (int i = 0; i < kXBlock; ++i) {
-                const int64_t k = xb * kXBlock + i;
-                block[i] = k < K ? tokenmill::to_float(x[r * K + k]) : 0.f;
-                amax = std::max(amax, std::fabs(block[i]));
-            }
-            const float scale = amax / 127.f, low_scale = scale / 254.f;
-            int32_t sum = 0;
-            int8_t* out = xq + (r * Kp + xb * kXBlock) * 2;
-            for (int i = 0; i < kXBlock; ++i) {
-                int32_t high = 0, low = 0;
-                if (scale != 0.f) {
-                    high = static_cast<int32_t>(std::nearbyint(block[i] / scale));
-                    low = static_cast<int32_t>(std::nearbyint((block[i] - static_cast<float>(high) * scale) / low_scale));
-                    low = std::min(127, std::max(-127, low));
-                }
-                out[(i / 4) * 8 + i % 4] = static_cast<int8_t>(high);
-                out[(i / 4) * 8 + 4 + i % 4] = static_cast<int8_t>(low);
-                sum += 254 * high + low;
-            }
-            scales[r * (Kp / kXBlock) + xb] = scale;
-            sums[r * (Kp / kXBlock) + xb] = sum;
+void quantize_row_scalar(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t* low_digits,
+                         XBlockTerms* terms) {
+    for (int64_t xb = 0; xb < Kp / kXBlock; ++xb) {
+        float block[kXBlock];
+        float amax = 0.f;
+        for (int i = 0; i < kXBlock; ++i) {
+            const int64_t k = xb * kXBlock + i;
+            block[i] = k < K ? tokenmill::to_float(x[k]) : 0.f;
+            amax = std::max(amax, std::fabs(block[i]));
         }
+        const float scale = amax / 127.f, low_scale = scale / 254.f;
+        int32_t sum = 0;
+        for (int i = 0; i < kXBlock; ++i) {
+            int32_t high = 0, low = 0;
+            if (scale != 0.f) {
+                const float rounded = std::nearbyint(block[i] / scale);
+                high = static_cast<int32_t>(rounded);
+                low = static_cast<int32_t>(std::nearbyint(std::fma(-rounded, scale, block[i]) / low_scale));
+                low = std::min(127, std::max(-127, low));
+            }
+            high_digits[xb * kXBlock + i] = static_cast<int8_t>(high);
+            low_digits[xb * kXBlock + i] = static_cast<int8_t>(low);
+            sum += 254 * high + low;
+        }
+        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
     }
+}
+
+#if defined(TOKENMILL_VNNI) && defined(__AVX512VL__)
+__m512 load16(const float* x, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, x); }
+__m512 load16(const uint16_t* x, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t* low_digits, XBlockTerms* terms) {
+    const auto mask = [K](int64_t k) -> __mmask16 {
+        const int64_t left = std::max<int64_t>(0, std::min<int64_t>(kLanes, K - k));
+        return static_cast<__mmask16>((1u << left) - 1u);
+    };
+    const __m512 limit = _mm512_set1_ps(127.f);
+    for (int64_t xb = 0; xb < Kp / kXBlock; ++xb) {
+        const int64_t k = xb * kXBlock;
+        const __m512 halves[2] = {load16(x + k, mask(k)), load16(x + k + kLanes, mask(k + kLanes))};
+        const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(halves[0])),
+                                    _mm512_reduce_max_ps(_mm512_abs_ps(halves[1])));
+        const float scale = amax / 127.f, low_scale = scale / 254.f;
+        __m512i sums = _mm512_setzero_si512();
+        for (int half = 0; half < 2; ++half) {
+            __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+            if (scale != 0.f) {
+                const __m512 step = _mm512_set1_ps(scale);
+                const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(halves[half], step),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m512 rest = _mm512_div_ps(_mm512_fnmadd_ps(rounded, step, halves[half]), _mm512_set1_ps(low_scale));
+                const __m512 low_rounded = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                high = _mm512_cvtps_epi32(rounded);
+                low = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), low_rounded)));
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(high_digits + k + half * kLanes), _mm512_cvtepi32_epi8(high));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(low_digits + k + half * kLanes), _mm512_cvtepi32_epi8(low));
+            sums = _mm512_add_epi32(sums, _mm512_add_epi32(_mm512_mullo_epi32(high, _mm512_set1_epi32(254)), low));
+        }
+        const int32_t sum = _mm512_reduce_add_epi32(sums);
+        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
+    }
+}
+#else
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t* low_digits, XBlockTerms* terms) {
+    quantize_row_scalar(x, K, Kp, high_digits, low_digits, terms);
+}
+#endif
+
+// Rows are independent: split across the threads when there are enough of them to pay for it.
+template <typename T>
+void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq_high, int8_t* xq_low,
+                   XBlockTerms* terms, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 16)
+    for (int64_t r = 0; r < rows; ++r)
+        quantize_row(x + r * K, K, Kp, xq_high + r * Kp, xq_low + r * Kp, terms + r * (Kp / kXBlock));
 }
 
 template <typename T>
@@ -387,19 +453,18 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
              const uint16_t* scales, const uint16_t* mins, int64_t group, const float* bias, int threads) {
     const int64_t groups = format == kBf16 ? 1 : (K + group - 1) / group;
     const int64_t Kp = format == kBf16 ? K : groups * group;
-    static thread_local std::vector<float> x_float, x_scales;
+    static thread_local std::vector<float> x_float;
     static thread_local std::vector<int8_t> xq;
-    static thread_local std::vector<int32_t> xq_sums;
+    static thread_local std::vector<XBlockTerms> x_terms;
     if (format == kBf16) {
         x_float.resize(static_cast<size_t>(rows * Kp));
         to_float_rows(x, rows, K, Kp, x_float.data());
     } else {
         xq.resize(static_cast<size_t>(rows * Kp * 2));
-        x_scales.resize(static_cast<size_t>(rows * Kp / kXBlock));
-        xq_sums.resize(static_cast<size_t>(rows * Kp / kXBlock));
-        quantize_rows(x, rows, K, Kp, xq.data(), x_scales.data(), xq_sums.data());
+        x_terms.resize(static_cast<size_t>(rows * Kp / kXBlock));
+        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, x_terms.data(), threads);
     }
-    const Problem p{x_float.data(), xq.data(), x_scales.data(), xq_sums.data(), rows, K, Kp, N, group, groups,
+    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, x_terms.data(), rows, K, Kp, N, group, groups,
                     packed, scales, mins, bias};
     const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
     // The unit of work: half tiles for one or two rows (a decode step's matmuls have 9 to 48 tiles, and

@@ -52,6 +52,18 @@ def test_native_matches_reference_for_every_row_count(fmt: str, shape: tuple[int
         assert relative_error(out, expected) < (5e-5 if dtype == torch.float32 else 1e-2), (fmt, rows)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_row_gets_the_same_bits_alone_or_among_many(fmt: str) -> None:
+    """x is quantized per row (from 16 rows split across the threads), so a row's result does not depend on
+    the rows that came with it: a reply is the same at one user or forty."""
+    generator = torch.Generator().manual_seed(7)
+    weight = pack_weight(torch.randn(200, 333, generator=generator), fmt)  # type: ignore[arg-type]
+    x = torch.randn(40, 333, generator=generator) * torch.rand(40, 1, generator=generator) * 20
+    together = qlinear_native(x, weight, threads=2)
+    for row in (0, 17, 39):
+        assert torch.equal(qlinear_native(x[row : row + 1], weight, threads=2)[0], together[row]), row
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_leading_dimensions_and_strided_input(fmt: str) -> None:
     linear = PackedLinear(torch.randn(70, 64), fmt)  # type: ignore[arg-type]
