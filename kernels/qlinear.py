@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -235,22 +235,25 @@ def embedding_rows(weight: PackedWeight, token_ids: torch.Tensor) -> torch.Tenso
     return out
 
 
+_VOID, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
 @cache
-def _rows_kernel() -> Callable[..., int] | None:
+def _native_function(name: str, restype: type | None, argtypes: tuple[type, ...]) -> Callable[..., object] | None:
+    """`name` from the qlinear_cpu library with its ctypes signature set, or None where it isn't built."""
     native = library("qlinear_cpu")
     if native is None:
         return None
-    function = native.tokenmill_packed_rows
-    function.restype = ctypes.c_int
-    function.argtypes = (
-        [ctypes.c_void_p]
-        + [ctypes.c_int64] * 2
-        + [ctypes.c_int]
-        + [ctypes.c_void_p] * 3
-        + [ctypes.c_int64] * 3
-        + [ctypes.c_void_p]
+    function = getattr(native, name)
+    function.restype = restype
+    function.argtypes = list(argtypes)
+    return cast(Callable[..., object], function)
+
+
+def _rows_kernel() -> Callable[..., object] | None:
+    return _native_function(
+        "tokenmill_packed_rows", ctypes.c_int, (_VOID, _I64, _I64, _INT, _VOID, _VOID, _VOID, _I64, _I64, _I64, _VOID)
     )
-    return function
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -278,30 +281,18 @@ def qlinear_reference(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor 
     return out.to(x.dtype)
 
 
-@cache
-def _kernel(dtype: torch.dtype) -> Callable[..., None] | None:
-    native = library("qlinear_cpu")
-    if native is None:
-        return None
-    function = getattr(native, f"tokenmill_qlinear_{_SUFFIX[dtype]}")
-    function.restype = None
-    function.argtypes = (
-        [ctypes.c_void_p, ctypes.c_void_p]
-        + [ctypes.c_int64] * 3
-        + [ctypes.c_int]
-        + [ctypes.c_void_p] * 3
-        + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+def _kernel(dtype: torch.dtype) -> Callable[..., object] | None:
+    return _native_function(
+        f"tokenmill_qlinear_{_SUFFIX[dtype]}",
+        None,
+        (_VOID, _VOID, _I64, _I64, _I64, _INT, _VOID, _VOID, _VOID, _I64, _VOID, _INT),
     )
-    return function
 
 
 def vector_unit() -> str | None:
     """Which vector code the native kernel was built with ("avx512", "avx2", "scalar"), None if not built."""
-    native = library("qlinear_cpu")
-    if native is None:
-        return None
-    native.tokenmill_qlinear_vector_unit.restype = ctypes.c_char_p
-    return str(native.tokenmill_qlinear_vector_unit().decode())
+    function = _native_function("tokenmill_qlinear_vector_unit", ctypes.c_char_p, ())
+    return None if function is None else str(cast(bytes, function()).decode())
 
 
 def native_available(x: torch.Tensor) -> bool:

@@ -231,7 +231,7 @@ struct XBlockTerms {
     float low_scale;  // s / 254, the step of the low digit: x ~ low_scale * (254 * hi + lo)
     float sum;        // low_scale * the block's sum of 254 * hi + lo: for int4's min term
     int32_t offset;   // 128 * the block's sum of 254 * hi + lo: int8's +128 bias on q
-    int32_t unused;
+    int32_t padding;  // to 16 bytes
 };
 
 // acc + the int32 sums of one x block, combined as the row's digits, times the weight scale (+ int4's min term)
@@ -405,7 +405,7 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
         const int64_t left = std::max<int64_t>(0, std::min<int64_t>(kLanes, K - k));
         return static_cast<__mmask16>((1u << left) - 1u);
     };
-    const __m512 limit = _mm512_set1_ps(127.f);
+    const __m512 limit = _mm512_set1_ps(127.f), negative_limit = _mm512_set1_ps(-127.f);
     for (int64_t xb = 0; xb < Kp / kXBlock; ++xb) {
         const int64_t k = xb * kXBlock;
         const __m512 halves[2] = {load16(x + k, mask(k)), load16(x + k + kLanes, mask(k + kLanes))};
@@ -419,10 +419,11 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
                 const __m512 step = _mm512_set1_ps(scale);
                 const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(halves[half], step),
                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                const __m512 rest = _mm512_div_ps(_mm512_fnmadd_ps(rounded, step, halves[half]), _mm512_set1_ps(low_scale));
-                const __m512 low_rounded = _mm512_roundscale_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m512 rest = _mm512_fnmadd_ps(rounded, step, halves[half]);
+                const __m512 low_rounded = _mm512_roundscale_ps(_mm512_div_ps(rest, _mm512_set1_ps(low_scale)),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 high = _mm512_cvtps_epi32(rounded);
-                low = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), low_rounded)));
+                low = _mm512_cvtps_epi32(_mm512_min_ps(limit, _mm512_max_ps(negative_limit, low_rounded)));
             }
             _mm_storeu_si128(reinterpret_cast<__m128i*>(high_digits + k + half * kLanes), _mm512_cvtepi32_epi8(high));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(low_digits + k + half * kLanes), _mm512_cvtepi32_epi8(low));
