@@ -256,69 +256,96 @@ struct Problem {
     const float* bias;  // [N] or null
 };
 
-constexpr int kMaxRows = 4;  // rows of x per pass over a block: 4 x 2 digits + 4 float sums stay in registers
+// Rows of x per pass over a block: with two blocks side by side, 2 x 4 x 2 digit sums + 8 float sums stay in registers
+constexpr int kMaxRows = 4;
 
-// Sums of MT rows against one block (16 outputs), one group (or all of K for bf16) at a time, into
-// result[m * kLanes + lane].
-// One block at a time, not several side by side: a block's weights are one contiguous run of memory, so a
-// thread's work (consecutive blocks) reads as a single sequential stream, which the prefetchers follow; two
-// or four blocks read side by side were as many interleaved streams, and a decode step's matmuls ran ~20%
-// slower at 1 to 8 rows (2-core EPYC, bench/qlinear_bench.py), with the same bits.
-template <Format F, int MT>
+// Sums of MT rows against NB consecutive blocks (16 outputs each), one group (or all of K for bf16) at a time,
+// into result[(b * MT + m) * kLanes + lane].
+// One block at a time (NB = 1) while the weights stream from memory: a block's weights are one contiguous run,
+// so a thread's work (consecutive blocks) reads as a single sequential stream, which the prefetchers follow;
+// two or four blocks read side by side were as many interleaved streams, and a decode step's matmuls ran ~20%
+// slower at 1 to 8 rows (2-core EPYC, bench/qlinear_bench.py), with the same bits. With many rows the weights
+// come from cache and the arithmetic bounds: two blocks side by side use each broadcast digit of x twice
+// (1.1-1.2x at 8 to 2048 rows for int4 and int8, same bits; the loops over c and q must be unrolled, or GCC
+// keeps the [NB][MT] sums in memory and it ran 0.75x).
+template <Format F, int MT, int NB = 1>
 void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
-    Vec acc[MT];
-    for (Vec& sum : acc) sum = Vec::zero();
+    Vec acc[NB][MT];
+    for (auto& sums : acc)
+        for (Vec& sum : sums) sum = Vec::zero();
     const int64_t groups = F == kBf16 ? 1 : p.groups;
     const int64_t group = F == kBf16 ? p.Kp : p.group;
     for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * group, k1 = k0 + group;
         if constexpr (F == kBf16) {
+            static_assert(NB == 1, "bf16 runs one block at a time");
             for (int64_t k = k0; k < k1; ++k) {
                 const Vec w = Vec::load_bf16(static_cast<const uint16_t*>(p.packed) + (block * p.Kp + k) * kLanes);
-                for (int m = 0; m < MT; ++m) acc[m] = Vec::fma(Vec::broadcast(p.x[(row + m) * p.Kp + k]), w, acc[m]);
+                for (int m = 0; m < MT; ++m)
+                    acc[0][m] = Vec::fma(Vec::broadcast(p.x[(row + m) * p.Kp + k]), w, acc[0][m]);
             }
         } else {
             // one x block (32 inputs) at a time; for int4 a group is one x block
             const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
             for (int64_t xb = k0 / kXBlock; xb < k1 / kXBlock; ++xb) {
-                IVec high_sums[MT], low_sums[MT];
-                for (int m = 0; m < MT; ++m) high_sums[m] = low_sums[m] = IVec::zero();
+                IVec high_sums[NB][MT], low_sums[NB][MT];
+                for (int b = 0; b < NB; ++b)
+                    for (int m = 0; m < MT; ++m) high_sums[b][m] = low_sums[b][m] = IVec::zero();
                 if constexpr (F == kInt8) {
+#pragma GCC unroll 8
                     for (int q = 0; q < kXBlock / 4; ++q) {
-                        const uint8_t* at = bytes + (block * (p.Kp / 4) + xb * 8 + q) * 64;
-                        __builtin_prefetch(at + kPrefetchAhead);
-                        const auto w = IVec::load(at);
+                        decltype(IVec::load(bytes)) w[NB];
+                        for (int b = 0; b < NB; ++b) {
+                            const uint8_t* at = bytes + ((block + b) * (p.Kp / 4) + xb * 8 + q) * 64;
+                            __builtin_prefetch(at + kPrefetchAhead);
+                            w[b] = IVec::load(at);
+                        }
                         for (int m = 0; m < MT; ++m) {
                             const int64_t x = (row + m) * p.Kp + xb * kXBlock + 4 * q;
-                            high_sums[m].dot(w, IVec::quad(p.xq_high + x));
-                            low_sums[m].dot(w, IVec::quad(p.xq_low + x));
+                            const auto high = IVec::quad(p.xq_high + x), low = IVec::quad(p.xq_low + x);
+                            for (int b = 0; b < NB; ++b) {
+                                high_sums[b][m].dot(w[b], high);
+                                low_sums[b][m].dot(w[b], low);
+                            }
                         }
                     }
                 } else {
+#pragma GCC unroll 4
                     for (int c = 0; c < 4; ++c) {
-                        const uint8_t* at = bytes + ((block * (p.Kp / kXBlock) + xb) * 4 + c) * 64;
-                        __builtin_prefetch(at + kPrefetchAhead);
-                        const auto packed = IVec::load(at);
-                        const auto low = IVec::low_nibbles(packed), high = IVec::high_nibbles(packed);
+                        decltype(IVec::load(bytes)) low[NB], high[NB];
+                        for (int b = 0; b < NB; ++b) {
+                            const uint8_t* at = bytes + (((block + b) * (p.Kp / kXBlock) + xb) * 4 + c) * 64;
+                            __builtin_prefetch(at + kPrefetchAhead);
+                            const auto packed = IVec::load(at);
+                            low[b] = IVec::low_nibbles(packed);
+                            high[b] = IVec::high_nibbles(packed);
+                        }
                         for (int m = 0; m < MT; ++m) {
                             const int64_t x = (row + m) * p.Kp + xb * kXBlock + 4 * c;
-                            high_sums[m].dot(low, IVec::quad(p.xq_high + x));
-                            low_sums[m].dot(low, IVec::quad(p.xq_low + x));
-                            high_sums[m].dot(high, IVec::quad(p.xq_high + x + 16));
-                            low_sums[m].dot(high, IVec::quad(p.xq_low + x + 16));
+                            for (int half = 0; half < 2; ++half) {
+                                const auto x_high = IVec::quad(p.xq_high + x + 16 * half);
+                                const auto x_low = IVec::quad(p.xq_low + x + 16 * half);
+                                for (int b = 0; b < NB; ++b) {
+                                    high_sums[b][m].dot(half == 0 ? low[b] : high[b], x_high);
+                                    low_sums[b][m].dot(half == 0 ? low[b] : high[b], x_low);
+                                }
+                            }
                         }
                     }
                 }
-                const int64_t at = (block * p.groups + g) * kLanes;
-                const Vec scale = Vec::load_f16(p.scales + at);
-                const Vec minimum = F == kInt4 ? Vec::load_f16(p.mins + at) : Vec::zero();
-                for (int m = 0; m < MT; ++m)
-                    acc[m] = add_x_block<F>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb], high_sums[m], low_sums[m],
-                                            scale, minimum, acc[m]);
+                for (int b = 0; b < NB; ++b) {
+                    const int64_t at = ((block + b) * p.groups + g) * kLanes;
+                    const Vec scale = Vec::load_f16(p.scales + at);
+                    const Vec minimum = F == kInt4 ? Vec::load_f16(p.mins + at) : Vec::zero();
+                    for (int m = 0; m < MT; ++m)
+                        acc[b][m] = add_x_block<F>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb], high_sums[b][m],
+                                                   low_sums[b][m], scale, minimum, acc[b][m]);
+                }
             }
         }
     }
-    for (int m = 0; m < MT; ++m) acc[m].store(result + m * kLanes);
+    for (int b = 0; b < NB; ++b)
+        for (int m = 0; m < MT; ++m) acc[b][m].store(result + (b * MT + m) * kLanes);
 }
 
 template <typename T>
@@ -334,22 +361,34 @@ void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const 
 }
 
 // `count` consecutive blocks, each against every row of x, up to four rows at a time: a block's weights
-// are read from memory by the first rows and from L1 by the rest.
+// are read from memory by the first rows and from L1 by the rest. From kPairRows rows (where pairs measured
+// faster; below, the weights stream from memory and one block at a time reads them best), two blocks at a time.
+constexpr int64_t kPairRows = 8;
+
+template <Format F, int NB, typename T>
+void run_rows(const Problem& p, int64_t block, T* out) {
+    alignas(64) float result[NB * kMaxRows * kLanes];
+    for (int64_t row = 0; row < p.rows; row += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - row));
+        switch (rows) {
+            case 4: block_sums<F, 4, NB>(p, block, row, result); break;
+            case 3: block_sums<F, 3, NB>(p, block, row, result); break;
+            case 2: block_sums<F, 2, NB>(p, block, row, result); break;
+            default: block_sums<F, 1, NB>(p, block, row, result); break;
+        }
+        for (int b = 0; b < NB; ++b)
+            write_rows(p, row, rows, (block + b) * kLanes, result + b * rows * kLanes, out);
+    }
+}
+
 template <Format F, typename T>
 void run_blocks(const Problem& p, int64_t first_block, int64_t count, T* out) {
-    alignas(64) float result[kMaxRows * kLanes];
-    for (int64_t block = first_block; block < first_block + count; ++block) {
-        for (int64_t row = 0; row < p.rows; row += kMaxRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - row));
-            switch (rows) {
-                case 4: block_sums<F, 4>(p, block, row, result); break;
-                case 3: block_sums<F, 3>(p, block, row, result); break;
-                case 2: block_sums<F, 2>(p, block, row, result); break;
-                default: block_sums<F, 1>(p, block, row, result); break;
-            }
-            write_rows(p, row, rows, block * kLanes, result, out);
-        }
+    int64_t block = first_block;
+    if constexpr (F != kBf16) {
+        if (p.rows >= kPairRows)
+            for (; block + 2 <= first_block + count; block += 2) run_rows<F, 2>(p, block, out);
     }
+    for (; block < first_block + count; ++block) run_rows<F, 1>(p, block, out);
 }
 
 template <typename T>
