@@ -347,7 +347,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("--model", "model", str, "'default' (embedded SmolLM2), a HF folder or a .gguf file", engine=True),
     Option("--served-model-name", "served_model_name", str, "model id clients use", engine=True),
-    Option("--dtype", "dtype", str, "weights and KV cache dtype", engine=True, choices=("float32", "bfloat16")),
+    Option(
+        "--dtype",
+        "dtype",
+        str,
+        "activations, unquantized weights and (see --kv-cache-dtype) KV cache dtype",
+        engine=True,
+        choices=("float32", "bfloat16"),
+    ),
     Option(
         "--quantization",
         "quantization",
@@ -357,6 +364,16 @@ OPTIONS: tuple[Option, ...] = (
         "on CPUs with AVX512-VNNI",
         engine=True,
         choices=("auto", "none", "int8", "int4"),
+    ),
+    Option(
+        "--kv-cache-dtype",
+        "kv_cache_dtype",
+        str,
+        "KV cache element type: auto (default): the activations' (--dtype), except bfloat16 under float32 "
+        "activations with int8/int4 weights, where it holds twice the tokens per GiB and decodes many "
+        "sequences faster; float32 or bfloat16 to choose",
+        engine=True,
+        choices=("auto", "float32", "bfloat16"),
     ),
     Option(
         "--speculation",

@@ -10,6 +10,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("none", "int8", "int4", "auto")  # weight-only: kernels/qlinear.py; auto: engine.loader
 KV_LAYOUTS = ("auto", "heads_major", "token_major")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 SPECULATIONS = ("auto", "ngram", "off")  # engine/speculation.py
 
 
@@ -62,6 +63,11 @@ class EngineConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu; "cpu", "cuda", "cuda:N"
     enforce_eager: bool = False  # on CUDA: no CUDA-graph replay of decode steps
     kv_layout: Literal["auto", "heads_major", "token_major"] = "auto"  # auto: heads-major on the CPU
+    # The KV cache's element type. "auto": the activations' (dtype), except bfloat16 under float32 activations
+    # with int8/int4 weights on the CPU, where no token-exactness against HF is promised: half the bytes per
+    # token, so twice the tokens fit in kv_cache_memory_gb, and decode steps at many sequences, which read
+    # every sequence's whole cache, read half as much (kv_torch_dtype below).
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Weight-only quantization of the linears (and of a tied embedding), CPU only: "int8" per output
     # channel, "int4" in groups of 32 with the embedding as int8 per 32 (GGUF Q4_1 / Q8_0 style).
     # "auto" (the server's default): int4 where that loses nothing, else none (engine.loader).
@@ -97,6 +103,12 @@ class EngineConfig:
             raise ValueError("fair_prompt_weight must be at least 0 and fair_output_weight positive")
         if self.max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "float32" and self.dtype == "bfloat16":
+            raise ValueError("kv_cache_dtype float32 under bfloat16 activations would only add bytes: use auto")
+        if self.kv_cache_dtype not in ("auto", self.dtype) and self.torch_device.type != "cpu":
+            raise ValueError("a KV cache dtype other than the activations' runs on the CPU kernels only")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -119,6 +131,21 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    def kv_torch_dtype(self, quantization: str) -> torch.dtype:
+        """The KV pool's element type under the quantization a load applied (engine.loader.resolve_quantization).
+        "auto" stores bfloat16 under float32 activations with packed (int8/int4) weights on the CPU: those are
+        held to agreement and perplexity bounds against bf16, not to token-exactness against HF, and a decode
+        step at 64 sequences of ~300 tokens reads ~0.9 GB of float32 keys and values (its attention took
+        ~55 ms of a ~120 ms step on a 2-core EPYC; ~35-45 ms from bfloat16). Values are rounded once, as
+        stored, and widened to float32 as read, so a sequence's cache holds the same bits whatever ran beside
+        it. Unquantized float32 keeps float32: it is the mode that is exact against HF."""
+        if self.kv_cache_dtype != "auto":
+            return DTYPES[self.kv_cache_dtype]
+        packed = quantization in ("int8", "int4")
+        if packed and self.dtype == "float32" and self.torch_device.type == "cpu":
+            return torch.bfloat16
+        return self.torch_dtype
 
     @property
     def heads_major_kv(self) -> bool:

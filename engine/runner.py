@@ -19,9 +19,9 @@ from engine.scheduler import ScheduledBatch
 from kernels.cpu_attention import heads_major_cache
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
     shape = loaded.shape
-    element = torch.empty((), dtype=loaded.dtype).element_size()
+    element = torch.empty((), dtype=dtype).element_size()
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
 
 
@@ -56,7 +56,8 @@ class ModelRunner:
                 f"the model was loaded on {self.device}, but the engine is set to run on {config.torch_device}"
             )
         self.block_size = config.block_size
-        per_block = kv_bytes_per_block(loaded, config.block_size)
+        self.kv_dtype = config.kv_torch_dtype(loaded.model.quantization)
+        per_block = kv_bytes_per_block(loaded, config.block_size, self.kv_dtype)
         self.num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gb * 2**30 // per_block))
         self.num_cpu_blocks = 0
         if config.preemption_mode == "swap":
@@ -66,7 +67,7 @@ class ModelRunner:
         # Graph replays pad batches with rows that write one block past the pool the block manager hands out.
         self.dummy_block = self.num_blocks if use_graphs else None
         shape = loaded.shape
-        layout = (config.block_size, shape.num_kv_heads, shape.head_dim, loaded.dtype)
+        layout = (config.block_size, shape.num_kv_heads, shape.head_dim, self.kv_dtype)
 
         def pool(
             blocks: int, device: torch.device, pin_memory: bool = False

@@ -112,7 +112,9 @@ def rotary_embedding(positions, query, key, cos_sin_cache):
 def decode_stack_available(hidden: torch.Tensor, key_cache: torch.Tensor, heads: int) -> bool:
     """Whether a decode step's layers can run as one native call (kernels/decode_stack.py): CPU tensors,
     native kernels on, a heads-major cache, and a head shape the native attention takes."""
-    if not (_use_native(hidden) and is_heads_major(key_cache) and decode_stack.available(hidden.dtype)):
+    if not (
+        _use_native(hidden) and is_heads_major(key_cache) and decode_stack.available(hidden.dtype, key_cache.dtype)
+    ):
         return False
     query_shape = torch.empty(0, heads, key_cache.shape[3], dtype=hidden.dtype)
     return native.decode_available(query_shape, key_cache)

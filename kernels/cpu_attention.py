@@ -29,8 +29,10 @@ def paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, cont
     num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
     padded_len = num_blocks * block_size
     blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    # a cache narrower than the query (bfloat16 under float32 activations) is widened as it is gathered
     keys = key_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads * seqs, padded_len, head_dim)
     values = value_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads * seqs, padded_len, head_dim)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     q = query.view(seqs, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * seqs, group, head_dim)
     scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)
     padding = torch.arange(padded_len)[None, :] >= context_lens[:, None].long()  # [seqs, len]
@@ -51,8 +53,9 @@ def paged_attention_prefill_cpu(query, key_cache, value_cache, block_tables, que
         if num_queries == 0:
             continue
         blocks = block_tables[i, : (length + block_size - 1) // block_size].long()
-        keys = key_store.index_select(1, blocks).flatten(1, 2)[:, :length]  # [kv_heads, length, head_dim]
-        values = value_store.index_select(1, blocks).flatten(1, 2)[:, :length]
+        # [kv_heads, length, head_dim], widened to the query's type where the cache is narrower
+        keys = key_store.index_select(1, blocks).flatten(1, 2)[:, :length].to(query.dtype)
+        values = value_store.index_select(1, blocks).flatten(1, 2)[:, :length].to(query.dtype)
         # 4-D inputs: with 3-D ones SDPA on the CPU falls back to its math path (bmm, masks, softmax),
         # measured 2.5-3.5x slower at 512 tokens in bfloat16 and float32; 4-D takes the flash kernel,
         # which also handles the GQA groups without repeating the kv heads.

@@ -14,6 +14,9 @@ import torch
 from kernels.cpu_native import library
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# (activations, KV cache) element types of the attention kernels beyond the matching pairs: bfloat16 caches
+# under float32 activations (packed weights on the CPU, EngineConfig.kv_torch_dtype)
+_KV_SUFFIX = {(torch.float32, torch.bfloat16): "f32_bf16kv"}
 _P, _I64, _F, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     ("paged_decode_cpu", "tokenmill_paged_decode"): [_P] * 6 + [_I64] * 8 + [_F, _I],
@@ -25,12 +28,19 @@ _SIGNATURES = {
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # paged_decode_cpu.cpp's stack buffers
 
 
+def kernel_suffix(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> str | None:
+    """The exported name's suffix for activations of `dtype` (and a KV cache of `cache_dtype`), or None."""
+    if cache_dtype is None or cache_dtype == dtype:
+        return _SUFFIX.get(dtype)
+    return _KV_SUFFIX.get((dtype, cache_dtype))
+
+
 @cache
-def _function(library_name: str, name: str, dtype: torch.dtype):
+def _function(library_name: str, name: str, dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
     native = library(library_name)
     if native is None:
         return None
-    function = getattr(native, f"{name}_{_SUFFIX[dtype]}")
+    function = getattr(native, f"{name}_{kernel_suffix(dtype, cache_dtype)}")
     function.restype = None
     function.argtypes = _SIGNATURES[(library_name, name)]
     return function
@@ -43,6 +53,16 @@ def _ready(library_name: str, name: str, *tensors: torch.Tensor) -> bool:
     return _function(library_name, name, dtype) is not None
 
 
+def _attention_ready(name: str, library_name: str, activations: torch.Tensor, *caches: torch.Tensor) -> bool:
+    """Activations of one type and caches of one type, a pair the kernel is built for."""
+    dtype, cache_dtype = activations.dtype, caches[0].dtype
+    if any(t.is_cuda for t in (activations, *caches)) or any(c.dtype != cache_dtype for c in caches):
+        return False
+    return (
+        kernel_suffix(dtype, cache_dtype) is not None and _function(library_name, name, dtype, cache_dtype) is not None
+    )
+
+
 def _threads() -> int:
     return torch.get_num_threads()
 
@@ -51,7 +71,7 @@ def _threads() -> int:
 def decode_available(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     heads, head_dim, kv_heads = query.shape[1], query.shape[2], key_cache.shape[2]
     shape_ok = heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
-    return shape_ok and _ready("paged_decode_cpu", "tokenmill_paged_decode", query, key_cache)
+    return shape_ok and _attention_ready("tokenmill_paged_decode", "paged_decode_cpu", query, key_cache)
 
 
 def paged_attention_decode_native(query, key_cache, value_cache, block_tables, context_lens, scale):
@@ -63,7 +83,7 @@ def paged_attention_decode_native(query, key_cache, value_cache, block_tables, c
     tables = block_tables.to(torch.int32).contiguous()
     lengths = context_lens.to(torch.int32).contiguous()
     out = torch.empty(seqs, heads, head_dim, dtype=query.dtype)
-    _function("paged_decode_cpu", "tokenmill_paged_decode", query.dtype)(
+    _function("paged_decode_cpu", "tokenmill_paged_decode", query.dtype, key_cache.dtype)(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
@@ -164,13 +184,18 @@ def store_kv_available(key, value, key_cache) -> bool:
     def rows_ok(t):
         return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
-    return rows_ok(key) and rows_ok(value) and _ready("elementwise_cpu", "tokenmill_store_kv", key, value, key_cache)
+    return (
+        rows_ok(key)
+        and rows_ok(value)
+        and key.dtype == value.dtype
+        and _attention_ready("tokenmill_store_kv", "elementwise_cpu", key, key_cache)
+    )
 
 
 def store_kv_native(key, value, key_cache, value_cache, slot_mapping) -> None:
     slots = slot_mapping.to(torch.int64).contiguous()
     pool_blocks, block_size, kv_heads, head_dim = key_cache.shape
-    _function("elementwise_cpu", "tokenmill_store_kv", key.dtype)(
+    _function("elementwise_cpu", "tokenmill_store_kv", key.dtype, key_cache.dtype)(
         key.data_ptr(),
         value.data_ptr(),
         key.stride(0),

@@ -20,6 +20,7 @@ from typing import cast
 import torch
 
 from kernels.cpu_native import library
+from kernels.cpu_native_ops import kernel_suffix
 from kernels.qlinear import FORMAT_CODES, PackedWeight
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -31,6 +32,7 @@ _KERNELS = (  # (field, library, function) in TokenmillKernels' order
     ("store_kv", "elementwise_cpu", "tokenmill_store_kv"),
     ("paged_decode", "paged_decode_cpu", "tokenmill_paged_decode"),
 )
+_CACHE_KERNELS = ("store_kv", "paged_decode")  # built per (activations, KV cache) pair of element types
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -92,13 +94,17 @@ class StackShape:
 
 
 @cache
-def _kernel_addresses(dtype: torch.dtype) -> _Kernels | None:
-    suffix = _SUFFIX[dtype]
+def _kernel_addresses(dtype: torch.dtype, cache_dtype: torch.dtype) -> _Kernels | None:
+    """The kernels for activations of `dtype`; the two that touch the KV cache for a cache of `cache_dtype`."""
+    attention_suffix = kernel_suffix(dtype, cache_dtype)
+    if dtype not in _SUFFIX or attention_suffix is None:
+        return None
     addresses = {}
     for field, library_name, function in _KERNELS:
         native = library(library_name)
         if native is None:
             return None
+        suffix = attention_suffix if field in _CACHE_KERNELS else _SUFFIX[dtype]
         addresses[field] = ctypes.cast(getattr(native, f"{function}_{suffix}"), _P).value
     return _Kernels(**addresses)
 
@@ -114,9 +120,11 @@ def _entry(dtype: torch.dtype) -> Callable[..., None] | None:
     return cast(Callable[..., None], function)
 
 
-def available(dtype: torch.dtype) -> bool:
-    """Whether the native libraries for a fused decode in `dtype` are built."""
-    return dtype in _SUFFIX and _entry(dtype) is not None and _kernel_addresses(dtype) is not None
+def available(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the native libraries for a fused decode in `dtype` (over a KV cache of `cache_dtype`, by default
+    the same) are built."""
+    cache_dtype = cache_dtype or dtype
+    return dtype in _SUFFIX and _entry(dtype) is not None and _kernel_addresses(dtype, cache_dtype) is not None
 
 
 def _linear(weight: PackedWeight, bias: torch.Tensor | None = None) -> _Linear:
@@ -146,9 +154,9 @@ class DecodeStack:
         shape: StackShape,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        dtype = final_norm.dtype
-        kernels = _kernel_addresses(dtype)
-        if not available(dtype) or kernels is None:
+        dtype, cache_dtype = final_norm.dtype, kv_caches[0][0].dtype
+        kernels = _kernel_addresses(dtype, cache_dtype)
+        if not available(dtype, cache_dtype) or kernels is None:
             raise RuntimeError("the native decode stack is not built for this dtype (check `available` first)")
         self.dtype = dtype
         self.kv_caches = kv_caches

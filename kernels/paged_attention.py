@@ -285,8 +285,9 @@ def paged_attention_decode_reference(
     padded_len = num_blocks * block_size
     # Whole blocks are gathered (large rows copy fastest on the CPU); the tail is masked instead of cut.
     blocks = block_tables[:, :num_blocks].reshape(-1).long()
-    keys = key_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim)
-    values = value_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim)
+    # A cache narrower than the query (bfloat16 under float32 activations) is widened as it is gathered.
+    keys = key_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim).to(query.dtype)
+    values = value_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim).to(query.dtype)
     padding = torch.arange(padded_len, device=query.device)[None, None, :] >= context_lens[:, None, None].long()
     q = query.view(seqs, kv_heads, group, head_dim)
     out = torch.empty(seqs, kv_heads, group, head_dim, dtype=query.dtype, device=query.device)

@@ -43,7 +43,7 @@ def price_sheet(app, name: str) -> dict | None:
 
 ENGINE_SETTING_NOTES = {
     "model": "weights (default = embedded SmolLM2)",
-    "dtype": "weights and KV cache",
+    "dtype": "activations and unquantized weights",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV pool, blocks",
     "kv_cache_memory_gb": "KV pool, GiB",
@@ -53,6 +53,7 @@ ENGINE_SETTING_NOTES = {
     "max_waiting": "queue before 503",
     "preemption_mode": "when KV runs out",
     "enable_prefix_caching": "share identical prompt prefixes",
+    "kv_cache_dtype": "auto: bfloat16 under float32 with int8/int4 weights",
     "speculation": "n-gram drafts verified in the decode step",
 }
 

@@ -27,7 +27,7 @@ from app.registry.gguf_header import read_string, read_value
 from app.registry.inspection import default_source_path
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
-from engine.loader import converted_folder
+from engine.loader import converted_folder, resolve_quantization
 
 MARGIN = 1.1  # activations, the tokenizer, allocator slack
 FLOAT32_BYTES = 4
@@ -140,7 +140,8 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     if footprint is None:
         return None
     element = DTYPES[config.dtype].itemsize
-    bytes_per_block = 2 * footprint.layers * footprint.kv_width * config.block_size * element
+    kv_element = config.kv_torch_dtype(resolve_quantization(config)).itemsize
+    bytes_per_block = 2 * footprint.layers * footprint.kv_width * config.block_size * kv_element
     # As engine/runner.py sizes them: a block count wins over the budget; swap mode adds a CPU pool.
     device_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gb * GIB // max(bytes_per_block, 1)))
     kv = device_blocks * bytes_per_block

@@ -27,6 +27,7 @@ ENGINE_SETTINGS = (
     "preemption_mode",
     "enable_prefix_caching",
     "quantization",
+    "kv_cache_dtype",
     "speculation",
 )
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")

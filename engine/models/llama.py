@@ -248,12 +248,13 @@ class LlamaForCausalLM:
         assert isinstance(self.lm_head, PackedLinear)
         return embedding_rows(self.lm_head.weight, input_ids).to(self.dtype).view(*input_ids.shape, -1)
 
-    def has_fused_decode(self, config: EngineConfig) -> bool:
-        """Whether decode steps under `config` run as one native call (`decode_stack`)."""
+    def has_fused_decode(self, config: EngineConfig, kv_dtype: torch.dtype) -> bool:
+        """Whether decode steps under `config`, over a KV cache of `kv_dtype`, run as one native call
+        (`decode_stack`)."""
         if self.quantization == "none" or config.torch_device.type != "cpu" or not config.heads_major_kv:
             return False
         shape = self.shape
-        probe_cache = heads_major_cache(1, config.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+        probe_cache = heads_major_cache(1, config.block_size, shape.num_kv_heads, shape.head_dim, kv_dtype)
         return self.decode_stack_applies(torch.empty(0, shape.hidden_size, dtype=self.dtype), probe_cache)
 
     def decode_stack_applies(self, hidden: torch.Tensor, key_cache: torch.Tensor) -> bool:

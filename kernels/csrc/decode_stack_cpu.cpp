@@ -27,10 +27,11 @@ struct KernelTypes {
     using RmsNorm = void (*)(const T*, const T*, const T*, T*, T*, int64_t, int64_t, float, int);
     using Rotary = void (*)(T*, int64_t, const int64_t*, const float*, int64_t, int64_t, int64_t, int);
     using SiluAndMul = void (*)(const T*, T*, int64_t, int64_t, int);
-    using StoreKv = void (*)(const T*, const T*, int64_t, int64_t, T*, T*, const int64_t*, int64_t, int64_t,
+    // caches of any element type (the activations' or bfloat16): the kernels take them as void pointers
+    using StoreKv = void (*)(const T*, const T*, int64_t, int64_t, void*, void*, const int64_t*, int64_t, int64_t,
                              int64_t, int64_t, int64_t);
-    using PagedDecode = void (*)(const T*, const T*, const T*, const int32_t*, const int32_t*, T*, int64_t, int64_t,
-                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+    using PagedDecode = void (*)(const T*, const void*, const void*, const int32_t*, const int32_t*, T*, int64_t,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 };
 
 }  // namespace
@@ -121,12 +122,11 @@ void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedd
         T* v = k + kv_size;
         rotary(q, qkv_width, s.positions, m.cos_sin, rows, m.heads, m.head_dim, threads);
         rotary(k, qkv_width, s.positions, m.cos_sin, rows, m.kv_heads, m.head_dim, threads);
-        T* key_cache = static_cast<T*>(layer.key_cache);
-        T* value_cache = static_cast<T*>(layer.value_cache);
-        store_kv(k, v, qkv_width, qkv_width, key_cache, value_cache, s.slots, rows, m.kv_heads, m.head_dim,
-                 m.pool_blocks, m.block_size);
-        paged_decode(q, key_cache, value_cache, s.block_tables, s.context_lens, attention.data(), rows, m.heads,
-                     m.kv_heads, m.head_dim, m.block_size, m.pool_blocks, s.table_stride, qkv_width, scale, threads);
+        store_kv(k, v, qkv_width, qkv_width, layer.key_cache, layer.value_cache, s.slots, rows, m.kv_heads,
+                 m.head_dim, m.pool_blocks, m.block_size);
+        paged_decode(q, layer.key_cache, layer.value_cache, s.block_tables, s.context_lens, attention.data(), rows,
+                     m.heads, m.kv_heads, m.head_dim, m.block_size, m.pool_blocks, s.table_stride, qkv_width, scale,
+                     threads);
         linear(layer.o, attention.data(), x.data());
         rms_norm(x.data(), residual.data(), static_cast<const T*>(layer.post_attention_norm), normed.data(),
                  residual.data(), rows, hidden, eps, threads);

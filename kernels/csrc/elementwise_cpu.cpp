@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bfloat16.h"
 #include "fast_exp.h"
@@ -98,24 +99,40 @@ void silu_and_mul(const T* x, T* out, int64_t rows, int64_t ffn, int threads) {
 }
 
 // key/value: [tokens, kv_heads, head_dim] rows `*_stride` apart; caches heads-major
-// [kv_heads, pool_blocks, block_size, head_dim].
-template <typename T>
-void store_kv(const T* key, const T* value, int64_t key_stride, int64_t value_stride, T* key_cache, T* value_cache,
+// [kv_heads, pool_blocks, block_size, head_dim], of element type C (rounded to it where T is wider).
+template <typename T, typename C>
+void store_kv(const T* key, const T* value, int64_t key_stride, int64_t value_stride, C* key_cache, C* value_cache,
               const int64_t* slots, int64_t tokens, int64_t kv_heads, int64_t head_dim, int64_t pool_blocks,
               int64_t block_size) {
     const int64_t head_stride = pool_blocks * block_size * head_dim;
+    const auto copy = [head_dim](const T* from, C* to) {
+        if constexpr (std::is_same_v<T, C>) {
+            std::memcpy(to, from, head_dim * sizeof(T));
+        } else {
+            for (int64_t d = 0; d < head_dim; ++d) tokenmill::store(tokenmill::to_float(from[d]), to + d);
+        }
+    };
     for (int64_t t = 0; t < tokens; ++t) {
         const int64_t slot = slots[t];
         const int64_t offset = (slot / block_size) * block_size * head_dim + (slot % block_size) * head_dim;
         for (int64_t h = 0; h < kv_heads; ++h) {
-            std::memcpy(key_cache + h * head_stride + offset, key + t * key_stride + h * head_dim, head_dim * sizeof(T));
-            std::memcpy(value_cache + h * head_stride + offset, value + t * value_stride + h * head_dim,
-                        head_dim * sizeof(T));
+            copy(key + t * key_stride + h * head_dim, key_cache + h * head_stride + offset);
+            copy(value + t * value_stride + h * head_dim, value_cache + h * head_stride + offset);
         }
     }
 }
 
 }  // namespace
+
+// The caches travel as void pointers: the decode stack calls this for every cache element type through one
+// function pointer type (kernels/csrc/decode_stack_cpu.cpp).
+#define TOKENMILL_EXPORT_STORE_KV(SUFFIX, T, C)                                                                   \
+    void tokenmill_store_kv_##SUFFIX(const T* key, const T* value, int64_t key_stride, int64_t value_stride,      \
+                                     void* key_cache, void* value_cache, const int64_t* slots, int64_t tokens,    \
+                                     int64_t kv_heads, int64_t head_dim, int64_t pool_blocks, int64_t block_size) { \
+        store_kv(key, value, key_stride, value_stride, static_cast<C*>(key_cache), static_cast<C*>(value_cache),   \
+                 slots, tokens, kv_heads, head_dim, pool_blocks, block_size);                                      \
+    }
 
 #define TOKENMILL_EXPORT(SUFFIX, T)                                                                                \
     void tokenmill_rms_norm_##SUFFIX(const T* x, const T* residual, const T* weight, T* out, T* new_residual,     \
@@ -129,14 +146,10 @@ void store_kv(const T* key, const T* value, int64_t key_stride, int64_t value_st
     void tokenmill_silu_and_mul_##SUFFIX(const T* x, T* out, int64_t rows, int64_t ffn, int threads) {            \
         silu_and_mul(x, out, rows, ffn, threads);                                                                  \
     }                                                                                                              \
-    void tokenmill_store_kv_##SUFFIX(const T* key, const T* value, int64_t key_stride, int64_t value_stride,      \
-                                     T* key_cache, T* value_cache, const int64_t* slots, int64_t tokens,          \
-                                     int64_t kv_heads, int64_t head_dim, int64_t pool_blocks, int64_t block_size) { \
-        store_kv(key, value, key_stride, value_stride, key_cache, value_cache, slots, tokens, kv_heads, head_dim,  \
-                 pool_blocks, block_size);                                                                         \
-    }
+    TOKENMILL_EXPORT_STORE_KV(SUFFIX, T, T)
 
 extern "C" {
 TOKENMILL_EXPORT(f32, float)
 TOKENMILL_EXPORT(bf16, uint16_t)
+TOKENMILL_EXPORT_STORE_KV(f32_bf16kv, float, uint16_t)
 }

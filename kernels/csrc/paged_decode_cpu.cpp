@@ -66,8 +66,10 @@ constexpr int kMaxHeadDim = 256;
 // HeadDim > 0 and Group > 0 fix head_dim and the query heads per kv head at compile time, so the
 // common shapes get unrolled loops with the queries and accumulators in registers; 0 reads them at
 // run time.
-template <typename T, int64_t HeadDim, int64_t Group>
-void decode(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+// T: the query's and output's element type; C: the caches' (bfloat16 caches under float32 activations halve the
+// bytes a step reads; every value is widened to float32 as it is loaded either way).
+template <typename T, typename C, int64_t HeadDim, int64_t Group>
+void decode(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
             const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
             int64_t runtime_head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride,
             int64_t query_stride, float scale, int threads) {
@@ -82,8 +84,8 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         const int64_t kv_head = task % kv_heads;
         const int64_t length = context_lens[seq];
         const int32_t* table = block_tables + seq * table_stride;
-        const T* keys = key_cache + kv_head * head_stride;
-        const T* values = value_cache + kv_head * head_stride;
+        const C* keys = key_cache + kv_head * head_stride;
+        const C* values = value_cache + kv_head * head_stride;
 
         float q[kMaxGroup][kMaxHeadDim];
         for (int64_t g = 0; g < group; ++g) {
@@ -101,11 +103,11 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             for (int64_t g = 0; g < Group; ++g)
                 for (int i = 0; i < 4; ++i) q_vectors[g][i] = _mm512_loadu_ps(&q[g][16 * i]);
             for (int64_t first = 0; first < length; first += block_size) {
-                const T* block = keys + table[first / block_size] * block_stride;
+                const C* block = keys + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
                 int64_t j = 0;
                 for (; j + 4 <= rows; j += 4) {  // four keys at a time, their four sums reduced together
-                    const T* key = block + j * 64;
+                    const C* key = block + j * 64;
                     __m512 k[4][4];
                     for (int r = 0; r < 4; ++r)
                         for (int i = 0; i < 4; ++i) k[r][i] = load16(key + r * 64 + 16 * i);
@@ -118,7 +120,7 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
                     }
                 }
                 for (; j < rows; ++j) {
-                    const T* key = block + j * 64;
+                    const C* key = block + j * 64;
                     const __m512 k0 = load16(key), k1 = load16(key + 16), k2 = load16(key + 32), k3 = load16(key + 48);
                     for (int64_t g = 0; g < Group; ++g)
                         scores[g * length + first + j] = _mm512_reduce_add_ps(dot64(q_vectors[g], k0, k1, k2, k3));
@@ -130,10 +132,10 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             float key_row[kMaxHeadDim];
             // Walk block by block: no division per key, and each block's rows are contiguous.
             for (int64_t first = 0; first < length; first += block_size) {
-                const T* block = keys + table[first / block_size] * block_stride;
+                const C* block = keys + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
                 for (int64_t j = 0; j < rows; ++j) {
-                    const T* key = block + j * head_dim;
+                    const C* key = block + j * head_dim;
                     for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
                     for (int64_t g = 0; g < group; ++g) {
                         float dot = 0.f;
@@ -173,10 +175,10 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
             for (int64_t g = 0; g < Group; ++g)
                 for (int i = 0; i < 4; ++i) sums[g][i] = _mm512_setzero_ps();
             for (int64_t first = 0; first < length; first += block_size) {
-                const T* block = values + table[first / block_size] * block_stride;
+                const C* block = values + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
                 for (int64_t j = 0; j < rows; ++j) {
-                    const T* value = block + j * 64;
+                    const C* value = block + j * 64;
                     const __m512 v[4] = {load16(value), load16(value + 16), load16(value + 32), load16(value + 48)};
                     for (int64_t g = 0; g < Group; ++g) {
                         const __m512 weight = _mm512_set1_ps(scores[g * length + first + j]);
@@ -191,10 +193,10 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
         {
             float value_row[kMaxHeadDim];
             for (int64_t first = 0; first < length; first += block_size) {
-                const T* block = values + table[first / block_size] * block_stride;
+                const C* block = values + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
                 for (int64_t j = 0; j < rows; ++j) {
-                    const T* value = block + j * head_dim;
+                    const C* value = block + j * head_dim;
                     for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
                     for (int64_t g = 0; g < group; ++g) {
                         const float p = scores[g * length + first + j];
@@ -211,14 +213,14 @@ void decode(const T* query, const T* key_cache, const T* value_cache, const int3
     }
 }
 
-template <typename T>
-void decode_any(const T* query, const T* key_cache, const T* value_cache, const int32_t* block_tables,
+template <typename T, typename C>
+void decode_any(const T* query, const C* key_cache, const C* value_cache, const int32_t* block_tables,
                 const int32_t* context_lens, T* out, int64_t seqs, int64_t heads, int64_t kv_heads,
                 int64_t head_dim, int64_t block_size, int64_t pool_blocks, int64_t table_stride,
                 int64_t query_stride, float scale, int threads) {
     const int64_t group = heads / kv_heads;
     auto run = [&](auto fixed_head_dim, auto fixed_group) {
-        decode<T, decltype(fixed_head_dim)::value, decltype(fixed_group)::value>(
+        decode<T, C, decltype(fixed_head_dim)::value, decltype(fixed_group)::value>(
             query, key_cache, value_cache, block_tables, context_lens, out, seqs, heads, kv_heads, head_dim,
             block_size, pool_blocks, table_stride, query_stride, scale, threads);
     };
@@ -243,17 +245,21 @@ void decode_any(const T* query, const T* key_cache, const T* value_cache, const 
 
 }  // namespace
 
-#define TOKENMILL_EXPORT(SUFFIX, T)                                                                          \
-    void tokenmill_paged_decode_##SUFFIX(const T* query, const T* key_cache, const T* value_cache,           \
+// The caches travel as void pointers: kernels/decode_stack.py hands this function to the decode stack, which
+// calls it for every cache element type through one function pointer type.
+#define TOKENMILL_EXPORT(SUFFIX, T, C)                                                                       \
+    void tokenmill_paged_decode_##SUFFIX(const T* query, const void* key_cache, const void* value_cache,     \
                                          const int32_t* block_tables, const int32_t* context_lens, T* out,   \
                                          int64_t seqs, int64_t heads, int64_t kv_heads, int64_t head_dim,    \
                                          int64_t block_size, int64_t pool_blocks, int64_t table_stride,      \
                                          int64_t query_stride, float scale, int threads) {                   \
-        decode_any(query, key_cache, value_cache, block_tables, context_lens, out, seqs, heads, kv_heads,    \
-                   head_dim, block_size, pool_blocks, table_stride, query_stride, scale, threads);           \
+        decode_any(query, static_cast<const C*>(key_cache), static_cast<const C*>(value_cache), block_tables, \
+                   context_lens, out, seqs, heads, kv_heads, head_dim, block_size, pool_blocks, table_stride,  \
+                   query_stride, scale, threads);                                                             \
     }
 
 extern "C" {
-TOKENMILL_EXPORT(f32, float)
-TOKENMILL_EXPORT(bf16, uint16_t)
+TOKENMILL_EXPORT(f32, float, float)
+TOKENMILL_EXPORT(bf16, uint16_t, uint16_t)
+TOKENMILL_EXPORT(f32_bf16kv, float, uint16_t)
 }

@@ -79,6 +79,37 @@ def test_packed_weights_lie_in_one_buffer_in_the_order_a_decode_step_reads_them(
     assert len({tensor.untyped_storage().data_ptr() for tensor in packed}) == 1
 
 
+def test_packed_weights_keep_the_kv_cache_in_bfloat16_and_twice_the_tokens(quantized_float32):
+    """Under float32 activations, packed weights store keys and values as bfloat16 (no token-exactness against
+    HF is promised there): the same KV memory holds twice the blocks, and the greedy reply is unchanged in
+    substance (the batch-independence test above runs on these caches too)."""
+    quantized = quantized_float32
+    settings = dict(dtype="float32", quantization=quantized.model.quantization, kv_cache_memory_gb=0.05)
+    auto = make_engine(quantized, **settings)
+    wide = make_engine(quantized, kv_cache_dtype="float32", **settings)
+    assert all(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 for k, v in auto.runner.kv_caches)
+    assert all(k.dtype == torch.float32 for k, _ in wide.runner.kv_caches)
+    assert auto.blocks.num_blocks in (2 * wide.blocks.num_blocks, 2 * wide.blocks.num_blocks + 1)  # floor division
+    prompt = chat_prompt(quantized.tokenizer, "What is the capital of France?")
+    assert "Paris" in quantized.tokenizer.decode(run_to_completion(auto, [prompt], GREEDY)["r0"][0])
+    assert auto.blocks.num_used_blocks == 0
+
+
+def test_the_kv_cache_dtype_is_a_server_setting():
+    from app.settings import settings_from
+
+    assert settings_from({}, {}).engine.kv_cache_dtype == "auto"
+    assert settings_from({"kv_cache_dtype": "float32"}, {}).engine.kv_cache_dtype == "float32"
+    assert settings_from({}, {"TOKENMILL_KV_CACHE_DTYPE": "bfloat16"}).engine.kv_cache_dtype == "bfloat16"
+
+
+def test_a_float32_kv_cache_under_bfloat16_activations_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype float32 under bfloat16"):
+        EngineConfig(dtype="bfloat16", kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int8")  # type: ignore[arg-type]
+
+
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int3")  # type: ignore[arg-type]

@@ -10,6 +10,8 @@ from kernels.paged_attention import paged_attention_decode_reference, paged_atte
 from kernels.store_kv import store_kv_reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# (activations, KV cache): the matching pairs, and bfloat16 caches under float32 activations (packed weights)
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
 
 
 def filled_caches(num_blocks, block_size, kv_heads, head_dim, dtype, generator):
@@ -19,27 +21,28 @@ def filled_caches(num_blocks, block_size, kv_heads, head_dim, dtype, generator):
     return token_major, heads_major
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [(16, 3, 3, 64), (32, 1, 8, 128), (16, 8, 1, 64)])
-def test_decode_matches_reference(dtype, block_size, kv_heads, group, head_dim):
+def test_decode_matches_reference(dtype, cache_dtype, block_size, kv_heads, group, head_dim):
     g = torch.Generator().manual_seed(block_size * kv_heads + group)
     num_blocks = 40
-    keys_tm, keys_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, dtype, g)
-    values_tm, values_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, dtype, g)
+    keys_tm, keys_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, cache_dtype, g)
+    values_tm, values_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, cache_dtype, g)
     lengths = torch.tensor([1, block_size, block_size + 3, 5 * block_size - 1], dtype=torch.int32)
     tables = torch.randperm(num_blocks, generator=g)[:24].view(4, 6).int()
     query = torch.randn(4, kv_heads * group, head_dim, generator=g).to(dtype)
     expected = paged_attention_decode_reference(query, keys_tm, values_tm, tables, lengths, head_dim**-0.5)
     got = paged_attention_decode_cpu(query, keys_hm, values_hm, tables, lengths, head_dim**-0.5)
+    assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_with_cached_prefix_matches_reference(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
+def test_prefill_with_cached_prefix_matches_reference(dtype, cache_dtype):
     g = torch.Generator().manual_seed(1)
     block_size, kv_heads, group, head_dim, num_blocks = 16, 3, 3, 64, 30
-    keys_tm, keys_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, dtype, g)
-    values_tm, values_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, dtype, g)
+    keys_tm, keys_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, cache_dtype, g)
+    values_tm, values_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, cache_dtype, g)
     lengths = torch.tensor([7, 40, 33], dtype=torch.int32)  # queries: all 7, last 9 of 40, last 1 of 33
     counts = [7, 9, 1]
     starts = torch.tensor([0, 7, 16, 17], dtype=torch.int32)

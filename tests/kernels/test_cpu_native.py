@@ -75,10 +75,15 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(native.silu_and_mul_native(x), silu_and_mul_reference(x), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_writes_the_same_slots_as_the_reference(dtype):
+# (activations, KV cache): the matching pairs, and bfloat16 caches under float32 activations (packed weights)
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
+def test_store_kv_writes_the_same_slots_as_the_reference(dtype, cache_dtype):
+    """A narrower cache gets the values rounded as torch rounds them (nearest even)."""
     g = torch.Generator().manual_seed(3)
-    expected_k, expected_v = heads_major_cache(9, 16, 3, 64, dtype), heads_major_cache(9, 16, 3, 64, dtype)
+    expected_k, expected_v = (heads_major_cache(9, 16, 3, 64, cache_dtype) for _ in range(2))
     got_k, got_v = expected_k.clone(), expected_v.clone()
     kv = torch.randn(6, 2 * 3 * 64, generator=g).to(dtype)
     key, value = (part.view(6, 3, 64) for part in kv.split((192, 192), dim=-1))  # strided rows
@@ -89,7 +94,7 @@ def test_store_kv_writes_the_same_slots_as_the_reference(dtype):
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize(
     "block_size,kv_heads,group,head_dim",
     [
@@ -101,11 +106,12 @@ def test_store_kv_writes_the_same_slots_as_the_reference(dtype):
         (8, 4, 1, 80),  # multi-head attention, a head size without a compiled specialisation
     ],
 )
-def test_paged_decode_matches_reference(dtype, block_size, kv_heads, group, head_dim):
+def test_paged_decode_matches_reference(dtype, cache_dtype, block_size, kv_heads, group, head_dim):
     g = torch.Generator().manual_seed(block_size + kv_heads + group + head_dim)
     num_blocks = 64
-    token_major = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2)]
-    heads_major = [heads_major_cache(num_blocks, block_size, kv_heads, head_dim, dtype) for _ in range(2)]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    token_major = [torch.randn(*shape, generator=g).to(cache_dtype) for _ in range(2)]
+    heads_major = [heads_major_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype) for _ in range(2)]
     for target, source in zip(heads_major, token_major):
         target.copy_(source)
     lengths = torch.tensor([1, block_size, block_size + 1, 7 * block_size - 3, 3], dtype=torch.int32)
@@ -121,7 +127,7 @@ def test_paged_decode_matches_reference(dtype, block_size, kv_heads, group, head
         expected = paged_attention_decode_reference(query, *token_major, tables, lengths, scale)
         assert native.decode_available(query, heads_major[0])
         got = native.paged_attention_decode_native(query, *heads_major, tables, lengths, scale)
-        assert got.is_contiguous()
+        assert got.is_contiguous() and got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 

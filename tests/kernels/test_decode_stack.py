@@ -91,15 +91,18 @@ def metadata(tables: torch.Tensor, lengths: list[int], new_tokens: list[int]) ->
     return meta, torch.tensor(positions)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(dtype, quantization, monkeypatch):
+def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(dtype, cache_dtype, quantization, monkeypatch):
     model = tiny_model(dtype, quantization)
     prompt_lengths = [3, 11, 20]  # within one block, across two, across three
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], dtype=torch.int32)
     generator = torch.Generator().manual_seed(1)
     prompt_ids = torch.randint(0, SHAPE.vocab_size, (sum(prompt_lengths),), generator=generator)
-    fused_caches = caches(dtype, 12)
+    fused_caches = caches(cache_dtype, 12)
     meta, positions = metadata(tables, prompt_lengths, prompt_lengths)
     model.forward(prompt_ids, positions, meta, fused_caches)  # a prefill: always per op
     per_op_caches = [(k.clone(), v.clone()) for k, v in fused_caches]  # clones keep the heads-major strides

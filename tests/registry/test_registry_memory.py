@@ -58,6 +58,10 @@ def test_the_estimate_follows_dtype_and_kv_settings(smollm2, tmp_path):
     assert abs(budget.kv_bytes - 2 * GIB) <= per_block
     swapping = estimate(spec("float32", num_kv_blocks=128, preemption_mode="swap"), base)
     assert swapping.kv_bytes == 2 * small.kv_bytes  # the CPU swap pool defaults to the device pool's size
+    packed = estimate(spec("float32", num_kv_blocks=128, quantization="int4"), base)
+    assert packed.kv_bytes * 2 == small.kv_bytes  # packed weights keep a bfloat16 cache under float32
+    chosen = estimate(spec("float32", num_kv_blocks=128, quantization="int4", kv_cache_dtype="float32"), base)
+    assert chosen.kv_bytes == small.kv_bytes
     fresh = estimate(spec("float32", num_kv_blocks=128), EngineConfig(data_dir=str(tmp_path)))
     assert fresh.conversion_bytes > 0  # nothing converted in an empty data folder: the GGUF is read
 
