@@ -21,8 +21,7 @@ from kernels.cpu_attention import heads_major_cache
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
     shape = loaded.shape
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * element
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * dtype.itemsize
 
 
 def kv_cache(

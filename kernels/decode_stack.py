@@ -23,7 +23,6 @@ from kernels.cpu_native import library
 from kernels.cpu_native_ops import kernel_suffix
 from kernels.qlinear import FORMAT_CODES, PackedWeight
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _KERNELS = (  # (field, library, function) in TokenmillKernels' order
     ("qlinear", "qlinear_cpu", "tokenmill_qlinear"),
     ("rms_norm", "elementwise_cpu", "tokenmill_rms_norm"),
@@ -96,15 +95,12 @@ class StackShape:
 @cache
 def _kernel_addresses(dtype: torch.dtype, cache_dtype: torch.dtype) -> _Kernels | None:
     """The kernels for activations of `dtype`; the two that touch the KV cache for a cache of `cache_dtype`."""
-    attention_suffix = kernel_suffix(dtype, cache_dtype)
-    if dtype not in _SUFFIX or attention_suffix is None:
-        return None
     addresses = {}
     for field, library_name, function in _KERNELS:
         native = library(library_name)
-        if native is None:
+        suffix = kernel_suffix(dtype, cache_dtype if field in _CACHE_KERNELS else None)
+        if native is None or suffix is None:
             return None
-        suffix = attention_suffix if field in _CACHE_KERNELS else _SUFFIX[dtype]
         addresses[field] = ctypes.cast(getattr(native, f"{function}_{suffix}"), _P).value
     return _Kernels(**addresses)
 
@@ -114,7 +110,7 @@ def _entry(dtype: torch.dtype) -> Callable[..., None] | None:
     native = library("decode_stack_cpu")
     if native is None:
         return None
-    function = getattr(native, f"tokenmill_decode_stack_{_SUFFIX[dtype]}")
+    function = getattr(native, f"tokenmill_decode_stack_{kernel_suffix(dtype)}")
     function.restype = None
     function.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _P, _P, ctypes.c_int]
     return cast(Callable[..., None], function)
@@ -123,8 +119,9 @@ def _entry(dtype: torch.dtype) -> Callable[..., None] | None:
 def available(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
     """Whether the native libraries for a fused decode in `dtype` (over a KV cache of `cache_dtype`, by default
     the same) are built."""
-    cache_dtype = cache_dtype or dtype
-    return dtype in _SUFFIX and _entry(dtype) is not None and _kernel_addresses(dtype, cache_dtype) is not None
+    if kernel_suffix(dtype) is None:
+        return False
+    return _entry(dtype) is not None and _kernel_addresses(dtype, cache_dtype or dtype) is not None
 
 
 def _linear(weight: PackedWeight, bias: torch.Tensor | None = None) -> _Linear:
