@@ -214,7 +214,7 @@ def main() -> None:
             f"{row['perplexity_gap']:+8.2%} {row['weight_bytes'] / 1e6:11.1f} {row['weight_fraction']:8.1%}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # the server's configuration keeps the plain name; a KV cache chosen by hand is named in the file's
+    # the server's configuration keeps the plain file name; a KV cache chosen by hand is added to it
     name = f"quality_bench_{args.dtype}" + ("" if args.kv_cache_dtype == "auto" else f"-kv-{args.kv_cache_dtype}")
     summary = {"max_tokens": args.max_tokens, "activations": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     (RESULTS / f"{name}.json").write_text(json.dumps({**summary, "rows": rows}, indent=2))
