@@ -123,7 +123,8 @@ def sample_reference(
             ordered = ordered[:k]
             floor = ordered[-1].item()
         if p < 1.0:
-            probs = ordered.softmax(dim=-1)
+            # in double: a float running sum over a flat row's 49k tokens moves a p = 0.999 edge by dozens
+            probs = ordered.double().softmax(dim=-1)
             kept = max(1, int(((probs.cumsum(dim=-1) - probs) < p).sum()))
             floor = max(floor, ordered[kept - 1].item())
         if mp > 0.0:

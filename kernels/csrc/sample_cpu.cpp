@@ -58,7 +58,7 @@ float row_max(const float* x, int64_t vocab) {
 // scaled[i] = (x[i] - max) / T and weight[i] = e^scaled[i] (0 below e^-87); returns the total weight.
 float scale_and_weigh(const float* x, int64_t vocab, float max, float inverse_temperature, float* scaled,
                       float* weight) {
-    float total = 0.f;
+    double total = 0.;
 #pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < vocab; ++i) {
         const float s = (x[i] - max) * inverse_temperature;
@@ -67,7 +67,7 @@ float scale_and_weigh(const float* x, int64_t vocab, float max, float inverse_te
         weight[i] = w;
         total += w;
     }
-    return total;
+    return static_cast<float>(total);
 }
 
 // Appends the tokens whose scaled logit is >= cut, in vocabulary order. `tokens` has room for vocab + 16.
