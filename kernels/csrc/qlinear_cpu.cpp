@@ -17,8 +17,10 @@
 // moved 1% of SmolLM2's greedy tokens away from float activations; two digits are as good as float (16-bit
 // precision) and the second dot product is nearly free while the weights stream from memory.
 // The int32 sums combine exactly: total = 254*sum(w*hi) + sum(w*lo). For int8: sum_k x*(q+128) - 128*sum_k x
-// gives sum_k x*q; for int4: sum_k x*(q*s+m) = s*sum_k(x*q) + m*sum_k(x). Without VNNI a portable loop does
-// the same integer arithmetic, so results do not depend on the CPU.
+// gives sum_k x*q; for int4: sum_k x*(q*s+m) = s*sum_k(x*q) + m*sum_k(x). AVX2 has no vpdpbusd: it widens
+// the weights to int16 and multiplies them with vpmaddwd by both digits at once, as one int16 (see its IVec);
+// without either a portable loop does the same integer arithmetic. The int32 sums are exact in all three, so
+// results do not depend on the CPU.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,12 +31,14 @@
 #include <immintrin.h>
 #define TOKENMILL_VEC "avx512-vnni"
 #define TOKENMILL_VNNI 1
-#elif defined(__AVX512F__)
+#elif defined(__AVX512F__) && defined(__AVX2__)
 #include <immintrin.h>
-#define TOKENMILL_VEC "avx512"
+#define TOKENMILL_VEC "avx512"  // without VNNI (x86-64-v4, Skylake-SP): AVX2's integer sums, AVX-512's floats
+#define TOKENMILL_AVX2_INT 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TOKENMILL_VEC "avx2"
+#define TOKENMILL_AVX2_INT 1
 #else
 #define TOKENMILL_VEC "scalar"
 #endif
@@ -91,6 +95,10 @@ struct Vec {
     }
     static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
     static Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+    static Vec from_halves(__m256 low, __m256 high) {  // lanes 0-7, lanes 8-15
+        return {_mm512_castpd_ps(
+            _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(low)), _mm256_castps_pd(high), 1))};
+    }
     void store(float* p) const { _mm512_storeu_ps(p, v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -110,6 +118,7 @@ struct Vec {
     }
     static Vec fma(Vec x, Vec y, Vec z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
     static Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+    static Vec from_halves(__m256 low, __m256 high) { return {low, high}; }
     void store(float* p) const {
         _mm256_storeu_ps(p, a);
         _mm256_storeu_ps(p + 8, b);
@@ -178,6 +187,64 @@ struct IVec {
     // float(this - offset) as a Vec
     Vec to_float(int32_t offset) const { return {_mm512_cvtepi32_ps(_mm512_sub_epi32(v, _mm512_set1_epi32(offset)))}; }
 };
+#elif defined(TOKENMILL_AVX2_INT)
+// AVX2 has no vpdpbusd, and its byte product (vpmaddubsw) saturates at int16, so the weights are widened to int16
+// and multiplied with vpmaddwd (int16 pairs into int32) against x's two digits as one int16, 254 * high + low
+// (|254 * 127 + 127| < 32768): the same integer sums as two digit passes, with half the multiplies. Exact in
+// int32: a lane's 32 products of one x block are at most 32 * 255 * 32385 = 2.6e8. (vpmaddubsw, the byte product,
+// saturates at int16 and needed a pass per digit; widened weights measured 1.0-1.3x for int4 and 1.2-1.5x for int8
+// at 2-64 rows, same at one row.)
+struct Bytes64 {
+    __m256i a, b;  // the bytes of lanes 0-7 and of lanes 8-15
+};
+struct IVec {  // int32 sums of lanes 0-7 and 8-15
+    __m256i a, b;
+    static Bytes64 load(const uint8_t* p) {
+        return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+    }
+    static Bytes64 low_nibbles(Bytes64 bytes) {
+        const __m256i mask = _mm256_set1_epi8(15);
+        return {_mm256_and_si256(bytes.a, mask), _mm256_and_si256(bytes.b, mask)};
+    }
+    static Bytes64 high_nibbles(Bytes64 bytes) {
+        const __m256i mask = _mm256_set1_epi8(15);
+        return {_mm256_and_si256(_mm256_srli_epi16(bytes.a, 4), mask),
+                _mm256_and_si256(_mm256_srli_epi16(bytes.b, 4), mask)};
+    }
+    Vec to_float(int32_t offset) const {
+        const __m256i bias = _mm256_set1_epi32(offset);
+        return Vec::from_halves(_mm256_cvtepi32_ps(_mm256_sub_epi32(a, bias)),
+                                _mm256_cvtepi32_ps(_mm256_sub_epi32(b, bias)));
+    }
+};
+// A ymm of bytes [lane][4 k], zero-extended per 128-bit half: unpacklo holds lanes {0,1 | 4,5}, unpackhi lanes
+// {2,3 | 6,7}, two int16 pairs per lane (k 0-1, k 2-3), one pair per int32 as vpmaddwd sums them.
+struct WidePairs {
+    __m256i a_low, a_high, b_low, b_high;
+};
+WidePairs widened(Bytes64 w) {
+    const __m256i zero = _mm256_setzero_si256();
+    return {_mm256_unpacklo_epi8(w.a, zero), _mm256_unpackhi_epi8(w.a, zero), _mm256_unpacklo_epi8(w.b, zero),
+            _mm256_unpackhi_epi8(w.b, zero)};
+}
+// Sums per lane and pair of k, in WidePairs' order: the pairs of a lane are added at the end of an x block,
+// where vphaddd of the low and high halves also puts the lanes back in order.
+struct DigitSums {
+    __m256i a_low, a_high, b_low, b_high;
+    static DigitSums zero() {
+        const __m256i zero = _mm256_setzero_si256();
+        return {zero, zero, zero, zero};
+    }
+    // x: four inputs' 254 * high + low, as int16, in every 64 bits
+    void dot(const WidePairs& w, __m256i x) {
+        a_low = _mm256_add_epi32(a_low, _mm256_madd_epi16(w.a_low, x));
+        a_high = _mm256_add_epi32(a_high, _mm256_madd_epi16(w.a_high, x));
+        b_low = _mm256_add_epi32(b_low, _mm256_madd_epi16(w.b_low, x));
+        b_high = _mm256_add_epi32(b_high, _mm256_madd_epi16(w.b_high, x));
+    }
+    IVec total() const { return {_mm256_hadd_epi32(a_low, a_high), _mm256_hadd_epi32(b_low, b_high)}; }
+};
 #else
 struct Bytes64 {
     uint8_t b[64];
@@ -234,11 +301,10 @@ struct XBlockTerms {
     int32_t padding;  // to 16 bytes
 };
 
-// acc + the int32 sums of one x block, combined as the row's digits, times the weight scale (+ int4's min term)
+// acc + the int32 sums of one x block (254 * high + low digit), times the weight scale (+ int4's min term)
 template <Format F>
-Vec add_x_block(const XBlockTerms& x, IVec high, IVec low, Vec scale, Vec minimum, Vec acc) {
+Vec add_x_block(const XBlockTerms& x, IVec total, Vec scale, Vec minimum, Vec acc) {
     const Vec combined = Vec::mul(scale, Vec::broadcast(x.low_scale));
-    const IVec total = IVec::combine(high, low);
     acc = Vec::fma(total.to_float(F == kInt8 ? x.offset : 0), combined, acc);
     if constexpr (F == kInt4) acc = Vec::fma(Vec::broadcast(x.sum), minimum, acc);
     return acc;
@@ -248,6 +314,7 @@ struct Problem {
     const float* x;         // bf16 format: [rows][Kp] float32
     const int8_t* xq_high;  // int formats: [rows][Kp] x quantized per block of 32, the high digits ...
     const int8_t* xq_low;   // ... and [rows][Kp] the low ones
+    const int16_t* xq_wide;  // AVX2: [rows][Kp] both as one, 254 * high + low
     const XBlockTerms* x_terms;  // [rows][Kp/32]
     int64_t rows, K, Kp, N, group, groups;
     const void* packed;
@@ -256,8 +323,40 @@ struct Problem {
     const float* bias;  // [N] or null
 };
 
-// Rows of x per pass over a block: with two blocks side by side, 2 x 4 x 2 digit sums + 8 float sums stay in registers
-constexpr int kMaxRows = 4;
+#if defined(TOKENMILL_AVX2_INT)
+constexpr bool kWideX = true;
+__m256i x_digits(const Problem& p, int64_t at) {  // inputs at..at+3
+    int64_t bits;
+    std::memcpy(&bits, p.xq_wide + at, sizeof(bits));
+    return _mm256_set1_epi64x(bits);
+}
+#else
+constexpr bool kWideX = false;
+// The high and the low digit's sums apart, combined once per x block
+struct XDigits {
+    decltype(IVec::quad(nullptr)) high, low;
+};
+XDigits x_digits(const Problem& p, int64_t at) { return {IVec::quad(p.xq_high + at), IVec::quad(p.xq_low + at)}; }
+template <typename Bytes>
+Bytes widened(Bytes w) {
+    return w;
+}
+struct DigitSums {
+    IVec high, low;
+    static DigitSums zero() { return {IVec::zero(), IVec::zero()}; }
+    template <typename Bytes>
+    void dot(const Bytes& w, const XDigits& x) {
+        high.dot(w, x.high);
+        low.dot(w, x.low);
+    }
+    IVec total() const { return IVec::combine(high, low); }
+};
+#endif
+
+// Rows of x per pass over a block: with two blocks side by side, 2 x 4 x 2 digit sums + 8 float sums stay in registers.
+// AVX2's sums take four ymm a row and its 16 ymm also hold the widened weights: two rows, one block at a time
+// (against four rows and pairs from 8 rows: 1.0-1.3x for int4, 1.4-1.5x for int8 at 4-64 rows, 2-core EPYC Zen 3).
+constexpr int kMaxRows = kWideX ? 2 : 4;
 
 // Sums of MT rows against NB consecutive blocks (16 outputs each), one group (or all of K for bf16) at a time,
 // into result[(b * MT + m) * kLanes + lane].
@@ -288,47 +387,39 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
             // one x block (32 inputs) at a time; for int4 a group is one x block
             const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
             for (int64_t xb = k0 / kXBlock; xb < k1 / kXBlock; ++xb) {
-                IVec high_sums[NB][MT], low_sums[NB][MT];
-                for (int b = 0; b < NB; ++b)
-                    for (int m = 0; m < MT; ++m) high_sums[b][m] = low_sums[b][m] = IVec::zero();
+                DigitSums sums[NB][MT];
+                for (auto& row_sums : sums)
+                    for (DigitSums& sum : row_sums) sum = DigitSums::zero();
                 if constexpr (F == kInt8) {
 #pragma GCC unroll 8
                     for (int q = 0; q < kXBlock / 4; ++q) {
-                        decltype(IVec::load(bytes)) w[NB];
+                        decltype(widened(IVec::load(bytes))) w[NB];
                         for (int b = 0; b < NB; ++b) {
                             const uint8_t* at = bytes + ((block + b) * (p.Kp / 4) + xb * 8 + q) * 64;
                             __builtin_prefetch(at + kPrefetchAhead);
-                            w[b] = IVec::load(at);
+                            w[b] = widened(IVec::load(at));
                         }
                         for (int m = 0; m < MT; ++m) {
-                            const int64_t x = (row + m) * p.Kp + xb * kXBlock + 4 * q;
-                            const auto high = IVec::quad(p.xq_high + x), low = IVec::quad(p.xq_low + x);
-                            for (int b = 0; b < NB; ++b) {
-                                high_sums[b][m].dot(w[b], high);
-                                low_sums[b][m].dot(w[b], low);
-                            }
+                            const auto x = x_digits(p, (row + m) * p.Kp + xb * kXBlock + 4 * q);
+                            for (int b = 0; b < NB; ++b) sums[b][m].dot(w[b], x);
                         }
                     }
                 } else {
 #pragma GCC unroll 4
                     for (int c = 0; c < 4; ++c) {
-                        decltype(IVec::load(bytes)) low[NB], high[NB];
+                        decltype(widened(IVec::load(bytes))) low[NB], high[NB];
                         for (int b = 0; b < NB; ++b) {
                             const uint8_t* at = bytes + (((block + b) * (p.Kp / kXBlock) + xb) * 4 + c) * 64;
                             __builtin_prefetch(at + kPrefetchAhead);
                             const auto packed = IVec::load(at);
-                            low[b] = IVec::low_nibbles(packed);
-                            high[b] = IVec::high_nibbles(packed);
+                            low[b] = widened(IVec::low_nibbles(packed));
+                            high[b] = widened(IVec::high_nibbles(packed));
                         }
                         for (int m = 0; m < MT; ++m) {
                             const int64_t x = (row + m) * p.Kp + xb * kXBlock + 4 * c;
                             for (int half = 0; half < 2; ++half) {
-                                const auto x_high = IVec::quad(p.xq_high + x + 16 * half);
-                                const auto x_low = IVec::quad(p.xq_low + x + 16 * half);
-                                for (int b = 0; b < NB; ++b) {
-                                    high_sums[b][m].dot(half == 0 ? low[b] : high[b], x_high);
-                                    low_sums[b][m].dot(half == 0 ? low[b] : high[b], x_low);
-                                }
+                                const auto digits = x_digits(p, x + 16 * half);
+                                for (int b = 0; b < NB; ++b) sums[b][m].dot(half == 0 ? low[b] : high[b], digits);
                             }
                         }
                     }
@@ -338,8 +429,8 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
                     const Vec scale = Vec::load_f16(p.scales + at);
                     const Vec minimum = F == kInt4 ? Vec::load_f16(p.mins + at) : Vec::zero();
                     for (int m = 0; m < MT; ++m)
-                        acc[b][m] = add_x_block<F>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb], high_sums[b][m],
-                                                   low_sums[b][m], scale, minimum, acc[b][m]);
+                        acc[b][m] = add_x_block<F>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb], sums[b][m].total(),
+                                                   scale, minimum, acc[b][m]);
                 }
             }
         }
@@ -360,10 +451,10 @@ void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const 
     }
 }
 
-// `count` consecutive blocks, each against every row of x, up to four rows at a time: a block's weights
+// `count` consecutive blocks, each against every row of x, up to kMaxRows rows at a time: a block's weights
 // are read from memory by the first rows and from L1 by the rest. From kPairRows rows (where pairs measured
 // faster; below, the weights stream from memory and one block at a time reads them best), two blocks at a time.
-constexpr int64_t kPairRows = 8;
+constexpr int64_t kPairRows = kWideX ? INT64_MAX : 8;
 
 template <Format F, int NB, typename T>
 void run_rows(const Problem& p, int64_t block, T* out) {
@@ -482,10 +573,13 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
 // Rows are independent: split across the threads when there are enough of them to pay for it.
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq_high, int8_t* xq_low,
-                   XBlockTerms* terms, int threads) {
+                   int16_t* xq_wide, XBlockTerms* terms, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 16)
-    for (int64_t r = 0; r < rows; ++r)
+    for (int64_t r = 0; r < rows; ++r) {
         quantize_row(x + r * K, K, Kp, xq_high + r * Kp, xq_low + r * Kp, terms + r * (Kp / kXBlock));
+        if constexpr (kWideX)
+            for (int64_t k = r * Kp; k < (r + 1) * Kp; ++k) xq_wide[k] = static_cast<int16_t>(254 * xq_high[k] + xq_low[k]);
+    }
 }
 
 template <typename T>
@@ -495,17 +589,19 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     const int64_t Kp = format == kBf16 ? K : groups * group;
     static thread_local std::vector<float> x_float;
     static thread_local std::vector<int8_t> xq;
+    static thread_local std::vector<int16_t> xq_wide;
     static thread_local std::vector<XBlockTerms> x_terms;
     if (format == kBf16) {
         x_float.resize(static_cast<size_t>(rows * Kp));
         to_float_rows(x, rows, K, Kp, x_float.data());
     } else {
         xq.resize(static_cast<size_t>(rows * Kp * 2));
+        if (kWideX) xq_wide.resize(static_cast<size_t>(rows * Kp));
         x_terms.resize(static_cast<size_t>(rows * Kp / kXBlock));
-        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, x_terms.data(), threads);
+        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), threads);
     }
-    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, x_terms.data(), rows, K, Kp, N, group, groups,
-                    packed, scales, mins, bias};
+    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), rows, K, Kp, N,
+                    group, groups, packed, scales, mins, bias};
     const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
     // The unit of work: half tiles for one or two rows (a decode step's matmuls have 9 to 48 tiles, and
     // with whole tiles two threads split 9 as 5 + 4; halves split them evenly), whole tiles otherwise.

@@ -197,12 +197,18 @@ def _run(library: ctypes.CDLL, x: torch.Tensor, weight: PackedWeight) -> torch.T
     return out
 
 
-@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
 def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) -> None:
-    """The AVX2 and plain x86-64 fallbacks (no VNNI) compute what the AVX-512 VNNI build computes."""
+    """The fallbacks compute what this CPU's build computes: plain x86-64 (a scalar loop), AVX2 (vpmaddwd on
+    weights widened to int16) and AVX-512 without VNNI (the prebuilt x86-64-v4 library: AVX2's sums, AVX-512's
+    floats), at one row, at four, and from eight rows, where the VNNI build runs two blocks side by side."""
+    if march not in cpu_native.supported_targets() and march != "x86-64":
+        pytest.skip(f"this CPU can't run {march} code")
     library = _portable_kernel(tmp_path, march)
     generator = torch.Generator().manual_seed(3)
     for fmt in FORMATS:
         weight = pack_weight(torch.randn(130, 161, generator=generator), fmt)  # type: ignore[arg-type]
-        x = torch.randn(5, 161, generator=generator)
-        assert relative_error(_run(library, x, weight), qlinear_native(x, weight, threads=1)) < 1e-5, fmt
+        for rows in (1, 4, 5, 9):
+            x = torch.randn(rows, 161, generator=generator)
+            error = relative_error(_run(library, x, weight), qlinear_native(x, weight, threads=1))
+            assert error < 1e-5, (fmt, rows)
