@@ -361,7 +361,7 @@ OPTIONS: tuple[Option, ...] = (
         str,
         "weight-only quantization of the linears (CPU): int8 per channel, "
         "int4 in groups of 32; auto (default): int4 for Q4_0/Q4_1 GGUF files such as the embedded model, "
-        "on CPUs with AVX512-VNNI",
+        "on CPUs with AVX2 or AVX-512",
         engine=True,
         choices=("auto", "none", "int8", "int4"),
     ),

@@ -144,13 +144,15 @@ def checkpoint_folder(config: EngineConfig) -> tuple[Path, str]:
 
 
 LOSSLESS_INT4_GGUF = re.compile(r"q4_[01]", re.IGNORECASE)  # GGUF files named for Q4_0 / Q4_1 blocks
+INT4_VECTOR_UNITS = ("avx512-vnni", "avx512", "avx2")  # kernels/qlinear.py builds with integer dot products
 
 
 def resolve_quantization(config: EngineConfig) -> str:
     """The quantization a load applies. "auto" is int4 for a GGUF file named as Q4_0/Q4_1 (the embedded
-    SmolLM2 is Q4_1): int4 in groups of 32 gives back the file's own weights, and on CPUs with AVX512-VNNI
-    the int4 kernel streams them 2.5x faster than bf16 at batch 1. Otherwise (a GPU, no VNNI, other
-    checkpoints, whose weights int4 would change) it is none."""
+    SmolLM2 is Q4_1): int4 in groups of 32 gives back the file's own weights, and the int4 kernel streams
+    them faster than the float paths at the rows decode steps have: 2.5x bf16 at batch 1 with AVX512-VNNI,
+    7x float32 at 1 row and 4x at 8 with AVX2's integer sums (bench/qlinear_bench.py). Otherwise (a GPU,
+    a CPU without AVX2, other checkpoints, whose weights int4 would change) it is none."""
     if config.quantization != "auto":
         return config.quantization
     if config.torch_device.type != "cpu":
@@ -158,7 +160,7 @@ def resolve_quantization(config: EngineConfig) -> str:
     from kernels.qlinear import vector_unit
 
     path, _ = resolve_source(config.model)
-    if path.is_file() and LOSSLESS_INT4_GGUF.search(path.name) and vector_unit() == "avx512-vnni":
+    if path.is_file() and LOSSLESS_INT4_GGUF.search(path.name) and vector_unit() in INT4_VECTOR_UNITS:
         return "int4"
     return "none"
 
