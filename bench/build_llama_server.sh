@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-server once, for bench/latency_bench.py, from the llama.cpp sources vendored in
 # the pinned llama-cpp-python sdist (PyPI), into a cache folder outside the repository (never committed).
-# GGML_NATIVE=OFF with explicit AVX-512/VNNI/BF16 + AVX2/FMA/F16C: on some of these VMs the CPU flags list
-# AMX but AMX instructions die with SIGILL, so -march=native is not safe.
+# GGML_NATIVE=OFF with explicit AVX2/FMA/F16C, plus AVX-512/VNNI/BF16 where this CPU lists them: on some of
+# these VMs the CPU flags list AMX but AMX instructions die with SIGILL, so -march=native is not safe, and
+# some (AMD EPYC Zen 3) have no AVX-512 at all, where an AVX-512 build dies with SIGILL on its first matmul.
+# Builds with and without AVX-512 live in separate folders, so a shared cache holds one of each.
 # Prints the binary's path on the last line; exits 2 with a reason when the build is impossible.
 # Usage: bench/build_llama_server.sh [JOBS]   (env: LLAMA_CPP_PYTHON_VERSION, TOKENMILL_BENCH_CACHE)
 set -euo pipefail
@@ -10,7 +12,15 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 JOBS="${1:-2}"
 CACHE="${TOKENMILL_BENCH_CACHE:-$HOME/.cache/tokenmill-bench}"
 ROOT="$CACHE/llama.cpp-$VERSION"
-BINARY="$ROOT/build/bin/llama-server"
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { [[ " $flags " == *" $1 "* ]]; }
+AVX512=OFF; AVX512_VNNI=OFF; AVX512_BF16=OFF
+if has avx512f && has avx512bw && has avx512vl; then AVX512=ON; fi
+if [[ $AVX512 == ON ]] && has avx512_vnni; then AVX512_VNNI=ON; fi
+if [[ $AVX512 == ON ]] && has avx512_bf16; then AVX512_BF16=ON; fi
+BUILD="$ROOT/build"
+[[ $AVX512 == ON ]] || BUILD="$ROOT/build-avx2"
+BINARY="$BUILD/bin/llama-server"
 PYTHON="${PYTHON:-python3}"
 
 if [[ -x "$BINARY" ]]; then echo "$BINARY"; exit 0; fi
@@ -43,12 +53,12 @@ PY
   mv "$download"/llama_cpp_python-"$VERSION"/vendor/llama.cpp "$ROOT/src"
   rm -rf "$download"
 fi
-cmake -S "$ROOT/src" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+cmake -S "$ROOT/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$AVX512_VNNI -DGGML_AVX512_BF16=$AVX512_BF16 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON >&2 \
   || { echo "cannot build llama-server: cmake configure failed" >&2; exit 2; }
-cmake --build "$ROOT/build" --target llama-server -j "$JOBS" >&2 \
+cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2 \
   || { echo "cannot build llama-server: compile failed" >&2; exit 2; }
 echo "$BINARY"

@@ -46,7 +46,7 @@ MODES = {
     "int4": "--quantization int4",  # float32 activations: the configuration that meets the quality bar
     "int4-bf16": "--quantization int4 --dtype bfloat16",
     "bf16": "--dtype bfloat16 --quantization none",
-    "fp32": "",
+    "fp32": "--quantization none",  # the default before int4 on CPUs without VNNI
 }
 LLAMA = "llama.cpp"
 OUTPUT_TOKENS = 128

@@ -8,11 +8,13 @@ run with the same threads, alternating with the passes (`torch.sum`). On VMs who
 the whole model that read runs at the cache's speed, which moves with what the neighbours do: compare
 fractions across runs, not GB/s.
 Formats: the native kernel's int4 (groups of 32, head int8 per 32, as `--quantization int4`), int8 (per
-channel, head per 32) and packed bf16, and oneDNN's bf16 `F.linear` as the peer. Writes JSON and a PNG
-under bench/results/.
+channel, head per 32) and packed bf16, and oneDNN's bf16 `F.linear` as the peer (`onednn-f32`: float32, the
+unquantized default, for CPUs without fast bf16). Writes JSON and a PNG under bench/results/ (`--tag` names
+another pair, for a second machine kind).
 
     python bench/qlinear_bench.py                       # about a minute
     python bench/qlinear_bench.py --rows 1 4 --threads 1
+    python bench/qlinear_bench.py --formats int4,int8,onednn-f32 --tag avx2
 """
 
 from __future__ import annotations
@@ -62,10 +64,13 @@ def model_weights(fmt: str) -> list[PackedWeight]:
     return place_together([*weights, head])  # in one buffer on huge pages, as the model holds them
 
 
-def onednn_weights() -> list[torch.Tensor]:
+ONEDNN_DTYPES = {"onednn-bf16": torch.bfloat16, "onednn-f32": torch.float32}
+
+
+def onednn_weights(dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES.values()] + [HEAD_SHAPE]
-    return [(torch.randn(*shape, generator=generator) * 0.05).to(torch.bfloat16) for shape in shapes]
+    return [(torch.randn(*shape, generator=generator) * 0.05).to(dtype) for shape in shapes]
 
 
 def interleaved(runs: list[Callable[[], object]], repeats: int) -> list[float]:
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--formats", default="int4,int8,bf16,onednn-bf16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tag", default="", help="results go to qlinear_bench-TAG.json/.png")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native_available(torch.zeros(1, 2)):
@@ -94,16 +100,16 @@ def main() -> None:
 
     results = []
     for fmt in args.formats.split(","):
-        if fmt == "onednn-bf16":
-            dense = onednn_weights()
+        if fmt in ONEDNN_DTYPES:
+            dense = onednn_weights(ONEDNN_DTYPES[fmt])
             nbytes = sum(w.numel() * w.element_size() for w in dense)
         else:
             packed = model_weights(fmt)
             nbytes = sum(w.nbytes() for w in packed)
         read_buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # a plain read of as many bytes
         for rows in args.rows:
-            if fmt == "onednn-bf16":
-                x = {w.shape[1]: torch.randn(rows, w.shape[1]).to(torch.bfloat16) for w in dense}
+            if fmt in ONEDNN_DTYPES:
+                x = {w.shape[1]: torch.randn(rows, w.shape[1]).to(ONEDNN_DTYPES[fmt]) for w in dense}
 
                 def one_pass() -> None:
                     for weight in dense:
@@ -140,9 +146,10 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "results": results,
     }
-    (RESULTS / "qlinear_bench.json").write_text(json.dumps(report, indent=2))
-    plot(results, RESULTS / "qlinear_bench.png")
-    print(f"wrote {RESULTS / 'qlinear_bench.json'} and .png")
+    name = f"qlinear_bench-{args.tag}" if args.tag else "qlinear_bench"
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    plot(results, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / name}.json and .png")
 
 
 def plot(results: list[dict], path: Path) -> None:
