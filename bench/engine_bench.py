@@ -11,6 +11,7 @@ as useful tokens (and FLOPs) on both sides.
     python bench/engine_bench.py                         # 64 requests, bfloat16 and float32 (minutes)
     python bench/engine_bench.py --quick                 # a smoke run: 16 short requests
     python bench/engine_bench.py --dtypes bfloat16 --profile-steps 8
+    python bench/engine_bench.py --dtypes float32 --quantization int4   # the engine int4, HF float32
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def engine_config(args, dtype: str, kv_blocks: int) -> EngineConfig:
         block_size=args.block_size,
         data_dir=args.data_dir,
         num_threads=args.threads,
+        quantization=args.quantization,
     )
 
 
@@ -434,7 +436,7 @@ def bench_dtype(args, dtype: str, workload: Workload, flops: ModelFlops) -> dict
     from transformers import AutoModelForCausalLM
 
     say(f"[{dtype}] loading models")
-    loaded = load_model(EngineConfig(dtype=dtype, data_dir=args.data_dir))
+    loaded = load_model(EngineConfig(dtype=dtype, data_dir=args.data_dir, quantization=args.quantization))
     vocab = loaded.shape.vocab_size
     torch_dtype = loaded.dtype
     pad_id = (
@@ -531,7 +533,7 @@ def print_table(report: dict) -> None:
     )
     say("HF static batches run to their longest request; only each request's own output tokens count.")
     header = (
-        f"{'dtype':<9} {'side':<7} {'out tok/s':>9} {'vs HF':>6} {'occup.':>6} {'KV use':>6} "
+        f"{'dtype':<12} {'side':<7} {'out tok/s':>9} {'vs HF':>6} {'occup.':>6} {'KV use':>6} "
         f"{'GFLOP/s':>8} {'MFU':>6} {'dec@full tok/s':>14} {'dec@full MFU (median)':>21} {'peak GFLOP/s':>12}"
     )
     say(header)
@@ -540,13 +542,13 @@ def print_table(report: dict) -> None:
         ours, hf = result["engine"], result["hf"]
         decode = ours["decode_full_concurrency"] or {}
         say(
-            f"{dtype:<9} {'engine':<7} {ours['output_tokens_per_s']:>9.1f} {result['ratio_to_hf']:>5.2f}x "
+            f"{dtype:<12} {'engine':<7} {ours['output_tokens_per_s']:>9.1f} {result['ratio_to_hf']:>5.2f}x "
             f"{ours['mean_batch_occupancy']:>6.1%} {ours['mean_kv_utilisation']:>6.1%} {ours['gflops']:>8.1f} "
             f"{ours['mfu']:>6.1%} {fmt(decode.get('tokens_per_s')):>14} {fmt(decode.get('median_step_mfu'), '.1%'):>21} "
             f"{result['matmul_peak_gflops']:>12.1f}"
         )
         say(
-            f"{'':<9} {'HF':<7} {hf['output_tokens_per_s']:>9.1f} {'1.00x':>6} {'':>6} {'':>6} {hf['gflops']:>8.1f} "
+            f"{'':<12} {'HF':<7} {hf['output_tokens_per_s']:>9.1f} {'1.00x':>6} {'':>6} {'':>6} {hf['gflops']:>8.1f} "
             f"{hf['mfu']:>6.1%}"
         )
     say("")
@@ -668,6 +670,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="engine concurrency and HF static batch size (default: min(64, requests))",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        default="none",
+        help="the engine's weights (HF runs the dtype's own, unquantized); results go to engine_bench-QUANT.json",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=None, help="KV pool size (default: enough for no preemption)")
@@ -757,13 +765,17 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "results": {},
     }
+    report["quantization"] = args.quantization
     for dtype in args.dtypes:
-        report["results"][dtype] = bench_dtype(args, dtype, workload, flops)
+        label = dtype if args.quantization == "none" else f"{dtype}+{args.quantization}"
+        report["results"][label] = bench_dtype(args, dtype, workload, flops)
     report["machine"]["load_average_end"] = list(os.getloadavg())
     print_table(report)
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "engine_bench_quick" if args.quick else "engine_bench"
+    if args.quantization != "none":
+        stem += f"-{args.quantization}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, png_path)

@@ -16,7 +16,9 @@ from tests.support import MODEL_CACHE, ROOT
 pytestmark = pytest.mark.real_model
 
 
-def test_quick_engine_bench_writes_json_and_plot(smollm2, tmp_path):  # smollm2: the converted weights exist
+# "int4": the engine's weights packed (HF stays float32), reported under their own name and file
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_quick_engine_bench_writes_json_and_plot(smollm2, tmp_path, quantization):  # smollm2: converted weights
     command = [
         sys.executable,
         str(ROOT / "bench" / "engine_bench.py"),
@@ -37,16 +39,20 @@ def test_quick_engine_bench_writes_json_and_plot(smollm2, tmp_path):  # smollm2:
         str(MODEL_CACHE),
         "--out",
         str(tmp_path),
+        "--quantization",
+        quantization,
     ]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "out tok/s" in run.stdout
 
-    report = json.loads((tmp_path / "engine_bench_quick.json").read_text())
-    assert (tmp_path / "engine_bench_quick.png").stat().st_size > 0
+    stem = "engine_bench_quick" if quantization == "none" else f"engine_bench_quick-{quantization}"
+    report = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0
+    assert report["quantization"] == quantization
     assert report["workload"]["requests"] == 3
     assert report["machine"]["threads"] == 1
-    result = report["results"]["float32"]
+    result = report["results"]["float32" if quantization == "none" else f"float32+{quantization}"]
     for key in ("matmul_peak_gflops", "ratio_to_hf", "engine", "hf", "targets"):
         assert key in result
     engine, hf = result["engine"], result["hf"]
