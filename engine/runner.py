@@ -81,6 +81,9 @@ class ModelRunner:
         # The swap pool stays in CPU memory (page-locked on CUDA, for full-speed copies), in the device's layout.
         self.cpu_kv_caches = pool(self.num_cpu_blocks, torch.device("cpu"), on_cuda) if self.num_cpu_blocks else []
         self._no_prefills = torch.zeros(1, dtype=torch.int32, device=self.device)  # query starts of no prefills
+        # Where a plain decode step runs as one native call (kernels/decode_stack.py), a drafted sequence's
+        # verification rows run in it too, each as a decode row of its own (forward, below).
+        self.drafts_as_decode_rows = loaded.model.has_fused_decode(config, self.kv_dtype)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             max_len = min(config.max_model_len or shape.max_position_embeddings, shape.max_position_embeddings)
@@ -124,20 +127,34 @@ class ModelRunner:
 
         A request samples when this pass catches it up with every token it knows. One with drafts gets a
         row per draft too, after the row of its last known token: 1 + len(draft_token_ids) rows in all.
+        With `drafts_as_decode_rows`, those rows attend as decode rows, one each, sharing the request's block
+        table, the row at position p over the p + 1 tokens before it: the step stays one native call (a
+        drafted step on the per-op path had cost more than its drafts saved), and each row is computed as
+        a plain decode step computes it, so a greedy reply is the same with drafts or without.
         """
-        order = sorted(range(len(requests)), key=lambda i: num_new_tokens[i] != 1)
+
+        def decode_rows(index: int) -> int:  # attention rows of one token each: 0 for a prefill chunk
+            request, count = requests[index], num_new_tokens[index]
+            drafts = len(request.draft_token_ids)
+            verifying = self.drafts_as_decode_rows and drafts > 0 and count == drafts + 1
+            return count if count == 1 or verifying else 0
+
+        order = sorted(range(len(requests)), key=lambda i: decode_rows(i) == 0)
+        row_counts = [decode_rows(i) for i in order]
         requests = [requests[i] for i in order]
         num_new_tokens = [num_new_tokens[i] for i in order]
-        num_decodes = sum(1 for n in num_new_tokens if n == 1)
         block_size = self.block_size
 
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        # per attention row: a decode row (one token) or a prefill chunk
+        tables_rows: list[list[int]] = []
         context_lens: list[int] = []
+        attention_counts: list[int] = []
         last_token_rows: list[int] = []
         samplers: list[Request] = []
-        for request, count in zip(requests, num_new_tokens):
+        for request, count, decode_row_count in zip(requests, num_new_tokens, row_counts):
             start = request.num_computed_tokens
             end = start + count
             token_ids.extend(request.token_ids_with_drafts(start, end))
@@ -145,7 +162,14 @@ class ModelRunner:
             positions.extend(span)
             table = request.block_ids
             slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-            context_lens.append(end)
+            if decode_row_count:
+                tables_rows.extend([table] * decode_row_count)
+                context_lens.extend(p + 1 for p in span)
+                attention_counts.extend([1] * decode_row_count)
+            else:
+                tables_rows.append(table)
+                context_lens.append(end)
+                attention_counts.append(count)
             num_drafts = len(request.draft_token_ids)
             if end == request.num_tokens + num_drafts:
                 last_token_rows.extend(range(len(token_ids) - 1 - num_drafts, len(token_ids)))
@@ -153,21 +177,20 @@ class ModelRunner:
 
         # Few tensors, each made once from a list: right after a decode step, whose weights have streamed through
         # every cache, each small torch call costs ~10-80 us cold, not ~2.
-        max_blocks = max(len(r.block_ids) for r in requests)
-        tables = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests], dtype=torch.int32
-        )
+        max_blocks = max(len(table) for table in tables_rows)
+        tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in tables_rows], dtype=torch.int32)
+        num_decodes = sum(1 for count in attention_counts if count == 1)
         lens = torch.tensor(context_lens, dtype=torch.int32)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions_cpu = torch.tensor(positions, dtype=torch.long)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
         with self._on_device():
             hidden = None
-            if self.graphs is not None and num_decodes == len(requests):
+            if self.graphs is not None and num_decodes == len(attention_counts):
                 hidden = self.graphs.run(DecodeInputs(ids, positions_cpu, slot_mapping, tables, lens))
             if hidden is None:
                 hidden = self._forward_eager(
-                    ids, positions_cpu, slot_mapping, tables, lens, num_new_tokens, num_decodes
+                    ids, positions_cpu, slot_mapping, tables, lens, attention_counts, num_decodes
                 )
             if not samplers:
                 return torch.empty(0), []

@@ -104,18 +104,15 @@ class _SequenceDrafts:
 
 
 class NgramSpeculator:
-    def __init__(self, config: EngineConfig, max_model_len: int, fused_decode: bool = False) -> None:
-        """`fused_decode`: the model runs a plain decode step as one native call (kernels/decode_stack.py)."""
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         enabled = config.speculation == "ngram"
         if config.speculation == "auto":
-            # Not where decode steps replay CUDA graphs or run as one native call: a drafted step leaves
-            # them for the per-op path (with packed weights on the 2-core CPU, drafting then cost 10-25% of
-            # one stream's tok/s even at 48% acceptance; bench/speculation_bench.py). Nor in bfloat16: there
-            # the verification rows' attention (the prefill path) rounds differently from the decode
-            # kernel's, enough to flip a near-tie, and a greedy reply would then depend on whether the
-            # batch was small enough to draft.
-            fast_plain_steps = fused_decode or uses_decode_graphs(config, config.torch_device)
-            enabled = config.dtype == "float32" and not fast_plain_steps
+            # Not where decode steps replay CUDA graphs: a drafted step leaves them for the per-op path. Where
+            # they run as one native call, the verification rows run in it too (engine/runner.py). Nor in
+            # bfloat16: there the verification rows' attention on the per-op path (the prefill kernel) rounds
+            # differently from the decode kernel's, enough to flip a near-tie, and a greedy reply would then
+            # depend on whether the batch was small enough to draft.
+            enabled = config.dtype == "float32" and not uses_decode_graphs(config, config.torch_device)
         self.enabled = enabled
         self.k = config.num_speculative_tokens
         self.max_batch = config.speculation_max_batch

@@ -9,7 +9,9 @@ import torch
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
+from kernels.decode_stack import DecodeStack
 from kernels.qlinear import native_available
+from tests.engine.test_speculation import PLAIN, REPEATING
 from tests.support import MODEL_CACHE
 from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
 
@@ -59,6 +61,44 @@ def test_greedy_output_does_not_depend_on_the_batch(quantized_float32):
     for number in range(len(prompts)):
         assert together[f"r{number}"][0] == alone[number], f"request {number} changed with the batch"
     assert tight.blocks.num_used_blocks == 0 and tight.blocks.num_free_blocks == tight.blocks.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_drafts_are_verified_in_the_fused_decode_step_and_keep_greedy_output(quantized_float32, mode, monkeypatch):
+    """With packed weights a plain decode step is one native call; a step that verifies drafts stays one
+    (each draft a decode row of its own), and a greedy reply is what it is without drafts, also when the
+    sequences outgrow the pool and are preempted."""
+    quantized = quantized_float32
+    stack_rows: list[int] = []
+    original = DecodeStack.__call__
+
+    def counted(stack, hidden, *args, **kwargs):
+        stack_rows.append(hidden.shape[0])
+        return original(stack, hidden, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeStack, "__call__", counted)
+    prompts = [chat_prompt(quantized.tokenizer, text) for text in REPEATING + PLAIN]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    longest = max(len(p) for p in prompts) + params.max_tokens
+    settings = dict(
+        dtype="float32",
+        quantization=quantized.model.quantization,
+        num_kv_blocks=-(-longest // 16) + 4,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+        speculation_max_batch=8,
+    )
+    drafted = make_engine(quantized, speculation="ngram", **settings)
+    results = run_to_completion(drafted, prompts, params)
+    counters = drafted.scheduler.counters
+    assert (counters.preemptions_swap if mode == "swap" else counters.preemptions_recompute) > 0
+    assert drafted.stats.spec_accepted_tokens_total > 0
+    assert max(stack_rows) > len(prompts)  # more rows than sequences: drafts inside the native call
+    plain = make_engine(quantized, speculation="off", **settings)
+    assert results == run_to_completion(plain, prompts, params)
+    assert drafted.blocks.num_used_blocks == 0 and drafted.blocks.num_free_blocks == drafted.blocks.num_blocks
+    if mode == "swap":
+        assert len(drafted.blocks.free_cpu_blocks) == drafted.blocks.num_cpu_blocks
 
 
 def test_int4_weights_take_at_most_40_percent_of_bf16(quantized):
