@@ -71,7 +71,9 @@ class LLMEngine:
         max_positions = loaded.shape.max_position_embeddings
         self.max_model_len = min(config.max_model_len or max_positions, max_positions)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.speculator = NgramSpeculator(config, self.max_model_len)
+        self.speculator = NgramSpeculator(
+            config, self.max_model_len, loaded.model.has_fused_decode(config, self.runner.kv_dtype)
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.stats = EngineStats(
             max_num_seqs=config.max_num_seqs,

@@ -145,6 +145,27 @@ def test_auto_drafts_in_float32_but_not_in_bfloat16(dtype, drafting):
     assert bool(request.draft_token_ids) is drafting
 
 
+def test_with_a_fused_decode_drafts_are_weighed_against_a_sequences_share_of_the_step():
+    """Packed weights: a draft row costs arithmetic, about as much at any batch, so among 4 sequences a
+    sequence with middling acceptance does not draft; alone again, it drafts at once (it was not paused)."""
+
+    def about_to_decode(index: int) -> Request:
+        request = Request(f"r{index}", 0, [1, 2, 3, 1, 2], SamplingParams(temperature=0.0, max_tokens=100))
+        request.output_token_ids = [3]
+        request.num_computed_tokens = request.num_tokens - 1
+        return request
+
+    speculator = NgramSpeculator(EngineConfig(device="cpu"), 512, fused_decode=True)
+    batch = [about_to_decode(i) for i in range(4)]
+    speculator.propose(batch)
+    assert not any(request.draft_token_ids for request in batch)
+    speculator.propose(batch[:1])
+    assert batch[0].draft_token_ids
+    unfused = NgramSpeculator(EngineConfig(device="cpu"), 512)
+    unfused.propose(batch)
+    assert all(request.draft_token_ids for request in batch)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_with_drafts_keeps_output_exact(smollm2, prompts, hf_greedy, mode):
     """Every answer runs MAX_NEW tokens (EOS ignored), so the sequences outgrow a small pool; up to EOS
