@@ -27,8 +27,8 @@ MAX_NGRAM = 3
 # A match on a single token is mostly chance: drafts from one were rarely accepted in chat.
 MIN_NGRAM = 2
 # What each draft row adds to a step, as a share of a plain decode step: on the 2-core CPU a step verifying
-# 2 / 4 drafts took about 1.3x / 1.7x one without (SmolLM2-135M, int4 and float32, interleaved medians);
-# the int4 linears and the logits head cost about 3x at 5 rows what they cost at 1.
+# 2 / 4 drafts took about 1.3x / 1.7x one without (SmolLM2-135M, int4 and float32, interleaved medians); in
+# the fused int4 step the linears cost 1.2x / 1.4x / 1.7-2x at 2 / 3 / 5 rows what they cost at 1.
 DRAFT_ROW_COST = 0.18
 # Each sequence's chance that a draft token is accepted, after the one before it was, is estimated from its
 # recent drafts (decayed per drafted step) on top of a prior of PRIOR_ACCEPTED in PRIOR_ACCEPTED +
