@@ -133,14 +133,13 @@ class ModelRunner:
         a plain decode step computes it, so a greedy reply is the same with drafts or without.
         """
 
-        def decode_rows(index: int) -> int:  # attention rows of one token each: 0 for a prefill chunk
-            request, count = requests[index], num_new_tokens[index]
+        def as_decode_rows(request: Request, count: int) -> bool:  # else one prefill chunk
             drafts = len(request.draft_token_ids)
-            verifying = self.drafts_as_decode_rows and drafts > 0 and count == drafts + 1
-            return count if count == 1 or verifying else 0
+            return count == 1 or (self.drafts_as_decode_rows and drafts > 0 and count == drafts + 1)
 
-        order = sorted(range(len(requests)), key=lambda i: decode_rows(i) == 0)
-        row_counts = [decode_rows(i) for i in order]
+        decode_like = [as_decode_rows(request, count) for request, count in zip(requests, num_new_tokens)]
+        order = sorted(range(len(requests)), key=lambda i: not decode_like[i])
+        decode_like = [decode_like[i] for i in order]
         requests = [requests[i] for i in order]
         num_new_tokens = [num_new_tokens[i] for i in order]
         block_size = self.block_size
@@ -154,7 +153,7 @@ class ModelRunner:
         attention_counts: list[int] = []
         last_token_rows: list[int] = []
         samplers: list[Request] = []
-        for request, count, decode_row_count in zip(requests, num_new_tokens, row_counts):
+        for request, count, one_row_per_token in zip(requests, num_new_tokens, decode_like):
             start = request.num_computed_tokens
             end = start + count
             token_ids.extend(request.token_ids_with_drafts(start, end))
@@ -162,10 +161,10 @@ class ModelRunner:
             positions.extend(span)
             table = request.block_ids
             slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-            if decode_row_count:
-                tables_rows.extend([table] * decode_row_count)
+            if one_row_per_token:
+                tables_rows.extend([table] * count)
                 context_lens.extend(p + 1 for p in span)
-                attention_counts.extend([1] * decode_row_count)
+                attention_counts.extend([1] * count)
             else:
                 tables_rows.append(table)
                 context_lens.append(end)
