@@ -233,7 +233,7 @@ class LLMEngine:
                 seq.params,
                 seq.prompt_token_ids,
                 history,
-                seq.generator,
+                seq.sample_seed,
                 None if seq.params.ignore_eos else self.eos_token_id,
                 seq.guide.allowed_tokens() if seq.guide is not None else None,
             )

@@ -10,9 +10,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
@@ -49,7 +46,6 @@ class Request:
     # Speculated tokens after the last one (engine/speculation.py), computed in this step's forward pass
     # behind the decode token and kept only as far as the model agrees; never part of num_tokens.
     draft_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     guide: object | None = None  # engine.guide.Guide, when the output is constrained
     # A sibling of an n > 1 request waits for its parent's prompt instead of prefilling it again.
     fork_parent: Request | None = None
@@ -62,10 +58,13 @@ class Request:
     prompt_charged: bool = False
 
     def __post_init__(self) -> None:
-        if self.params.seed is not None and self.generator is None:
-            self.generator = make_generator(self.params.seed + self.index)
         if self.params.guide_factory is not None and self.guide is None:
             self.guide = self.params.guide_factory.new_guide()
+
+    @property
+    def sample_seed(self) -> int | None:
+        """The seed this sequence samples with: the request's, offset by its index so n > 1 choices differ."""
+        return None if self.params.seed is None else self.params.seed + self.index
 
     @property
     def key(self) -> tuple[str, int]:

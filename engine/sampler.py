@@ -19,7 +19,7 @@ class SamplingState:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # set when params.seed is set
+    seed: int | None = None  # the sequence's own seed (params.seed, plus its index for n > 1)
     eos_token_id: int | None = None  # None when ignore_eos
     allowed_tokens: torch.Tensor | None = None  # bool [<= vocab]: a guide's constraint on the next token
 
@@ -32,20 +32,37 @@ class SamplerOutput:
     accepted: list[bool] | None = None
 
 
-def make_generator(seed: int) -> torch.Generator:
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    return generator
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that a seeded sequence draws its `position`th output token with. A function of
+    (seed, position) rather than a generator's next value, so a step that samples several positions at once
+    (drafts being verified) draws exactly what one token per step would, and preemption changes nothing.
+    24 bits: exactly a float32, which must stay below 1.0 (a rounded 53-bit value could reach it)."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) + position) >> 40) * 2.0**-24
 
 
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, states: list[SamplingState], drafts: list[int | None] | None = None
     ) -> SamplerOutput:
-        """One token per row. With `drafts`, a row with a draft token first checks it against the row's
-        distribution (speculative decoding; see verify_drafts) and reports in `accepted` whether it held."""
+        """One token per row. With `drafts` (speculative decoding), `accepted` says per row whether the row's
+        draft is the token it drew. Rows are sampled exactly as without drafts: for a draft of one token (a
+        point mass) that is rejection sampling's own rule, the draft d is kept with probability p(d) and the
+        token is distributed as p either way (Leviathan et al. 2023). And as a seeded row's uniform is keyed
+        by its position (keyed_uniform), a seeded reply is the same whether or not its steps were drafted."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
+        if drafts is not None and len(drafts) != len(states):
+            raise ValueError(f"{len(drafts)} drafts for {len(states)} sampling states")
         raw_logits = logits.float()
         logits = apply_logit_processors(raw_logits, states)
 
@@ -56,26 +73,11 @@ class Sampler:
             greedy_logits = _rows(logits, greedy_rows)
             argmax = kernels.greedy_tokens if kernels.native_sampling_available(greedy_logits) else blocked_argmax
             token_ids = _placed(token_ids, greedy_rows, argmax(greedy_logits))
-        accepted = None
-        if drafts is None:
-            if random_rows:
-                sampled = sample_random_rows(_rows(logits, random_rows), [states[r] for r in random_rows])
-                token_ids = _placed(token_ids, random_rows, sampled)
-        else:
-            if len(drafts) != len(states):
-                raise ValueError(f"{len(drafts)} drafts for {len(states)} sampling states")
-            accepted = [False] * len(states)
-            if random_rows:
-                random_tokens, random_accepted = verify_drafts(
-                    _rows(logits, random_rows), [states[r] for r in random_rows], [drafts[r] for r in random_rows]
-                )
-                token_ids[random_rows] = random_tokens
-                for row, ok in zip(random_rows, random_accepted):
-                    accepted[row] = ok
+        if random_rows:
+            sampled = sample_random_rows(_rows(logits, random_rows), [states[r] for r in random_rows])
+            token_ids = _placed(token_ids, random_rows, sampled)
         chosen = token_ids.tolist()
-        if accepted is not None and drafts is not None:
-            for row in greedy_rows:
-                accepted[row] = chosen[row] == drafts[row]
+        accepted = None if drafts is None else [token == draft for token, draft in zip(chosen, drafts)]
         return SamplerOutput(chosen, token_logprobs(raw_logits, states, chosen), accepted)
 
 
@@ -167,7 +169,6 @@ LOG2_E = math.log2(math.e)
 
 
 def sample_random_rows(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    generators = [state.generator for state in states]
     if kernels.native_sampling_available(logits):
         # One native call for the whole truncate-and-draw: ~20 us a row, where the torch ops below take
         # 0.5-1 ms (several ms on flat rows, which fall back to a full sort).
@@ -178,51 +179,20 @@ def sample_random_rows(logits: torch.Tensor, states: list[SamplingState]) -> tor
             [p.top_k for p in params],
             [p.top_p for p in params],
             [p.min_p for p in params],
-            _uniforms(generators),
+            _uniforms(states),
         )
-    return inverse_cdf_sample(target_weights(logits, states), generators)
+    return inverse_cdf_sample(target_weights(logits, states), _uniforms(states))
 
 
-def verify_drafts(
-    logits: torch.Tensor, states: list[SamplingState], drafts: list[int | None]
-) -> tuple[torch.Tensor, list[bool]]:
-    """Rejection sampling against a point-mass draft, row by row: the draft d is kept with probability p(d)
-    (p: what sample_random_rows would draw from); else the token is drawn from p with d taken out and
-    renormalised. Either way the token is distributed as p (Leviathan et al. 2023, with q = 1 at d: the
-    residual max(p - q, 0) is p without d). Rows without a draft draw from p. Returns (tokens, accepted)."""
-    weights = target_weights(logits, states)
-    generators = [state.generator for state in states]
-    drafted = [row for row, draft in enumerate(drafts) if draft is not None]
-    accepted = [False] * len(states)
-    tokens = torch.empty(len(states), dtype=torch.long)
-    if drafted:
-        draft_ids = torch.tensor([drafts[row] for row in drafted], dtype=torch.long)
-        rows = torch.tensor(drafted, dtype=torch.long)
-        draft_probability = weights[rows, draft_ids] / weights[rows].sum(dim=-1)
-        uniform = _uniforms([generators[row] for row in drafted])
-        for i, (row, keep) in enumerate(zip(drafted, (uniform < draft_probability).tolist())):
-            if keep:
-                accepted[row] = True
-                tokens[row] = int(draft_ids[i])
-            else:
-                weights[row, draft_ids[i]] = 0.0
-    redraw = [row for row in range(len(states)) if not accepted[row]]
-    if redraw:
-        tokens[redraw] = inverse_cdf_sample(_rows(weights, redraw), [generators[row] for row in redraw])
-    return tokens, accepted
-
-
-def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One uniform in [0, 1) per row; seeded rows advance their own generator."""
-    if all(generator is None for generator in generators):
-        return torch.rand(len(generators))
-    uniform = torch.empty(len(generators))
-    unseeded = [i for i, generator in enumerate(generators) if generator is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded))
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            uniform[i] = torch.rand((), generator=generator)
+def _uniforms(states: list[SamplingState]) -> torch.Tensor:
+    """One uniform in [0, 1) per row: a seeded row's is keyed by its seed and output position, so its token
+    depends on nothing else in the batch; the rest come from torch's global generator."""
+    if all(state.seed is None for state in states):
+        return torch.rand(len(states))
+    uniform = torch.rand(len(states))
+    for i, state in enumerate(states):
+        if state.seed is not None:
+            uniform[i] = keyed_uniform(state.seed, len(state.output_token_ids))
     return uniform
 
 
@@ -316,11 +286,9 @@ def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
     return largest + (logits - largest).clamp_(min=-87.0).exp_().sum(dim=-1, keepdim=True).log_()
 
 
-def inverse_cdf_sample(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One uniform draw per row against the row's cumulative weights (unnormalised probabilities).
-    Seeded rows draw from their own generator, advanced once per token, so their
-    token does not depend on the rest of the batch."""
-    uniform = _uniforms(generators)
+def inverse_cdf_sample(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where the row's cumulative weights (unnormalised probabilities) reach the row's
+    uniform draw (in [0, 1)) of their total."""
     rows, vocab = weights.shape
     size = _block_size(vocab) or vocab
     # Two levels, because a cumsum over the whole vocabulary does not vectorise: pick a block by

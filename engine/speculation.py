@@ -139,8 +139,6 @@ class NgramSpeculator:
             request.num_tokens - request.num_computed_tokens != 1  # not about to decode
             or not request.output_token_ids
             or request.guide is not None  # a guide's state advances token by token
-            # A seeded sample must not depend on whether other traffic kept the batch small enough to draft.
-            or (params.seed is not None and not params.greedy)
         ):
             return []
         # The step emits at most drafts + 1 tokens, and never past max_tokens or the context.

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 import kernels
 from engine.sampler import (
@@ -14,7 +15,7 @@ from engine.sampler import (
     apply_logit_processors,
     blocked_argmax,
     inverse_cdf_sample,
-    make_generator,
+    keyed_uniform,
     truncation_thresholds,
 )
 from engine.sampling_params import SamplingParams
@@ -41,11 +42,11 @@ def sampling_path(request):
 
 def state(prompt=(), output=(), seed=None, eos=EOS, **params) -> SamplingState:
     sampling = SamplingParams(seed=seed, **params)
-    return SamplingState(sampling, list(prompt), list(output), make_generator(seed) if seed is not None else None, eos)
+    return SamplingState(sampling, list(prompt), list(output), seed, eos)
 
 
 def random_logits(rows: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
-    return torch.randn(rows, vocab, generator=make_generator(seed)) * scale
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
@@ -87,7 +88,7 @@ def test_zero_probability_tokens_are_never_sampled():
     weights = torch.zeros(4000, VOCAB)
     weights[:, [0, 255, 256, 700, VOCAB - 1]] = torch.tensor([1e-30, 1.0, 1e-6, 2.0, 0.5])
     weights[::2, 255] = 0.0
-    tokens = set(inverse_cdf_sample(weights, [None] * 4000).tolist())
+    tokens = set(inverse_cdf_sample(weights, torch.rand(4000)).tolist())
     assert tokens <= {0, 255, 256, 700, VOCAB - 1} and {255, 700, VOCAB - 1} <= tokens
 
 
@@ -225,13 +226,33 @@ def test_same_seed_gives_the_same_tokens_over_many_steps_whatever_the_batch():
         batch = neighbours[: step % 4] + [batched] + neighbours[step % 4 :][: step % 3]
         logits = torch.stack([row if s is batched else random_logits(1, seed=1000 + step)[0] for s in batch])
         tokens_batched.append(sample(logits, batch)[next(i for i, s in enumerate(batch) if s is batched)])
+        alone.output_token_ids.append(tokens_alone[-1])
+        batched.output_token_ids.append(tokens_batched[-1])
     assert tokens_alone == tokens_batched
+    assert len(set(tokens_alone)) > 10  # each position draws afresh
 
 
 def test_different_seeds_give_different_tokens():
-    logits = random_logits(1, scale=0.5).expand(2, VOCAB)
-    runs = [[sample(logits[:1], [s])[0] for _ in range(20)] for s in (state(seed=1), state(seed=2))]
-    assert runs[0] != runs[1]
+    logits = random_logits(1, scale=0.5)
+
+    def run(seed: int) -> list[int]:
+        row = state(seed=seed)
+        for _ in range(20):
+            row.output_token_ids.append(sample(logits, [row])[0])
+        return row.output_token_ids
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_seeded_draws_are_uniform_across_seeds_and_positions():
+    """The keyed uniforms that replace a generator per sequence: no bias by seed or by position."""
+    draws = torch.tensor([keyed_uniform(seed, position) for seed in range(200) for position in range(100)])
+    assert 0.0 <= draws.min() and draws.max() < 1.0
+    counts = torch.histc(draws, bins=20, min=0.0, max=1.0)
+    assert chisquare(counts.numpy()).pvalue > 1e-3
+    by_position = draws.view(200, 100)
+    assert torch.corrcoef(torch.stack([by_position[:, 0], by_position[:, 1]]))[0, 1].abs() < 0.2
 
 
 def test_logprobs_top_is_sorted_and_the_chosen_logprob_is_the_raw_one():

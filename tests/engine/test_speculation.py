@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from engine.config import EngineConfig
 from engine.request import Request
-from engine.sampler import Sampler, SamplingState, make_generator
+from engine.sampler import Sampler, SamplingState, apply_logit_processors, target_weights
 from engine.sampling_params import SamplingParams
 from engine.speculation import PAUSE_STEPS, NgramIndex, NgramSpeculator, best_draft_length
 from tests.engine.test_engine_correctness import LONG_SYSTEM, assert_all_blocks_free, assert_matches_hf
@@ -274,6 +274,16 @@ def test_sampled_output_with_drafts_honours_logprobs_and_penalties(smollm2, prom
     assert_all_blocks_free(engine)
 
 
+def test_a_seeded_reply_is_the_same_with_drafts_or_without(smollm2, prompts):
+    """A seed fixes the reply: drafting (which depends on the batch) must not change a sampled token."""
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.95, seed=7, max_tokens=MAX_NEW, ignore_eos=True)
+    without = run_to_completion(make_engine(smollm2, num_kv_blocks=256, speculation="off"), prompts[:3], params)
+    engine = drafting_engine(smollm2)
+    assert run_to_completion(engine, prompts[:3], params) == without
+    assert engine.stats.spec_accepted_tokens_total >= 10  # the seeded copies really were drafted
+    assert_all_blocks_free(engine)
+
+
 VOCAB = 8
 DRAWS = 40_000
 
@@ -288,38 +298,38 @@ DRAWS = 40_000
         ({"temperature": 1.0, "frequency_penalty": 1.5}, 0),  # a penalised token
     ],
 )
-def test_rejection_sampling_keeps_the_distribution(params, draft):
-    """Each row checks a draft and, rejected, draws a replacement: the tokens must still follow the
-    distribution the sampler draws from without a draft (chi-square over many rows, fixed seed)."""
+def test_drafted_rows_keep_the_distribution(params, draft):
+    """A drafted row keeps its draft with probability p(draft) and otherwise draws another token: the tokens
+    must follow p, the distribution the sampler draws from (chi-square over many rows, fixed seed)."""
     torch.manual_seed(1)
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]]).repeat(DRAWS, 1)
     states = [SamplingState(SamplingParams(**params), [0], [0, 0]) for _ in range(DRAWS)]
-    without = Sampler()(logits, states).token_ids
+    weights = target_weights(apply_logit_processors(logits[:1], states[:1]), states[:1])[0].double()
+    probability = weights / weights.sum()
     result = Sampler()(logits, states, [draft] * DRAWS)
-    expected = torch.bincount(torch.tensor(without), minlength=VOCAB).double()
     observed = torch.bincount(torch.tensor(result.token_ids), minlength=VOCAB).double()
-    support = expected > 0
+    support = probability > 0
     assert not observed[~support].any()
-    assert chisquare(observed[support], expected[support] / expected.sum() * DRAWS).pvalue > 1e-3
+    assert chisquare(observed[support], probability[support] * DRAWS).pvalue > 1e-3
     accepted = sum(result.accepted)
-    assert accepted == result.token_ids.count(draft)  # a rejected draft is never drawn again
-    assert abs(accepted - float(expected[draft])) / DRAWS < 0.01  # kept with probability p(draft)
+    assert accepted == result.token_ids.count(draft)  # a rejected draft is never drawn instead
+    assert abs(accepted / DRAWS - float(probability[draft])) < 0.01  # kept with probability p(draft)
 
 
-def test_rejection_sampling_with_seeded_rows_is_reproducible():
-    logits = torch.randn(4, 256, generator=make_generator(3))
-
-    def run() -> list[int]:
-        states = [
-            SamplingState(SamplingParams(temperature=1.0, seed=9), [], [], make_generator(9 + i)) for i in range(4)
-        ]
-        return Sampler()(logits, states, [5, None, 17, 200]).token_ids
-
-    assert run() == run()
+def test_a_seeded_row_draws_the_same_token_with_a_draft_or_without():
+    """A seeded row is sampled as without a draft, and its draft holds exactly when it is that token."""
+    logits = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    states = [SamplingState(SamplingParams(temperature=1.0, seed=9), [], [0] * i, seed=9 + i % 4) for i in range(64)]
+    without = Sampler()(logits, states).token_ids
+    drafts: list[int | None] = [token if i % 2 else (token + 1) % 256 for i, token in enumerate(without)]
+    drafts[5] = None
+    result = Sampler()(logits, states, drafts)
+    assert result.token_ids == without
+    assert result.accepted == [draft == token for draft, token in zip(drafts, without)]
 
 
 def test_greedy_rows_accept_exactly_the_argmax():
-    logits = torch.randn(3, 256, generator=make_generator(4))
+    logits = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
     best = logits.argmax(dim=-1).tolist()
     states = [SamplingState(SamplingParams(temperature=0.0), [], []) for _ in range(3)]
     result = Sampler()(logits, states, [best[0], (best[1] + 1) % 256, None])
