@@ -218,36 +218,46 @@ struct IVec {  // int32 sums of lanes 0-7 and 8-15
                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(b, bias)));
     }
 };
-// A ymm of bytes [lane][4 k], zero-extended per 128-bit half: unpacklo holds lanes {0,1 | 4,5}, unpackhi lanes
-// {2,3 | 6,7}, two int16 pairs per lane (k 0-1, k 2-3), one pair per int32 as vpmaddwd sums them.
+// A ymm of bytes [lane][4 k] (lanes 0-3 in its low 128 bits, 4-7 in its high) as two ymm of int16 [lane 0-7][2 k],
+// k 0-1 and k 2-3: vpshufb places each byte in the low half of an int16 and zeroes the high one (index 0x80), so
+// one vpmaddwd sums two k of all eight lanes into that lane's int32, in lane order.
 struct WidePairs {
-    __m256i a_low, a_high, b_low, b_high;
+    __m256i a01, a23, b01, b23;  // lanes 0-7, then 8-15; k 0-1, then k 2-3
 };
-WidePairs widened(Bytes64 w) {
-    const __m256i zero = _mm256_setzero_si256();
-    return {_mm256_unpacklo_epi8(w.a, zero), _mm256_unpackhi_epi8(w.a, zero), _mm256_unpacklo_epi8(w.b, zero),
-            _mm256_unpackhi_epi8(w.b, zero)};
+inline __m256i pair_indices(int first) {  // byte 4 * lane + first + {0, 1} of each 128-bit half, zero-extended
+    const auto at = [first](int lane, int j) { return static_cast<char>(4 * lane + first + j); };
+    const char zero = static_cast<char>(0x80);
+    const __m128i half = _mm_setr_epi8(at(0, 0), zero, at(0, 1), zero, at(1, 0), zero, at(1, 1), zero, at(2, 0), zero,
+                                       at(2, 1), zero, at(3, 0), zero, at(3, 1), zero);
+    return _mm256_broadcastsi128_si256(half);
 }
-// Sums per lane and pair of k, in WidePairs' order: the pairs of a lane are added at the end of an x block,
-// where vphaddd of the low and high halves also puts the lanes back in order.
+WidePairs widened(Bytes64 w) {
+    const __m256i first = pair_indices(0), second = pair_indices(2);
+    return {_mm256_shuffle_epi8(w.a, first), _mm256_shuffle_epi8(w.a, second), _mm256_shuffle_epi8(w.b, first),
+            _mm256_shuffle_epi8(w.b, second)};
+}
+// x's inputs k..k+3 as two int16 pairs, each in every 32 bits
+struct XPairs {
+    __m256i k01, k23;
+};
+// Per lane, in lane order: two ymm a row. With each lane's two k pairs summed apart (vpunpck widening) a row took
+// four and only two rows fit beside the widened weights; with two, four rows do, and the weights are widened once
+// for four rows, not two (2-core EPYC Zen 3: one block in L1 0.96 against 1.25-1.58 ns per 64 multiply-adds; a
+// decode step's matmuls 0.92-0.95x at 4 rows, 0.88-0.92x at 8, 0.87-0.90x at 64-256, same bits).
 struct DigitSums {
-    __m256i a_low, a_high, b_low, b_high;
-    static DigitSums zero() {
-        const __m256i zero = _mm256_setzero_si256();
-        return {zero, zero, zero, zero};
-    }
-    // x: four inputs' 254 * high + low, as int16, in every 64 bits
-    void dot(const WidePairs& w, __m256i x) {
-        a_low = _mm256_add_epi32(a_low, _mm256_madd_epi16(w.a_low, x));
-        a_high = _mm256_add_epi32(a_high, _mm256_madd_epi16(w.a_high, x));
-        b_low = _mm256_add_epi32(b_low, _mm256_madd_epi16(w.b_low, x));
-        b_high = _mm256_add_epi32(b_high, _mm256_madd_epi16(w.b_high, x));
+    __m256i a, b;
+    static DigitSums zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+    void dot(const WidePairs& w, const XPairs& x) {
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(w.a01, x.k01));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(w.b01, x.k01));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(w.a23, x.k23));
+        b = _mm256_add_epi32(b, _mm256_madd_epi16(w.b23, x.k23));
         // Adds each product as it comes, in registers: left alone, GCC reassociates the integer adds into one
-        // tree per x block and holds the 32 products until then, spilling most of them to the stack (pinned:
+        // tree per x block and holds the products until then, spilling most of them to the stack (pinned:
         // a decode step's matmuls 1.1-1.3x for int4 at 1-64 rows, 1.3-1.7x for int8 from 4 rows).
-        asm("" : "+x"(a_low), "+x"(a_high), "+x"(b_low), "+x"(b_high));
+        asm("" : "+x"(a), "+x"(b));
     }
-    IVec total() const { return {_mm256_hadd_epi32(a_low, a_high), _mm256_hadd_epi32(b_low, b_high)}; }
+    IVec total() const { return {a, b}; }
 };
 #else
 struct Bytes64 {
@@ -329,10 +339,11 @@ struct Problem {
 
 #if defined(TOKENMILL_AVX2_INT)
 constexpr bool kWideX = true;
-__m256i x_digits(const Problem& p, int64_t at) {  // inputs at..at+3
-    int64_t bits;
-    std::memcpy(&bits, p.xq_wide + at, sizeof(bits));
-    return _mm256_set1_epi64x(bits);
+XPairs x_digits(const Problem& p, int64_t at) {  // inputs at..at+3
+    int32_t first_pair, second_pair;
+    std::memcpy(&first_pair, p.xq_wide + at, sizeof(first_pair));
+    std::memcpy(&second_pair, p.xq_wide + at + 2, sizeof(second_pair));
+    return {_mm256_set1_epi32(first_pair), _mm256_set1_epi32(second_pair)};
 }
 #else
 constexpr bool kWideX = false;
@@ -358,9 +369,9 @@ struct DigitSums {
 #endif
 
 // Rows of x per pass over a block: with two blocks side by side, 2 x 4 x 2 digit sums + 8 float sums stay in registers.
-// AVX2's sums take four ymm a row and its 16 ymm also hold the widened weights: two rows, one block at a time
-// (against four rows and pairs from 8 rows: 1.0-1.3x for int4, 1.4-1.5x for int8 at 4-64 rows, 2-core EPYC Zen 3).
-constexpr int kMaxRows = kWideX ? 2 : 4;
+// AVX2's sums take two ymm a row beside four of widened weights: four rows, one block at a time (five measured
+// the same in L1).
+constexpr int kMaxRows = 4;
 
 // Sums of MT rows against NB consecutive blocks (16 outputs each), one group (or all of K for bf16) at a time,
 // into result[(b * MT + m) * kLanes + lane].
