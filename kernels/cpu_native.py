@@ -23,7 +23,20 @@ log = logging.getLogger("tokenmill.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
 # -march=native: the library is built on the machine that runs it, and the loops need its vector units.
-COMMON_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# -fno-trapping-math: nothing here reads the floating-point exception flags, and without it GCC keeps a loop
+# with a float compare in a select (fast_exp's clamp, a weight cut) scalar on AVX2, which has no mask
+# registers to vectorize it otherwise (SiLU, the softmax of decode attention, 2-core EPYC Zen 3). It allows
+# vector selects, not reassociation; loops marked `omp simd reduction` then sum in lanes on AVX2 as on AVX-512.
+COMMON_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+]
 FLAGS = {
     "paged_decode_cpu": [*COMMON_FLAGS, "-ffp-contract=fast", "-mprefer-vector-width=512"],
     # Bit-equal rounding with the torch references needs every product rounded before the add.
