@@ -59,7 +59,8 @@ inline __m128 reduce_add4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // (2-4 KB) long, too short for the hardware prefetchers to ramp up on: without this every block began with a
 // run of cache misses and the passes waited on latency, not bandwidth (perf: most samples on the loads).
 // Row by row rather than a whole block at once, which filled the miss buffers and stalled on them. At 64
-// sequences x 300 tokens (bfloat16, 30 layers, 2-core EPYC Zen 4) a step's attention took 0.77-0.80 the time.
+// sequences x 300 tokens (bfloat16, 30 layers, 2-core EPYC Zen 4) a step's attention took 0.77-0.80 the time;
+// the generic loops (AVX2) do the same: 0.76-0.80 at 4-64 sequences x 300-400 tokens (EPYC Zen 3).
 // (Widening bfloat16 by shift and mask, 32 at a time, was 10% faster on a cached layer but sums the dot
 // products in another order: enough to flip 5 of 1,024 greedy tokens in bench/quality_bench.py. Left out.)
 template <typename C>
@@ -155,7 +156,10 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const C* block = keys + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
+                const C* ahead =
+                    first + 2 * block_size < length ? keys + table[first / block_size + 2] * block_stride : nullptr;
                 for (int64_t j = 0; j < rows; ++j) {
+                    if (ahead != nullptr) prefetch(ahead + j * head_dim, head_dim);
                     const C* key = block + j * head_dim;
                     for (int64_t d = 0; d < head_dim; ++d) key_row[d] = to_float(key[d]);
                     for (int64_t g = 0; g < group; ++g) {
@@ -219,7 +223,10 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const C* block = values + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
+                const C* ahead =
+                    first + 2 * block_size < length ? values + table[first / block_size + 2] * block_stride : nullptr;
                 for (int64_t j = 0; j < rows; ++j) {
+                    if (ahead != nullptr) prefetch(ahead + j * head_dim, head_dim);
                     const C* value = block + j * head_dim;
                     for (int64_t d = 0; d < head_dim; ++d) value_row[d] = to_float(value[d]);
                     for (int64_t g = 0; g < group; ++g) {
