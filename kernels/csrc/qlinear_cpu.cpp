@@ -581,6 +581,67 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
         terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
     }
 }
+#elif defined(TOKENMILL_AVX2_INT)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// 32 int32 in [-127, 127], four ymm, as 32 int8 in order
+inline void store_digits(const __m256i (&digits)[4], int8_t* out) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(digits[0], digits[1]),
+                                             _mm256_packs_epi32(digits[2], digits[3]));
+    // the packs interleave the 128-bit halves: 32-bit groups come out as 0 2 4 6 1 3 5 7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// The scalar loop's digits with 8-lane arithmetic: the same IEEE division, round-to-nearest-even and single-
+// rounding FMA per input, so the same bits (on AVX2 the scalar loop was 2-3% of a 4-stream server's time).
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t* low_digits, XBlockTerms* terms) {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256 limit = _mm256_set1_ps(127.f), negative_limit = _mm256_set1_ps(-127.f);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t xb = 0; xb < Kp / kXBlock; ++xb) {
+        const int64_t k = xb * kXBlock;
+        __m256 values[4];
+        if (k + kXBlock <= K) {
+            for (int i = 0; i < 4; ++i) values[i] = load8(x + k + 8 * i);
+        } else {  // the last block, zero padded
+            alignas(32) float block[kXBlock] = {};
+            for (int64_t i = k; i < K; ++i) block[i - k] = tokenmill::to_float(x[i]);
+            for (int i = 0; i < 4; ++i) values[i] = _mm256_load_ps(block + 8 * i);
+        }
+        __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, values[0]), _mm256_andnot_ps(sign, values[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, values[2]), _mm256_andnot_ps(sign, values[3])));
+        __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+        amax4 = _mm_max_ss(amax4, _mm_shuffle_ps(amax4, amax4, 1));
+        const float scale = _mm_cvtss_f32(amax4) / 127.f, low_scale = scale / 254.f;
+        __m256i high[4], low[4];
+        __m256i sums = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+            high[i] = low[i] = _mm256_setzero_si256();
+            if (scale != 0.f) {
+                const __m256 step = _mm256_set1_ps(scale);
+                const __m256 rounded = _mm256_round_ps(_mm256_div_ps(values[i], step), kRound);
+                const __m256 rest = _mm256_fnmadd_ps(rounded, step, values[i]);
+                const __m256 low_rounded = _mm256_round_ps(_mm256_div_ps(rest, _mm256_set1_ps(low_scale)), kRound);
+                high[i] = _mm256_cvtps_epi32(rounded);
+                low[i] = _mm256_cvtps_epi32(_mm256_min_ps(limit, _mm256_max_ps(negative_limit, low_rounded)));
+            }
+            sums = _mm256_add_epi32(sums, _mm256_add_epi32(_mm256_mullo_epi32(high[i], _mm256_set1_epi32(254)), low[i]));
+        }
+        store_digits(high, high_digits + k);
+        store_digits(low, low_digits + k);
+        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        sum4 = _mm_add_epi32(sum4, _mm_unpackhi_epi64(sum4, sum4));
+        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 1));
+        const int32_t sum = _mm_cvtsi128_si32(sum4);
+        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
+    }
+}
 #else
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t* low_digits, XBlockTerms* terms) {
