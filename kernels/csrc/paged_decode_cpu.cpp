@@ -105,6 +105,10 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
         const int32_t* table = block_tables + seq * table_stride;
         const C* keys = key_cache + kv_head * head_stride;
         const C* values = value_cache + kv_head * head_stride;
+        // the block two after the one at `first` in `cache`, to prefetch (none within two of the end)
+        const auto block_two_ahead = [&](const C* cache, int64_t first) -> const C* {
+            return first + 2 * block_size < length ? cache + table[first / block_size + 2] * block_stride : nullptr;
+        };
 
         float q[kMaxGroup][kMaxHeadDim];
         for (int64_t g = 0; g < group; ++g) {
@@ -124,8 +128,7 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const C* block = keys + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
-                const C* ahead =
-                    first + 2 * block_size < length ? keys + table[first / block_size + 2] * block_stride : nullptr;
+                const C* ahead = block_two_ahead(keys, first);
                 int64_t j = 0;
                 for (; j + 4 <= rows; j += 4) {  // four keys at a time, their four sums reduced together
                     const C* key = block + j * 64;
@@ -156,8 +159,7 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const C* block = keys + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
-                const C* ahead =
-                    first + 2 * block_size < length ? keys + table[first / block_size + 2] * block_stride : nullptr;
+                const C* ahead = block_two_ahead(keys, first);
                 for (int64_t j = 0; j < rows; ++j) {
                     if (ahead != nullptr) prefetch(ahead + j * head_dim, head_dim);
                     const C* key = block + j * head_dim;
@@ -202,8 +204,7 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const C* block = values + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
-                const C* ahead =
-                    first + 2 * block_size < length ? values + table[first / block_size + 2] * block_stride : nullptr;
+                const C* ahead = block_two_ahead(values, first);
                 for (int64_t j = 0; j < rows; ++j) {
                     if (ahead != nullptr) prefetch(ahead + j * 64, 64);
                     const C* value = block + j * 64;
@@ -223,8 +224,7 @@ void decode(const T* query, const C* key_cache, const C* value_cache, const int3
             for (int64_t first = 0; first < length; first += block_size) {
                 const C* block = values + table[first / block_size] * block_stride;
                 const int64_t rows = length - first < block_size ? length - first : block_size;
-                const C* ahead =
-                    first + 2 * block_size < length ? values + table[first / block_size + 2] * block_stride : nullptr;
+                const C* ahead = block_two_ahead(values, first);
                 for (int64_t j = 0; j < rows; ++j) {
                     if (ahead != nullptr) prefetch(ahead + j * head_dim, head_dim);
                     const C* value = block + j * head_dim;
