@@ -9,8 +9,12 @@ The references in paged_attention.py stay the definition; tests hold these to th
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from kernels.huge_pages import huge_page_buffer
 
 
 def is_heads_major(cache: torch.Tensor) -> bool:
@@ -18,8 +22,15 @@ def is_heads_major(cache: torch.Tensor) -> bool:
 
 
 def heads_major_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> torch.Tensor:
-    """A zeroed cache in the usual [blocks, block_size, kv_heads, head_dim] view, stored heads-major."""
-    return torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3)
+    """A zeroed cache in the usual [blocks, block_size, kv_heads, head_dim] view, stored heads-major, on huge pages.
+
+    A decode step reads each sequence's blocks (2-4 KB per head) from anywhere in the pool; on 4 KB pages nearly
+    every block began with a TLB miss: on 2 MB pages the native decode attention at 64 sequences x 300 tokens
+    (bfloat16, 30 layers, 2-core EPYC Zen 5) took 0.83-0.88x the time, the same bits."""
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    nbytes = math.prod(shape) * dtype.itemsize
+    cache = huge_page_buffer(nbytes).view(dtype).view(shape).zero_()
+    return cache.permute(1, 2, 0, 3)
 
 
 def paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, context_lens, scale):

@@ -22,7 +22,6 @@ outputs agree to float32 rounding before the cast to the activation dtype.
 from __future__ import annotations
 
 import ctypes
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
@@ -31,6 +30,7 @@ from typing import Literal, cast
 import torch
 
 from kernels.cpu_native import library
+from kernels.huge_pages import huge_page_buffer
 
 Format = Literal["bf16", "int8", "int4"]
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -124,28 +124,11 @@ def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> 
     )
 
 
-HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h>
 _ALIGN = 64
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """`nbytes` of uninitialized uint8 starting on a 2 MB boundary, advised for transparent huge pages.
-
-    Linux in `madvise` mode (the common default) backs memory with 2 MB pages only where asked; a best-effort
-    request: where THP is off, or off Linux, the buffer is the same memory on 4 KB pages."""
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    buffer = raw[start : start + nbytes]
-    whole_pages = nbytes // HUGE_PAGE * HUGE_PAGE
-    if sys.platform.startswith("linux") and whole_pages:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(whole_pages), _MADV_HUGEPAGE)
-    return buffer
 
 
 def place_together(weights: Sequence[PackedWeight]) -> list[PackedWeight]:
@@ -157,7 +140,7 @@ def place_together(weights: Sequence[PackedWeight]) -> list[PackedWeight]:
     ran ~10% faster (2-core EPYC, decode step at one row, the same bits)."""
     tensors = [t for weight in weights for t in (weight.packed, weight.scales, weight.mins) if t is not None]
     total = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
-    buffer = _huge_page_buffer(max(total, 1))
+    buffer = huge_page_buffer(max(total, 1))
     offset = 0
 
     def copied(tensor: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels.cpu_attention import heads_major_cache, paged_attention_decode_cpu, paged_attention_prefill_cpu
+from kernels.huge_pages import HUGE_PAGE
 from kernels.paged_attention import paged_attention_decode_reference, paged_attention_prefill_reference
 from kernels.store_kv import store_kv_reference
 
@@ -51,6 +52,15 @@ def test_prefill_with_cached_prefix_matches_reference(dtype, cache_dtype):
     expected = paged_attention_prefill_reference(query, keys_tm, values_tm, tables, starts, lengths, 0.125)
     got = paged_attention_prefill_cpu(query, keys_hm, values_hm, tables, starts, lengths, 0.125)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_a_big_heads_major_cache_starts_zeroed_on_a_huge_page_boundary():
+    """The decode attention reads each sequence's blocks from anywhere in the pool: on 2 MB pages (advised at
+    allocation) it no longer pays a TLB walk per block. The pool still starts as zeros."""
+    cache = heads_major_cache(600, 16, 3, 64, torch.bfloat16)  # 3.5 MB
+    assert cache.shape == (600, 16, 3, 64) and cache.dtype == torch.bfloat16
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    assert not cache.any()
 
 
 def test_store_kv_writes_the_same_slots_in_either_layout():
