@@ -23,7 +23,7 @@ BUILD="$ROOT/build"
 BINARY="$BUILD/bin/llama-server"
 PYTHON="${PYTHON:-python3}"
 
-if [[ -x "$BINARY" ]]; then echo "$BINARY"; exit 0; fi
+if [[ -x "$BINARY" && -x "$BUILD/bin/llama-quantize" ]]; then echo "$BINARY"; exit 0; fi
 for tool in cmake c++ "$PYTHON"; do
   command -v "$tool" >/dev/null || { echo "cannot build llama-server: $tool not found" >&2; exit 2; }
 done
@@ -59,6 +59,6 @@ cmake -S "$ROOT/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=
   -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$AVX512_VNNI -DGGML_AVX512_BF16=$AVX512_BF16 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON >&2 \
   || { echo "cannot build llama-server: cmake configure failed" >&2; exit 2; }
-cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2 \
+cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS" >&2 \
   || { echo "cannot build llama-server: compile failed" >&2; exit 2; }
 echo "$BINARY"

@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import EngineConfig
+from engine.models.weights import HEAD_FORMATS, LinearLayer, Weight, dense, make_linear
 from kernels.cpu_attention import heads_major_cache
 from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
-from kernels.qlinear import Format, PackedLinear, embedding_rows, place_together
+from kernels.qlinear import PackedLinear, embedding_rows, place_together
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -97,42 +98,28 @@ class AttentionMetadata:
     num_prefills: int
 
 
-LinearLayer = Linear | PackedLinear
-# the packed format of the layers' linears, and of the logits head / tied embedding, per quantization
-LAYER_FORMATS: dict[str, Format] = {"int8": "int8", "int4": "int4"}
-HEAD_FORMATS: dict[str, tuple[Format, int | None]] = {"int8": ("int8", None), "int4": ("int8", 32)}
-
-
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, quantization: str) -> LinearLayer:
-    """The layer's linear: oneDNN on `dtype` weights, or packed int8/int4 (quantized from the weights as read,
-    before any cast, so float32 checkpoints lose nothing to bf16 on the way)."""
-    if quantization == "none":
-        return Linear(weight.to(dtype), None if bias is None else bias.to(dtype))
-    return PackedLinear(weight, LAYER_FORMATS[quantization], bias)
-
-
 class LlamaLayer:
     def __init__(
         self,
         shape: LlamaShape,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         prefix: str,
         dtype: torch.dtype | None = None,
         quantization: str = "none",
     ) -> None:
         self.shape = shape
-        dtype = dtype or weights[f"{prefix}input_layernorm.weight"].dtype
-        q, k, v = (weights[f"{prefix}self_attn.{name}_proj.weight"] for name in "qkv")
+        dtype = dtype or dense(weights[f"{prefix}input_layernorm.weight"]).dtype
+        qkv = [weights[f"{prefix}self_attn.{name}_proj.weight"] for name in "qkv"]
         qkv_bias = None
         if shape.attention_bias and f"{prefix}self_attn.q_proj.bias" in weights:
-            qkv_bias = torch.cat([weights[f"{prefix}self_attn.{name}_proj.bias"] for name in "qkv"]).contiguous()
-        self.qkv_proj = make_linear(torch.cat((q, k, v), dim=0), qkv_bias, dtype, quantization)
-        self.o_proj = make_linear(weights[f"{prefix}self_attn.o_proj.weight"], None, dtype, quantization)
-        gate, up = weights[f"{prefix}mlp.gate_proj.weight"], weights[f"{prefix}mlp.up_proj.weight"]
-        self.gate_up_proj = make_linear(torch.cat((gate, up), dim=0), None, dtype, quantization)
-        self.down_proj = make_linear(weights[f"{prefix}mlp.down_proj.weight"], None, dtype, quantization)
-        self.input_norm = weights[f"{prefix}input_layernorm.weight"].to(dtype)
-        self.post_attention_norm = weights[f"{prefix}post_attention_layernorm.weight"].to(dtype)
+            qkv_bias = torch.cat([dense(weights[f"{prefix}self_attn.{name}_proj.bias"]) for name in "qkv"]).contiguous()
+        self.qkv_proj = make_linear(qkv, qkv_bias, dtype, quantization)
+        self.o_proj = make_linear([weights[f"{prefix}self_attn.o_proj.weight"]], None, dtype, quantization)
+        gate_up = [weights[f"{prefix}mlp.gate_proj.weight"], weights[f"{prefix}mlp.up_proj.weight"]]
+        self.gate_up_proj = make_linear(gate_up, None, dtype, quantization)
+        self.down_proj = make_linear([weights[f"{prefix}mlp.down_proj.weight"]], None, dtype, quantization)
+        self.input_norm = dense(weights[f"{prefix}input_layernorm.weight"], dtype)
+        self.post_attention_norm = dense(weights[f"{prefix}post_attention_layernorm.weight"], dtype)
         self.q_size = shape.num_heads * shape.head_dim
         self.kv_size = shape.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
@@ -189,20 +176,21 @@ class LlamaForCausalLM:
     def __init__(
         self,
         shape: LlamaShape,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         cos_sin: torch.Tensor,
         dtype: torch.dtype | None = None,
         quantization: str = "none",
     ) -> None:
         self.shape = shape
-        self.dtype = dtype or weights["model.embed_tokens.weight"].dtype
+        embed = dense(weights["model.embed_tokens.weight"])
+        self.dtype = dtype or embed.dtype
         self.quantization = quantization
-        embed = weights["model.embed_tokens.weight"]
         self.layers = [
             LlamaLayer(shape, weights, f"model.layers.{i}.", self.dtype, quantization) for i in range(shape.num_layers)
         ]
-        self.final_norm = weights["model.norm.weight"].to(self.dtype)
-        head = weights.get("lm_head.weight")
+        self.final_norm = dense(weights["model.norm.weight"], self.dtype)
+        stored_head = weights.get("lm_head.weight")
+        head = None if stored_head is None else dense(stored_head)
         tied = shape.tie_word_embeddings or head is None
         self.embed: torch.Tensor | None = None
         self.lm_head: LinearLayer
