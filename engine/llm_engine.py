@@ -364,4 +364,5 @@ class LLMEngine:
             sorted(deltas, key=lambda d: d.index),
             group.finished,
             error,
+            group.sequences[0].first_scheduled_time,
         )

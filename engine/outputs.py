@@ -29,3 +29,4 @@ class RequestOutput:
     deltas: list[SequenceDelta]
     finished: bool = False  # all n sequences have finished
     error: str | None = None  # set when the engine failed this request
+    scheduled_at: float | None = None  # time.monotonic() when the engine first gave it a step (None: not yet)

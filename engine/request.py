@@ -56,6 +56,7 @@ class Request:
     arrival_seq: int = 0
     running_since_step: int = 0
     prompt_charged: bool = False
+    first_scheduled_time: float | None = None  # time.monotonic() when it was first scheduled
 
     def __post_init__(self) -> None:
         if self.params.guide_factory is not None and self.guide is None:

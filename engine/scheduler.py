@@ -9,6 +9,17 @@ running request of the most over-served team that has run `fair_min_run_steps` s
 When blocks run out for a running request the newest running request (fair: of the most over-served team)
 is preempted, by recompute (drop its KV, requeue it) or by swap (park its KV in the CPU pool).
 
+Fair share covers the prefill phase too. Under `"fair"` a running request that is still prefilling (more than
+one known token left to compute) gets no budget ahead of the queue: it contends with the queued requests in the
+same fair order, so a waiting request of a less-served team gets its prompt (or its first chunk) into the next
+step however many partial prefills hold seats and budget. For a seat, the newest partial prefill of a team
+served more (by the candidate's prompt, as below) yields at once, without `fair_min_run_steps`: it goes back
+to the queue holding its computed blocks, and resumes where it stopped (nothing is computed twice). Held blocks
+are given back first when the pool runs short (their full blocks stay in the prefix cache). And a step that
+computes the first token of a team with nothing decoding carries at most FIRST_TOKEN_STEP_PREFILL prefill
+tokens of teams served more (never two such steps running): on a CPU a step's time is its token count, and
+that step is the newcomer's time to first token. One team alone never meets either rule.
+
 The bound fair share keeps (equal priorities). Let m = fair_min_run_steps, S = max_num_seqs, P = the longest
 prompt, and for teams f, g with weights w_f, w_g:
     U_fg = prompt_weight * P / w_f + (prompt_weight * P + (m + 1) * output_weight * S) / w_g.
@@ -24,13 +35,19 @@ U_fg + U_gf (VTC's 2x bound, with preemption's m). tests/engine/test_fair_share.
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.fair_share import TeamLedger
 from engine.request import Request, RequestStatus
+
+# The most prefill tokens of more-served teams in a step that computes a newcomer team's first token. On a
+# 2-core CPU a 2048-token prefill step of SmolLM2 takes seconds; 256 tokens keep that step near a solo
+# request's (see _newcomer_steps_short).
+FIRST_TOKEN_STEP_PREFILL = 256
 
 
 @dataclass
@@ -65,6 +82,9 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Per team, its unfinished sequences that have started running (the tie-break of fair order)
+        self.started: set[Request] = set()
+        self.started_by_team: Counter[str] = Counter()
         self.swapped: deque[Request] = deque()
         self.counters = SchedulerCounters()
         self.fair = config.scheduling == "fair"
@@ -72,6 +92,7 @@ class Scheduler:
         self.num_steps = 0
         self._next_arrival_seq = 0
         self.background_sat_out = False  # the last step left background requests out
+        self.newcomer_step_was_short = False  # the last step cut others' prefill for a newcomer's first token
 
     @property
     def num_unfinished(self) -> int:
@@ -93,6 +114,11 @@ class Scheduler:
         """Take a request out of whichever queue holds it and give its blocks back."""
         if not request.is_finished:
             self.ledger.leave(request.team)
+        if request in self.started:
+            self.started.remove(request)
+            self.started_by_team[request.team] -= 1
+            if not self.started_by_team[request.team]:
+                del self.started_by_team[request.team]
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING and request in self.waiting:
@@ -115,6 +141,8 @@ class Scheduler:
         else:
             self._admit_in_arrival_order(batch, scheduled, bool(preempted), budget)
         self.blocks.release_held_cpu_blocks()
+        if self.fair:
+            self._newcomer_steps_short(scheduled)
         self._background_sits_out(scheduled)
         for request in self.running:
             if request not in scheduled:  # drafts are for this step only
@@ -129,6 +157,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self.fair and self._in_prefill(request):  # contends with the queue (_admit_fairly)
+                index += 1
+                continue
             num_known = request.num_tokens - request.num_computed_tokens
             # Drafts ride along behind the decode token while the budget lasts.
             del request.draft_token_ids[max(budget - num_known, 0) :]
@@ -141,6 +172,8 @@ class Scheduler:
                 if request.draft_token_ids:  # drop the drafts before anyone is preempted for their slots
                     num_new -= len(request.draft_token_ids)
                     request.draft_token_ids = []
+                    continue
+                if self._release_held_blocks(request):
                     continue
                 victim = self._victim_for_blocks()
                 if self.running.index(victim) < index:
@@ -197,16 +230,26 @@ class Scheduler:
     def _admit_fairly(
         self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted: set[Request], budget: int
     ) -> None:
-        """Queued requests in fair order; the first that doesn't fit takes the place of an over-served one.
+        """Queued requests and running partial prefills in fair order; the first queued one that doesn't fit
+        takes the place of an over-served one.
 
         The order is never skipped, so a small request of an over-served team can't pass a waiting
-        under-served one. Requests preempted this step wait for the next.
+        under-served one; once a queued request finds no place, only the partial prefills already holding
+        seats go on. Requests preempted (or yielded) this step wait for the next.
         """
+        admitting = True
         while True:
-            queued = [r for r in (*self.waiting, *self.swapped) if r not in preempted]
-            if not queued:
+            queued = [r for r in (*self.waiting, *self.swapped) if r not in preempted] if admitting else []
+            prefilling = [r for r in self.running if r not in scheduled and self._in_prefill(r)]
+            if not queued and not prefilling:
                 return
-            candidate = min(queued, key=self._fair_rank)
+            candidate = min((*queued, *prefilling), key=self._fair_rank)
+            if candidate.status is RequestStatus.RUNNING:
+                if budget <= 0:
+                    return
+                num_new, refund = self._continue_prefill(candidate, budget, batch, scheduled, preempted)
+                budget += refund - (num_new or 0)
+                continue
             if self._seats_taken() + 1 + self._unforked(candidate) <= self.config.max_num_seqs:
                 if budget <= 0:
                     return
@@ -219,16 +262,123 @@ class Scheduler:
                     budget -= num_new
                     continue
             victim = self._victim_for(candidate)
-            if victim is None:
-                return
+            if victim is None:  # no queued request passes it; the partial prefills holding seats go on
+                admitting = False
+                continue
             budget += scheduled.pop(victim, 0)
-            self._preempt(victim, batch)
+            if self._in_prefill(victim):
+                self._yield_seat(victim)
+            else:
+                self._preempt(victim, batch)
             preempted.add(victim)
             self.counters.preemptions_fair += 1
 
-    def _fair_rank(self, request: Request) -> tuple[int, float, int]:
-        """Lowest goes first; the highest running request is the first to give way."""
-        return (request.tenancy.priority, self.ledger.service(request.team), request.arrival_seq)
+    def _continue_prefill(
+        self,
+        request: Request,
+        budget: int,
+        batch: ScheduledBatch,
+        scheduled: dict[Request, int],
+        preempted: set[Request],
+    ) -> tuple[int | None, int]:
+        """The next chunk of a running request's prefill, preempting for blocks as `_schedule_running` does:
+        (tokens scheduled, or None when it preempted itself; budget given back by those preempted)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        refund = 0
+        while True:
+            copies = self.blocks.allocate_slots(request, num_new)
+            if copies is not None:
+                break
+            if self._release_held_blocks(request):
+                continue
+            victim = self._victim_for_blocks()
+            refund += scheduled.pop(victim, 0)
+            self._preempt(victim, batch)
+            preempted.add(victim)
+            if victim is request:
+                return None, refund
+        batch.copies.extend(copies)
+        self.counters.copy_on_write_blocks += len(copies)
+        scheduled[request] = num_new
+        return num_new, refund
+
+    @staticmethod
+    def _in_prefill(request: Request) -> bool:
+        """More than one known token left to compute: a prompt (or a recompute) not yet caught up."""
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _yield_seat(self, request: Request) -> None:
+        """A partial prefill gives its seat back but keeps its blocks and progress: it resumes where it
+        stopped (_start_waiting). Any slots allocated for it this step stay in its table, unused until then."""
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _release_held_blocks(self, keep: Request) -> bool:
+        """Blocks are short: the most over-served queued request that holds blocks (a yielded partial
+        prefill) gives them back. Its full blocks stay in the prefix cache, so a resume finds them unless
+        they are evicted first. False when none holds any."""
+        holders = [r for r in self.waiting if r.block_ids and r is not keep]
+        if not holders:
+            return False
+        holder = max(holders, key=self._fair_rank)
+        self.blocks.free(holder)
+        holder.num_computed_tokens = 0
+        return True
+
+    def _newcomer_steps_short(self, scheduled: dict[Request, int]) -> None:
+        """A step that computes the first token of a team with nothing decoding carries at most
+        FIRST_TOKEN_STEP_PREFILL prefill tokens of the teams served more than it, the rest cut (they keep
+        their seats, blocks and progress, and go on next step). Never two such steps running, so that
+        newcomers arriving on every step still leave the others half the steps."""
+        was_short, self.newcomer_step_was_short = self.newcomer_step_was_short, False
+        if was_short:
+            return
+        decoding = {r.team for r in self.running if not self._in_prefill(r) and r.output_token_ids}
+        newcomers = [
+            r
+            for r, count in scheduled.items()
+            if r.team not in decoding
+            and not r.output_token_ids
+            and r.num_computed_tokens + count >= r.num_tokens
+            and not r.tenancy.background
+        ]
+        if not newcomers:
+            return
+        least = min(self.ledger.service(r.team) for r in newcomers)
+        newcomer_teams = {r.team for r in newcomers}
+        allowed = FIRST_TOKEN_STEP_PREFILL
+        cut = False
+        # the most served first lose their chunks; the least served keep theirs
+        for request in sorted(scheduled, key=lambda r: self.ledger.service(r.team)):
+            count = scheduled[request]
+            if (
+                not self._in_prefill(request)
+                or request.team in newcomer_teams
+                or self.ledger.service(request.team) <= least
+            ):
+                continue
+            keep = min(count, allowed)
+            allowed -= keep
+            if keep < count:
+                cut = True
+                if keep:
+                    scheduled[request] = keep
+                else:
+                    del scheduled[request]
+        self.newcomer_step_was_short = cut
+
+    def _fair_rank(self, request: Request) -> tuple[int, float, int, int]:
+        """Lowest goes first; the highest running request is the first to give way. At equal service the
+        team with fewer sequences under way (started, unfinished) goes first: a team that just joined, level
+        with the least-served active team (charged already for prompts it may still be prefilling), does
+        not queue behind that team's requests."""
+        return (
+            request.tenancy.priority,
+            self.ledger.service(request.team),
+            self.started_by_team[request.team],
+            request.arrival_seq,
+        )
 
     def _victim_for_blocks(self) -> Request:
         if self.fair:
@@ -239,28 +389,38 @@ class Scheduler:
         """The running request that gives its place to `candidate`: of a lower priority class, or at the same
         priority of a team served more than the candidate's even once the candidate's prompt is counted
         (else the two would trade places on every admission); newest first, and only once it has run
-        `fair_min_run_steps`."""
+        `fair_min_run_steps` - except a partial prefill, which loses nothing by yielding (it keeps its
+        blocks) and is the first to give way, once it has run a step."""
         rank = self._fair_rank(candidate)
         margin = self.config.fair_prompt_weight * candidate.num_prompt_tokens / candidate.tenancy.weight
-        victims = [
-            request
-            for request in self.running
-            if self.num_steps - request.running_since_step >= self.config.fair_min_run_steps
-            and (
-                request.tenancy.priority > rank[0]
-                or (
-                    request.tenancy.priority == rank[0]
-                    and request.team != candidate.team
-                    and self.ledger.service(request.team) > rank[1] + margin
-                )
-            )
-        ]
-        return max(victims, key=self._fair_rank, default=None)
+        victims = [request for request in self.running if self._gives_way(request, candidate, rank, margin)]
+        return max(victims, key=lambda r: (self._in_prefill(r), self._fair_rank(r)), default=None)
+
+    def _gives_way(
+        self, request: Request, candidate: Request, rank: tuple[int, float, int, int], margin: float
+    ) -> bool:
+        if request.tenancy.priority != rank[0]:
+            return request.tenancy.priority > rank[0] and self._has_run(request)
+        if request.team == candidate.team or not self._has_run(request):
+            return False
+        if self._in_prefill(request):
+            # Yielding costs it nothing, so it gives way to any team ranked after the candidate's; but only
+            # to a candidate's first chunk, so that two partial prefills never take turns at one seat (nor
+            # at each other's blocks when the pool runs short).
+            if not candidate.prompt_charged:
+                return self._fair_rank(request)[1:3] > rank[1:3]
+        return self.ledger.service(request.team) > rank[1] + margin
+
+    def _has_run(self, request: Request) -> bool:
+        """A partial prefill may give way once it has run a step, anyone else after `fair_min_run_steps`."""
+        minimum = 1 if self._in_prefill(request) else self.config.fair_min_run_steps
+        return self.num_steps - request.running_since_step >= minimum
 
     def _swap_in(self, request: Request, batch: ScheduledBatch, budget: int) -> int | None:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.blocks.can_swap_in(request, num_new):
-            return None
+        while not self.blocks.can_swap_in(request, num_new):
+            if not self._release_held_blocks(request):
+                return None
         self.swapped.remove(request)
         batch.swap_in.extend(self.blocks.swap_in(request, hold_cpu_blocks=True))
         batch.copies.extend(self.blocks.allocate_slots(request, num_new) or ())
@@ -268,23 +428,28 @@ class Scheduler:
         return num_new
 
     def _start_waiting(self, request: Request, batch: ScheduledBatch, budget: int) -> int | None:
-        first_admission = request.num_computed_tokens == 0 and not request.output_token_ids
-        cached = self.blocks.find_cached_prefix(request)
-        num_cached_tokens = len(cached) * self.blocks.block_size
-        num_new = min(request.num_tokens - num_cached_tokens, budget)
-        copies = self.blocks.allocate_slots(request, num_new, cached)
-        if copies is None:
-            return None
+        # (a yielded request may come back with nothing computed: its chunk was cut, see _newcomer_steps_short)
+        first_admission = not request.prompt_charged and not request.output_token_ids
+        # A yielded partial prefill holds its blocks: it goes on from where it stopped.
+        holds_blocks = bool(request.block_ids)
+        cached = [] if holds_blocks else self.blocks.find_cached_prefix(request)
+        num_computed = request.num_computed_tokens if holds_blocks else len(cached) * self.blocks.block_size
+        num_new = min(request.num_tokens - num_computed, budget)
+        while (copies := self.blocks.allocate_slots(request, num_new, cached)) is None:
+            if not self._release_held_blocks(request):
+                return None
         self.waiting.remove(request)
         batch.copies.extend(copies)
-        request.num_computed_tokens = num_cached_tokens
+        request.num_computed_tokens = num_computed
         if first_admission:
-            request.num_cached_tokens = num_cached_tokens
+            request.num_cached_tokens = num_computed
             self.counters.prefix_cache_queries += request.num_prompt_tokens
-            self.counters.prefix_cache_hits += num_cached_tokens
+            self.counters.prefix_cache_hits += num_computed
         if not request.prompt_charged:
             request.prompt_charged = True
             self.ledger.charge(request.team, prompt_tokens=request.num_prompt_tokens)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         self._start_running(request)
         return num_new
 
@@ -292,6 +457,9 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.running_since_step = self.num_steps
         self.running.append(request)
+        if request not in self.started:
+            self.started.add(request)
+            self.started_by_team[request.team] += 1
 
     @staticmethod
     def _unforked(request: Request) -> int:
