@@ -28,6 +28,7 @@ from app.serving.tracker import (
     check_fits,
     engine_outputs,
     rejection_error,
+    team_of,
 )
 from engine.async_engine import EngineRejected
 from engine.outputs import TokenLogprob
@@ -52,28 +53,37 @@ def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+    accepted_at = time.monotonic()
     body = await read_body(request, ChatCompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
     return await server.with_model(
-        body.model, lambda context: chat_completion(request, context, principal, body), principal=principal, kind="chat"
+        body.model,
+        lambda context: chat_completion(request, context, principal, body, accepted_at),
+        principal=principal,
+        kind="chat",
     )
 
 
-async def chat_completion(request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest):
-    plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
-    params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    headers = await context.gateway.admit(
-        principal,
-        model=context.access_name(principal, body.model),
-        prompt_tokens=len(prompt_ids),
-        max_tokens=params.max_tokens,
-        sequences=params.n,
-        request_id=request_id,
-        price=context.price,
+async def chat_completion(
+    request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest, accepted_at: float
+):
+    async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
+        plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
+        params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        headers = await context.gateway.admit(
+            principal,
+            model=context.access_name(principal, body.model),
+            prompt_tokens=len(prompt_ids),
+            max_tokens=params.max_tokens,
+            sequences=params.n,
+            request_id=request_id,
+            price=context.price,
+        )
+    tracker = RequestTracker(
+        context, principal, request_id=request_id, endpoint="chat.completions", accepted_at=accepted_at
     )
-    tracker = RequestTracker(context, principal, request_id=request_id, endpoint="chat.completions")
     tracker.priority = body.priority or 0
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     try:

@@ -28,6 +28,7 @@ from app.serving.tracker import (
     check_fits,
     engine_outputs,
     rejection_error,
+    team_of,
 )
 from engine.async_engine import EngineRejected
 from engine.outputs import TokenLogprob
@@ -61,6 +62,7 @@ class PreparedPrompt:
 
 @router.post("/v1/completions")
 async def create_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+    accepted_at = time.monotonic()
     body = await read_body(request, CompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
@@ -69,23 +71,29 @@ async def create_completion(request: Request, server: ContextDep, principal: Pri
     if body.suffix:
         raise invalid_request("suffix is not supported.", param="suffix")
     return await server.with_model(
-        body.model, lambda context: completion(request, context, principal, body), principal=principal, kind="chat"
+        body.model,
+        lambda context: completion(request, context, principal, body, accepted_at),
+        principal=principal,
+        kind="chat",
     )
 
 
-async def completion(request: Request, context: ModelContext, principal: Principal, body: CompletionRequest):
+async def completion(
+    request: Request, context: ModelContext, principal: Principal, body: CompletionRequest, accepted_at: float
+):
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
-    headers = await context.gateway.admit(
-        principal,
-        model=context.access_name(principal, body.model),
-        prompt_tokens=sum(len(p.ids) for p in prompts),
-        max_tokens=prompts[0].params.max_tokens,
-        sequences=prompts[0].params.n * len(prompts),
-        request_id=request_id,
-        price=context.price,
-    )
-    tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions")
+    async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
+        prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
+        headers = await context.gateway.admit(
+            principal,
+            model=context.access_name(principal, body.model),
+            prompt_tokens=sum(len(p.ids) for p in prompts),
+            max_tokens=prompts[0].params.max_tokens,
+            sequences=prompts[0].params.n * len(prompts),
+            request_id=request_id,
+            price=context.price,
+        )
+    tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions", accepted_at=accepted_at)
     tracker.priority = body.priority or 0
     try:
         for prompt in prompts:

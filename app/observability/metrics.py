@@ -114,6 +114,16 @@ class ModelMetrics:
             buckets=E2E_BUCKETS,
             registry=None,
         )
+        # Where time to first token goes, per stage: `admission` (the route took the HTTP request to admitted:
+        # chat template, tokenization, the gateway's holds, the fair admission queue), `queue` (admitted to
+        # the engine's first step for it), `prefill` (that step to the first token). Labelled by stage only.
+        self.request_stage = Histogram(
+            "tokenmill:request_stage_seconds",
+            "Time a request spends in each stage before its first token: admission, queue, prefill.",
+            ["stage"],
+            buckets=TTFT_BUCKETS,
+            registry=None,
+        )
         # finish reasons are the engine's few ("stop", "length", "abort"...), so the label stays bounded
         self.request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.", ["finished_reason"], registry=None
@@ -130,6 +140,7 @@ class ModelMetrics:
                 self.time_to_first_token,
                 self.inter_token_latency,
                 self.e2e_request_latency,
+                self.request_stage,
             )
             for family in metric.collect()
         ]

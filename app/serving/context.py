@@ -14,6 +14,7 @@ from app.gateway.contract import Gateway, Principal
 from app.observability.costs import HardwareCostMeter
 from app.registry.pool import ModelPool
 from app.registry.served import ServedModel
+from app.serving.admission import FairAdmission
 from app.serving.responses.store import ResponseStore, response_store
 from app.serving.sampling import ModelSampling, sampling_defaults
 from app.settings import Settings
@@ -27,6 +28,8 @@ class ServerContext:
     cost_meter: HardwareCostMeter | None = None  # the real-cost view: tokens produced per hardware hour
     # Stored responses of the Responses API: the gateway's database, else this process's memory.
     responses: ResponseStore = field(default_factory=lambda: response_store(None, retention_s=30 * 86400))
+    # Template, tokenization and holds in fair turns across teams (app/serving/admission.py).
+    admission: FairAdmission = field(default_factory=FairAdmission)
 
     async def check_access(self, principal: Principal, requested_model: str) -> None:
         spec = self.models.spec(requested_model)
@@ -49,7 +52,7 @@ class ServerContext:
                 code="wrong_model_kind",
             )
         served.acquire()
-        return ModelContext(self.settings, self.gateway, served, self.cost_meter)
+        return ModelContext(self.settings, self.gateway, served, self.cost_meter, self.admission)
 
     async def with_model(
         self,
@@ -86,6 +89,7 @@ class ModelContext:
     gateway: Gateway
     served: ServedModel
     cost_meter: HardwareCostMeter | None = None
+    admission: FairAdmission = field(default_factory=FairAdmission)
     streaming: bool = False  # the response outlives the route: its tracker releases the model
     released: bool = field(default=False)
 

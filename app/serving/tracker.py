@@ -13,6 +13,7 @@ from fastapi import Request
 
 from app.errors import OpenAIError, invalid_request
 from app.gateway.contract import Principal, UsageRecord
+from app.observability.metrics import ModelMetrics
 from app.serving.context import ModelContext
 from engine.async_engine import EngineRejected
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
@@ -76,12 +77,22 @@ class RequestTracker:
     """Counts what the engine reports for one HTTP request (one or more engine requests) and reports it
     once at the end, to /metrics and to the gateway's usage hook."""
 
-    def __init__(self, context: ModelContext, principal: Principal, *, request_id: str, endpoint: str) -> None:
+    def __init__(
+        self,
+        context: ModelContext,
+        principal: Principal,
+        *,
+        request_id: str,
+        endpoint: str,
+        accepted_at: float | None = None,
+    ) -> None:
         self.context = context
         self.principal = principal
         self.request_id = request_id
         self.endpoint = endpoint
-        self.started_at = time.monotonic()
+        self.started_at = time.monotonic()  # admitted: the template, tokenization and holds are done
+        # when the route took the HTTP request (None: a caller that doesn't say, e.g. a batch line)
+        self.accepted_at = accepted_at
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.prompt_tokens_by_request: dict[str, tuple[int, int]] = {}
@@ -128,6 +139,7 @@ class RequestTracker:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.time_to_first_token.observe(now - self.started_at)
+                self._observe_stages(metrics, output.scheduled_at, now)
             else:
                 # Tokens that arrive together (accepted speculative drafts) share the wait evenly: one
                 # observation per token, so that the histogram keeps reading as time per output token.
@@ -137,6 +149,15 @@ class RequestTracker:
             self.last_token_at = now
             self.completion_tokens += new_tokens
         self.finish_reasons.extend(delta.finish_reason for delta in output.deltas if delta.finish_reason)
+
+    def _observe_stages(self, metrics: ModelMetrics, scheduled_at: float | None, first_token_at: float) -> None:
+        """Where the time to first token went: admission (HTTP accepted to admitted), queue (admitted to the
+        engine's first step for it), prefill (that step to the first token)."""
+        if self.accepted_at is not None:
+            metrics.request_stage.labels("admission").observe(self.started_at - self.accepted_at)
+        if scheduled_at is not None:
+            metrics.request_stage.labels("queue").observe(max(scheduled_at - self.started_at, 0.0))
+            metrics.request_stage.labels("prefill").observe(max(first_token_at - scheduled_at, 0.0))
 
     def finish(self, status: str) -> None:
         if self.finished:
