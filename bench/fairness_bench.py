@@ -6,6 +6,17 @@ p50 / p99; for the whole run, output tokens/s and fair preemptions. Writes JSON 
 
     python bench/fairness_bench.py                 # the embedded SmolLM2 in bf16 (about a minute)
     python bench/fairness_bench.py --quick         # a tiny random Llama: a smoke run of seconds
+
+`--shapes chat,prefill` runs issue #45's floods instead, on the embedded model with the server's default
+flags (float32, --quantization auto): team A sends its whole flood at once, 4 s later team B sends 4 short
+streamed requests one after another. chat: 160 requests of ~150 prompt tokens and 64-224 output tokens;
+prefill: 96 prompts of ~1,200 tokens and 8 output tokens (ignore_eos). It reports B's time to first token
+alone and during the flood against the bound max(3 x solo, solo + 2 s), and the plain flood's throughput
+(no B) with this scheduler and with the one at `--baseline-ref` (before fair share covered the prefill
+phase), in the same run. Writes bench/results/fairness_prefill.json.
+
+    python bench/fairness_bench.py --shapes chat,prefill                 # full size (~10 min, quiet machine)
+    python bench/fairness_bench.py --shapes chat,prefill --scale 0.1     # a reduced run that proves it works
 """
 
 from __future__ import annotations
@@ -16,13 +27,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see engine_bench.py: spin
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -152,6 +167,28 @@ async def run_mode(loaded: LoadedModel, config: EngineConfig, workload: Workload
     }
 
 
+def quick_model(data_dir: str) -> LoadedModel:
+    """A tiny random Llama with SmolLM2's tokenizer: smoke runs of seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(tempfile.mkdtemp(prefix="fairness-tiny-"))
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
+    ).save_pretrained(folder)
+    base = load_model(EngineConfig(model="default", dtype="float32", data_dir=data_dir))
+    base.tokenizer.save_pretrained(folder)
+    return load_model(EngineConfig(model=str(folder), dtype="float32"))
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -185,6 +222,155 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+@dataclass(frozen=True)
+class FloodShape:
+    """Issue #45's floods: team A sends everything at once, team B asks a little later, one request at a time."""
+
+    flood_requests: int
+    prompt_tokens: int
+    output_tokens: tuple[int, int]
+    quiet_requests: int = 4
+    quiet_prompt_tokens: int = 24  # "Hi" in the chat template with its default system prompt is ~30
+    quiet_tokens: int = 16
+    quiet_after_s: float = 4.0
+
+    def scaled(self, scale: float) -> FloodShape:
+        return replace(
+            self,
+            flood_requests=max(4, round(self.flood_requests * scale)),
+            quiet_after_s=max(0.5, self.quiet_after_s * min(1.0, scale * 2)),
+        )
+
+
+SHAPES = {
+    "chat": FloodShape(flood_requests=160, prompt_tokens=150, output_tokens=(64, 224)),
+    "prefill": FloodShape(flood_requests=96, prompt_tokens=1200, output_tokens=(8, 8)),
+}
+
+
+def baseline_scheduler(ref: str) -> type:
+    """engine/scheduler.py as it was at `ref` (git), as a class the engine can be built with."""
+    source = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{ref}:engine/scheduler.py"], capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType("baseline_scheduler")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{ref}:engine/scheduler.py", "exec"), module.__dict__)
+    return module.Scheduler
+
+
+@contextlib.contextmanager
+def scheduler_class(cls: type | None) -> Iterator[None]:
+    """Engines built inside use `cls` (None: this tree's scheduler)."""
+    import engine.llm_engine as llm_engine
+
+    current = llm_engine.Scheduler
+    llm_engine.Scheduler = cls or current  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        llm_engine.Scheduler = current  # type: ignore[misc]
+
+
+async def ttft_of(engine: AsyncEngine, request_id: str, prompt: list[int], max_tokens: int, team: str) -> float:
+    """Streams one request to its end; its time to first token."""
+    sent = time.monotonic()
+    first: float | None = None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    async for output in engine.generate(request_id, prompt, params, Tenancy(team=team)):
+        if first is None and any(delta.token_ids for delta in output.deltas):
+            first = time.monotonic() - sent
+    assert first is not None
+    return first
+
+
+async def run_flood(loaded: LoadedModel, config: EngineConfig, shape: FloodShape, *, quiet: bool) -> dict:
+    """A's flood (and B's requests when `quiet`) through one fresh async engine."""
+    engine = AsyncEngine.start(config, loaded)
+    rng = random.Random(45)
+    vocab = loaded.shape.vocab_size
+
+    def prompt(number: int, length: int) -> list[int]:
+        return [3 + (number * 7919 + i * 104729) % (vocab - 4) for i in range(length)]
+
+    served = {"output": 0}
+
+    async def flood_request(number: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randint(*shape.output_tokens), ignore_eos=True)
+        async for output in engine.generate(f"a-{number}", prompt(number, shape.prompt_tokens), params, Tenancy("a")):
+            served["output"] += sum(len(delta.token_ids) for delta in output.deltas)
+
+    started = time.monotonic()
+    try:
+        flood = [asyncio.create_task(flood_request(n)) for n in range(shape.flood_requests)]
+        quiet_ttft = []
+        if quiet:
+            await asyncio.sleep(shape.quiet_after_s)
+            for n in range(shape.quiet_requests):
+                quiet_prompt = prompt(100_000 + n, shape.quiet_prompt_tokens)
+                quiet_ttft.append(await ttft_of(engine, f"b-{n}", quiet_prompt, shape.quiet_tokens, "b"))
+        await asyncio.gather(*flood)
+        seconds = time.monotonic() - started
+    finally:
+        engine.shutdown()
+    prompt_tokens = shape.flood_requests * shape.prompt_tokens
+    return {
+        "seconds": seconds,
+        "flood_output_tokens_per_s": served["output"] / seconds,
+        "flood_tokens_per_s": (served["output"] + prompt_tokens) / seconds,
+        "quiet_ttft_s": quiet_ttft,
+    }
+
+
+async def solo_ttft(loaded: LoadedModel, config: EngineConfig, shape: FloodShape) -> float:
+    """B alone: the median of 3 requests, one after another, on an idle engine."""
+    engine = AsyncEngine.start(config, loaded)
+    vocab = loaded.shape.vocab_size
+    try:
+        times = [
+            await ttft_of(
+                engine,
+                f"solo-{n}",
+                [3 + (n * 31 + i * 7) % (vocab - 4) for i in range(shape.quiet_prompt_tokens)],
+                shape.quiet_tokens,
+                "b",
+            )
+            for n in range(3)
+        ]
+    finally:
+        engine.shutdown()
+    return statistics.median(times)
+
+
+def run_shapes(loaded: LoadedModel, config: EngineConfig, names: list[str], scale: float, ref: str) -> dict:
+    baseline = baseline_scheduler(ref)
+    report: dict = {"model": loaded.name, "config": config.__dict__, "scale": scale, "baseline_ref": ref, "shapes": {}}
+    for name in names:
+        shape = SHAPES[name].scaled(scale)
+        solo = asyncio.run(solo_ttft(loaded, config, shape))
+        bound = max(3 * solo, solo + 2.0)
+        result: dict = {"shape": shape.__dict__, "solo_ttft_s": solo, "bound_s": bound}
+        for label, cls in (("new", None), ("baseline", baseline)):
+            with scheduler_class(cls):
+                result[f"with_b_{label}"] = asyncio.run(run_flood(loaded, config, shape, quiet=True))
+                result[f"plain_{label}"] = asyncio.run(run_flood(loaded, config, shape, quiet=False))
+        new, old = result["plain_new"]["flood_tokens_per_s"], result["plain_baseline"]["flood_tokens_per_s"]
+        result["plain_throughput_ratio"] = new / old
+        result["within_bound"] = max(result["with_b_new"]["quiet_ttft_s"]) <= bound
+        report["shapes"][name] = result
+        print(f"{name}: {shape.flood_requests} x {shape.prompt_tokens} prompt tokens, outputs {shape.output_tokens}")
+        print(f"  B alone: TTFT {solo:.3f}s   bound max(3x solo, solo + 2 s) = {bound:.2f}s")
+        for label in ("new", "baseline"):
+            ttfts = ", ".join(f"{t:.2f}" for t in result[f"with_b_{label}"]["quiet_ttft_s"])
+            plain = result[f"plain_{label}"]
+            print(
+                f"  {label:8s} B during the flood: {ttfts} s   plain flood: {plain['flood_tokens_per_s']:.0f} tok/s "
+                f"({plain['flood_output_tokens_per_s']:.0f} output tok/s, {plain['seconds']:.1f}s)"
+            )
+        print(f"  plain flood throughput new / baseline: {result['plain_throughput_ratio']:.3f}")
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny random model and a small workload")
@@ -195,27 +381,32 @@ def main() -> None:
         default=os.environ.get("TOKENMILL_DATA_DIR", ".tokenmill"),
         help="where the converted embedded model is cached",
     )
+    parser.add_argument("--shapes", default="", help="issue #45's floods instead: chat,prefill (see above)")
+    parser.add_argument("--scale", type=float, default=1.0, help="with --shapes: the floods' size, 1 = full")
+    parser.add_argument("--baseline-ref", default="6c49f89", help="with --shapes: git ref of the scheduler to compare")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="with --shapes: the step budget")
     args = parser.parse_args()
+    if args.shapes:
+        names = [name for name in args.shapes.split(",") if name]
+        if unknown := set(names) - set(SHAPES):
+            parser.error(f"unknown shapes {sorted(unknown)}; choose from {sorted(SHAPES)}")
+        if args.quick:
+            loaded = quick_model(args.data_dir)
+            config = EngineConfig(model=str(loaded.folder), num_kv_blocks=8192, max_num_seqs=64)
+        else:
+            config = EngineConfig(data_dir=args.data_dir, quantization="auto")  # the server's defaults
+            loaded = load_model(config)
+        if args.max_num_batched_tokens:
+            config = replace(config, max_num_batched_tokens=args.max_num_batched_tokens)
+        report = run_shapes(loaded, config, names, args.scale, args.baseline_ref)
+        out = args.out if args.out != RESULTS / "fairness_bench.json" else RESULTS / "fairness_prefill.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str))
+        print(f"wrote {out}")
+        return
     workload = Workload()
     if args.quick:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        folder = Path(tempfile.mkdtemp(prefix="fairness-tiny-"))
-        LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=512,
-                tie_word_embeddings=True,
-            )
-        ).save_pretrained(folder)
-        base = load_model(EngineConfig(model="default", dtype="float32", data_dir=args.data_dir))
-        base.tokenizer.save_pretrained(folder)
-        loaded = load_model(EngineConfig(model=str(folder), dtype="float32"))
+        loaded = quick_model(args.data_dir)
         workload = Workload(flood_requests=48, quiet_requests=4, quiet_every_s=0.2, max_num_seqs=8)
     else:
         loaded = load_model(EngineConfig(dtype=args.dtype, data_dir=args.data_dir))

@@ -15,10 +15,12 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-# Admission is short CPU work (a template and a tokenizer call, a few ms) plus, with a shared store, a round
-# trip for the holds: a few at once keep both cores and the store busy; more only lengthen the queue a
-# newcomer's turn can't skip.
-ADMISSION_SLOTS = 4
+# As many as the worker-thread pool has threads (anyio's default, 40): admission keeps the concurrency it
+# had, only the order of the queue behind it changes. Fewer slots spread a flood's admissions (CPU work that
+# competes with the engine thread for the GIL) over a longer time: with 4, a tiny-model flood on a loaded
+# machine was served half the tokens in its first seconds. The quiet team waits for the next slot to free,
+# not for all of them.
+ADMISSION_SLOTS = 40
 
 
 class FairAdmission:
