@@ -12,13 +12,15 @@ is preempted, by recompute (drop its KV, requeue it) or by swap (park its KV in 
 Fair share covers the prefill phase too. Under `"fair"` a running request that is still prefilling (more than
 one known token left to compute) gets no budget ahead of the queue: it contends with the queued requests in the
 same fair order, so a waiting request of a less-served team gets its prompt (or its first chunk) into the next
-step however many partial prefills hold seats and budget. For a seat, the newest partial prefill of a team
-served more (by the candidate's prompt, as below) yields at once, without `fair_min_run_steps`: it goes back
-to the queue holding its computed blocks, and resumes where it stopped (nothing is computed twice). Held blocks
-are given back first when the pool runs short (their full blocks stay in the prefix cache). And a step that
-computes the first token of a team with nothing decoding carries at most FIRST_TOKEN_STEP_PREFILL prefill
-tokens of teams served more (never two such steps running): on a CPU a step's time is its token count, and
-that step is the newcomer's time to first token. One team alone never meets either rule.
+step however many partial prefills hold seats and budget. At equal service the team with fewer sequences under
+way goes first (a team that just joined starts level with one charged already for prompts it is still
+prefilling). For a newcomer's first chunk, the newest partial prefill of a team ranked after it yields its
+seat at once, without `fair_min_run_steps`: it goes back to the queue holding its computed blocks, and resumes
+where it stopped (nothing is computed twice); held blocks are given back first when the pool runs short (their
+full blocks stay in the prefix cache). And a step that computes the first token of a team with nothing
+decoding carries at most FIRST_TOKEN_STEP_PREFILL prefill tokens of teams served more (never two such steps
+running): on a CPU a step's time is its token count, and that step is the newcomer's time to first token.
+One team alone never meets either rule.
 
 The bound fair share keeps (equal priorities). Let m = fair_min_run_steps, S = max_num_seqs, P = the longest
 prompt, and for teams f, g with weights w_f, w_g:
@@ -389,8 +391,9 @@ class Scheduler:
         """The running request that gives its place to `candidate`: of a lower priority class, or at the same
         priority of a team served more than the candidate's even once the candidate's prompt is counted
         (else the two would trade places on every admission); newest first, and only once it has run
-        `fair_min_run_steps` - except a partial prefill, which loses nothing by yielding (it keeps its
-        blocks) and is the first to give way, once it has run a step."""
+        `fair_min_run_steps`. A partial prefill gives way first: to a candidate's first chunk as soon as it
+        has run a step and its team ranks after the candidate's (it keeps its blocks, so yielding costs it
+        nothing), else by the same rule as the rest."""
         rank = self._fair_rank(candidate)
         margin = self.config.fair_prompt_weight * candidate.num_prompt_tokens / candidate.tenancy.weight
         victims = [request for request in self.running if self._gives_way(request, candidate, rank, margin)]
