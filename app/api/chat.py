@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -36,8 +37,8 @@ from engine.sampling_params import SamplingParams
 router = APIRouter()
 
 
-def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list[dict]:
-    def entry(token_id: int, logprob: float) -> dict:
+def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {
             "token": token_texts.text_of(token_id),
             "logprob": logprob,
@@ -51,7 +52,7 @@ def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+async def create_chat_completion(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     body = await read_body(request, ChatCompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
         raise invalid_request("stream_options is only allowed when stream is true.", param="stream_options")
@@ -60,7 +61,9 @@ async def create_chat_completion(request: Request, server: ContextDep, principal
     )
 
 
-async def chat_completion(request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest):
+async def chat_completion(
+    request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest
+) -> Any:
     plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
     params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -105,7 +108,7 @@ async def chat_response(
     with_logprobs: bool,
     max_tokens_param: str,
     plan: StructuredPlan,
-) -> dict:
+) -> dict[str, Any]:
     choices = [Choice() for _ in range(params.n)]
     status = "error"
     try:
@@ -160,7 +163,7 @@ async def chat_events(
     }
 
     def chunk(
-        index: int, delta: dict, logprobs: list[TokenLogprob] | None = None, finish_reason: str | None = None
+        index: int, delta: dict[str, Any], logprobs: list[TokenLogprob] | None = None, finish_reason: str | None = None
     ) -> str:
         choice = {
             "index": index,
