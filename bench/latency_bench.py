@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.serve_bench import _stop, free_port, start_tokenmill, synthetic_chats, wait_healthy
-from bench.stream_client import StreamResult, stream_chat
+from bench.stream_client import StreamResult, outcome, stream_chat
 
 RESULTS = ROOT / "bench" / "results"
 BUILD_SCRIPT = ROOT / "bench" / "build_llama_server.sh"
@@ -126,10 +126,7 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in done)
     return {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "duration_s": duration,
+        **outcome(results, duration),
         "output_tokens": tokens,
         "tok_s": tokens / duration if duration else 0.0,
         "per_stream_tok_s": float(

@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.stream_client import StreamResult, stream_chat
+from bench.stream_client import StreamResult, outcome, stream_chat
 
 RESULTS = ROOT / "bench" / "results"
 MODEL = "SmolLM2-135M-Instruct"
@@ -144,10 +144,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     return {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "duration_s": duration,
+        **outcome(results, duration),
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_output_tokens": output_tokens,

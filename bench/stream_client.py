@@ -61,3 +61,14 @@ async def stream_chat(http: httpx.AsyncClient, body: dict[str, Any]) -> StreamRe
     except httpx.HTTPError as error:
         result.error = f"{type(error).__name__}: {error}"
     return result
+
+
+def outcome(results: list[StreamResult], duration: float) -> dict[str, Any]:
+    """The part of a level's summary every bench reports: how many finished, failed, and why."""
+    done = [r for r in results if r.ok]
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": duration,
+    }
