@@ -42,7 +42,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
 
-def _page(items: list[Any], limit: int, view) -> dict[str, Any]:
+def _page(items: list[Any], limit: int, view: type[TeamView] | type[KeyView]) -> dict[str, Any]:
     data = [view.of(item) for item in items[:limit]]
     return {
         "data": data,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -33,6 +33,9 @@ from app.serving.tracker import (
 from engine.async_engine import EngineRejected
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
 
 router = APIRouter()
 
@@ -116,7 +119,9 @@ def prepare_prompts(context: ModelContext, body: CompletionRequest, request_id: 
     return prepared
 
 
-def _engine_streams(context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt]):
+def _engine_streams(
+    context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt]
+) -> list[AsyncIterator[RequestOutput]]:
     return [engine_outputs(context, tracker, p.engine_request_id, p.ids, p.params) for p in prompts]
 
 

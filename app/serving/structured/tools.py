@@ -21,7 +21,11 @@ from app.errors import invalid_request
 from app.serving.structured.guides import GrammarError, check_json_schema, json_schema_lark
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from transformers import PreTrainedTokenizerBase
+
+    from app.serving.schemas import ChatMessage
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -171,7 +175,7 @@ def _calls_text(tool_calls: list[dict[str, Any]]) -> str:
     return f"{CALL_OPEN}{json.dumps(calls, ensure_ascii=False)}{CALL_CLOSE}"
 
 
-def check_tool_calls(messages) -> None:
+def check_tool_calls(messages: Sequence[ChatMessage]) -> None:
     """Assistant turns' `tool_calls` and tool turns' `tool_call_id`, in OpenAI's shape."""
     for index, message in enumerate(messages):
         if message.role == "tool" and not message.tool_call_id:
@@ -195,7 +199,7 @@ def check_tool_calls(messages) -> None:
             )
 
 
-def conversation(messages, tools: list[Tool], native: bool) -> list[dict[str, Any]]:
+def conversation(messages: Sequence[ChatMessage], tools: list[Tool], native: bool) -> list[dict[str, Any]]:
     """The messages as the chat template gets them. `tools`: the tools the prompt shows (none when the
     choice is 'none'). `native`: the template renders tools, tool turns and calls itself."""
     if native:
@@ -220,7 +224,7 @@ def conversation(messages, tools: list[Tool], native: bool) -> list[dict[str, An
     return turns
 
 
-def _native_message(message) -> dict[str, Any]:
+def _native_message(message: ChatMessage) -> dict[str, Any]:
     turn: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
         "content": _text(message.content),
