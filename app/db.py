@@ -9,10 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from alembic.config import Config
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 PG_MIGRATION_LOCK = 0x746F6B6D  # "tokm": one replica migrates at a time
@@ -41,7 +47,7 @@ def make_engine(url: str, *, pool_size: int = 10) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_connection, _record):
+        def _sqlite_pragmas(dbapi_connection: Any, _record: object) -> None:
             cursor = dbapi_connection.cursor()
             cursor.execute("PRAGMA journal_mode=WAL")  # readers don't block the usage writer
             cursor.execute("PRAGMA synchronous=NORMAL")
@@ -57,7 +63,7 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def alembic_config(engine: Engine):
+def alembic_config(engine: Engine) -> Config:
     from alembic.config import Config
 
     config = Config()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +36,7 @@ class OpenAIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -63,13 +64,13 @@ def server_error(message: str = "The server had an error while processing your r
     return OpenAIError(500, message, type="server_error")
 
 
-def param_from_loc(loc: tuple) -> str | None:
+def param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """("messages", 0, "content") -> "messages.[0].content", the way OpenAI names nested params."""
     parts = [f"[{part}]" if isinstance(part, int) else str(part) for part in loc]
     return ".".join(parts) or None
 
 
-def from_validation_error(errors: list[dict]) -> OpenAIError:
+def from_validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     first = errors[0]
     if first["type"] == "json_invalid":
         return invalid_request(f"We could not parse the JSON body of your request: {first['msg']}", code="invalid_json")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from sqlalchemy.exc import DataError
@@ -42,10 +43,13 @@ from app.serving.context import ServerContext
 from app.serving.responses.store import response_store
 from app.settings import Settings
 
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+
 
 def create_app(
     settings: Settings,
-    engine=None,
+    engine: AsyncEngine | None = None,
     *,
     gateway: Gateway | None = None,
     pool: ModelPool | None = None,

@@ -4,6 +4,7 @@ The model registry's table is here too: one metadata, one migration chain."""
 from __future__ import annotations
 
 from datetime import date, datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -157,7 +158,7 @@ class RegisteredModel(Base):
     architecture: Mapped[str] = mapped_column(String(64))  # as checked at registration (config model_type)
     dtype: Mapped[str] = mapped_column(String(16))
     max_model_len: Mapped[int | None] = mapped_column(Integer)  # None: the checkpoint's
-    engine_settings: Mapped[dict] = mapped_column(JSON, default=dict)  # EngineConfig overrides
+    engine_settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # EngineConfig overrides
     aliases: Mapped[list[str]] = mapped_column(JSON, default=list)
     price_input_per_1m: Mapped[float | None] = mapped_column(Float)  # USD; all None: no price sheet
     price_cached_input_per_1m: Mapped[float | None] = mapped_column(Float)
@@ -166,7 +167,7 @@ class RegisteredModel(Base):
     price_batch_input_per_1m: Mapped[float | None] = mapped_column(Float)
     price_batch_output_per_1m: Mapped[float | None] = mapped_column(Float)
     hardware_cost_per_hour: Mapped[float | None] = mapped_column(Float)  # USD; None: a share of the server's
-    sampling_defaults: Mapped[dict] = mapped_column(JSON, default=dict)  # what requests that set none get
+    sampling_defaults: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # what requests that set none get
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     updated_at: Mapped[datetime] = mapped_column(DateTime)
@@ -183,7 +184,7 @@ class StoredResponse(Base):
     model: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime)
     expires_at: Mapped[datetime] = mapped_column(DateTime)
-    body: Mapped[dict] = mapped_column(JSON)  # the Response object
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)  # the Response object
 
     __table_args__ = (
         Index("ix_responses_team_created", "team_id", "created_at"),
@@ -200,7 +201,7 @@ class StoredResponseItem(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     response_id: Mapped[str] = mapped_column(ForeignKey("responses.id", ondelete="CASCADE"))
     position: Mapped[int] = mapped_column(Integer)
-    item: Mapped[dict] = mapped_column(JSON)
+    item: Mapped[dict[str, Any]] = mapped_column(JSON)
 
     __table_args__ = (Index("uq_response_input_items_position", "response_id", "position", unique=True),)
 
@@ -258,8 +259,8 @@ class BatchJob(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)
     completed: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
-    batch_metadata: Mapped[dict | None] = mapped_column("metadata", JSON)
-    errors: Mapped[list | None] = mapped_column(JSON)  # why the whole batch failed, OpenAI's `errors.data`
+    batch_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[Any] | None] = mapped_column(JSON)  # why the whole batch failed, OpenAI's `errors.data`
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer)  # its output / error files expire then
     created_at: Mapped[datetime] = mapped_column(DateTime)
     expires_at: Mapped[datetime] = mapped_column(DateTime)
@@ -291,7 +292,7 @@ class BatchLine(Base):
     line_number: Mapped[int] = mapped_column(Integer, primary_key=True)
     custom_id: Mapped[str | None] = mapped_column(String(512))
     status_code: Mapped[int] = mapped_column(Integer)  # 200: the output file; anything else: the error file
-    result: Mapped[dict] = mapped_column(JSON)  # the output or error file's line, as written there
+    result: Mapped[dict[str, Any]] = mapped_column(JSON)  # the output or error file's line, as written there
 
 
 class AuditEntry(Base):
@@ -308,8 +309,8 @@ class AuditEntry(Base):
     action: Mapped[str] = mapped_column(String(64))  # "<target_type>.<verb>", e.g. key.rotate
     target_type: Mapped[str] = mapped_column(String(32))
     target_id: Mapped[str | None] = mapped_column(String(255))
-    before: Mapped[dict | None] = mapped_column(JSON)
-    after: Mapped[dict | None] = mapped_column(JSON)
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
     __table_args__ = (
         Index("ix_audit_log_created_at", "created_at"),

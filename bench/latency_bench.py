@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.serve_bench import _stop, free_port, start_tokenmill, synthetic_chats, wait_healthy
+from bench.stream_client import StreamResult, outcome, stream_chat
 
 RESULTS = ROOT / "bench" / "results"
 BUILD_SCRIPT = ROOT / "bench" / "build_llama_server.sh"
@@ -57,14 +58,7 @@ WORDS = (
 ).split()
 
 
-@dataclass
-class Result:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
+Result = StreamResult  # the name the rest of this file (and its readers) use
 
 
 @dataclass(frozen=True)
@@ -102,37 +96,7 @@ async def _attempt(http: httpx.AsyncClient, system: System, job: Job) -> Result:
         "stream_options": {"include_usage": True},
         "seed": 7,
     }
-    started = time.perf_counter()
-    result = Result(ok=False)
-    last: float | None = None
-    chunks = 0
-    usage_tokens = 0
-    try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    usage_tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                choices = chunk.get("choices") or []
-                if choices and (choices[0].get("delta") or {}).get("content"):
-                    chunks += 1
-                    if last is None:
-                        result.ttft = now - started
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - started
-        result.output_tokens = usage_tokens or chunks
-        result.ok = result.output_tokens > 0
-    except httpx.HTTPError as error:
-        result.error = f"{type(error).__name__}: {error}"
-    return result
+    return await stream_chat(http, body)
 
 
 async def run_jobs(system: System, jobs: list[Job], concurrency: int) -> tuple[list[Result], float]:
@@ -162,10 +126,7 @@ def summarize(results: list[Result], duration: float) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in done)
     return {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "duration_s": duration,
+        **outcome(results, duration),
         "output_tokens": tokens,
         "tok_s": tokens / duration if duration else 0.0,
         "per_stream_tok_s": float(

@@ -24,13 +24,16 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.stream_client import StreamResult, outcome, stream_chat
+
 RESULTS = ROOT / "bench" / "results"
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -90,19 +93,7 @@ def synthetic_chats(count: int, seed: int = 0) -> list[list[dict]]:
     return chats
 
 
-@dataclass
-class RequestResult:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+RequestResult = StreamResult  # the name the rest of this file (and its readers) use
 
 
 async def one_request(http: httpx.AsyncClient, messages: list[dict], max_tokens: int) -> RequestResult:
@@ -115,33 +106,7 @@ async def one_request(http: httpx.AsyncClient, messages: list[dict], max_tokens:
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
     }
-    started = time.perf_counter()
-    result = RequestResult(ok=False)
-    last = None
-    try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                    if last is None:
-                        result.ttft = now - started
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-        result.e2e = time.perf_counter() - started
-        result.ok = result.output_tokens > 0
-    except httpx.HTTPError as error:
-        result.error = f"{type(error).__name__}: {error}"
-    return result
+    return await stream_chat(http, body)
 
 
 async def run_level(
@@ -179,10 +144,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     return {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if r.error})[:3],
-        "duration_s": duration,
+        **outcome(results, duration),
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,
         "total_output_tokens": output_tokens,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
 from sqlalchemy.orm import Session
@@ -42,7 +42,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 Limit = Annotated[int, Query(ge=1, le=1000)]
 
 
-def _page(items: list, limit: int, view) -> dict:
+def _page(items: list[Any], limit: int, view: type[TeamView] | type[KeyView]) -> dict[str, Any]:
     data = [view.of(item) for item in items[:limit]]
     return {
         "data": data,
@@ -61,7 +61,7 @@ def create_team(body: TeamCreate, session: SessionDep, actor: AdminActor) -> Tea
 
 
 @router.get("/teams", response_model=Page[TeamView])
-def list_teams(session: SessionDep, limit: Limit = 100, after: int | None = None) -> dict:
+def list_teams(session: SessionDep, limit: Limit = 100, after: int | None = None) -> dict[str, Any]:
     return _page(list(crud.list_teams(session, limit=limit + 1, after=after)), limit, TeamView)
 
 
@@ -78,7 +78,7 @@ def update_team(
 
 
 @router.delete("/teams/{team_id}")
-def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep, actor: AdminActor) -> dict:
+def delete_team(team_id: int, session: SessionDep, gateway: GatewayDep, actor: AdminActor) -> dict[str, Any]:
     return admin.delete_team(team_id, session, gateway, actor=actor)
 
 
@@ -97,7 +97,7 @@ def list_keys(
     after: int | None = None,
     team_id: int | None = None,
     include_revoked: bool = False,
-) -> dict:
+) -> dict[str, Any]:
     keys = crud.list_keys(session, team_id=team_id, include_revoked=include_revoked, limit=limit + 1, after=after)
     return _page(list(keys), limit, KeyView)
 
@@ -152,7 +152,7 @@ class UsageQuery:
         self.team_id, self.key_id, self.model = team_id, key_id, model
         self.limit, self.offset, self.format = limit, offset, format
 
-    def filters(self) -> dict:
+    def filters(self) -> dict[str, Any]:
         return {
             "team_id": self.team_id,
             "key_id": self.key_id,
@@ -162,7 +162,7 @@ class UsageQuery:
         }
 
 
-def usage_response(session: Session, query: UsageQuery, *, csv: bool = False) -> Response | dict:
+def usage_response(session: Session, query: UsageQuery, *, csv: bool = False) -> Response | dict[str, Any]:
     if csv or query.format == "csv":
         rows = usage_report(session, group_by=query.group_by, **query.filters())
         return Response(
@@ -184,21 +184,25 @@ def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.isoformat() + "Z"
 
 
-CSV_RESPONSE = {200: {"content": {"text/csv": {}}, "description": "with format=csv"}}
+CSV_RESPONSE: dict[int | str, dict[str, Any]] = {200: {"content": {"text/csv": {}}, "description": "with format=csv"}}
 
 
 @router.get("/usage", response_model=UsageReport, responses=CSV_RESPONSE)
-def usage(session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> Response | dict:
+def usage(session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> Response | dict[str, Any]:
     return usage_response(session, query)
 
 
 @router.get("/usage.csv", response_class=Response, responses=CSV_RESPONSE)
 def usage_csv(session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> Response:
-    return usage_response(session, query, csv=True)
+    response = usage_response(session, query, csv=True)
+    assert isinstance(response, Response)  # csv=True always answers CSV
+    return response
 
 
 @router.get("/usage/requests", response_model=Page[UsageRequestView])
-def usage_requests(session: SessionDep, query: Annotated[UsageQuery, Depends()], before: int | None = None) -> dict:
+def usage_requests(
+    session: SessionDep, query: Annotated[UsageQuery, Depends()], before: int | None = None
+) -> dict[str, Any]:
     """Request rows, newest first; page with `before` = the last id seen."""
     rows = list(list_requests(session, limit=query.limit + 1, before=before, **query.filters()))
     data = [

@@ -3,6 +3,8 @@ unload, aliases, prices); engine settings and paths apply at the model's next lo
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 
 from app.api.deps import AdminActor, AdminDep
@@ -15,7 +17,8 @@ router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[AdminDep])
 
 
 def _pool(request: Request) -> ModelPool:
-    return request.app.state.context.models
+    models: ModelPool = request.app.state.context.models
+    return models
 
 
 @router.get("/models", response_model=ModelList)
@@ -44,7 +47,7 @@ async def update_model(name: str, body: ModelChanges, request: Request, actor: A
 
 
 @router.delete("/models/{name:path}")
-async def delete_model(name: str, request: Request, actor: AdminActor) -> dict:
+async def delete_model(name: str, request: Request, actor: AdminActor) -> dict[str, Any]:
     """Unloads (waiting for requests in flight) and forgets the model; its usage rows stay."""
     await operations.remove_model(_pool(request), name, actor=actor)
     return {"name": name, "object": "registered_model", "deleted": True}
@@ -64,12 +67,12 @@ async def unload_registered_model(name: str, request: Request, actor: AdminActor
 
 
 @router.get("/costs")
-async def costs(request: Request) -> dict:
+async def costs(request: Request) -> dict[str, Any]:
     return _costs(request)
 
 
 @router.patch("/costs")
-async def change_costs(body: ServerCostChange, request: Request, actor: AdminActor) -> dict:
+async def change_costs(body: ServerCostChange, request: Request, actor: AdminActor) -> dict[str, Any]:
     """Sets the server's hardware cost per hour (the real cost per token's numerator) from now on. It is
     stored with the registry, so it outlives a restart (winning over TOKENMILL_HARDWARE_COST_PER_HOUR) and
     reaches the other replicas; a model's own hardware_cost_per_hour still wins for that model."""
@@ -77,7 +80,7 @@ async def change_costs(body: ServerCostChange, request: Request, actor: AdminAct
     return _costs(request)
 
 
-def _costs(request: Request) -> dict:
+def _costs(request: Request) -> dict[str, Any]:
     """Cost per token, both views. real: the hardware cost per hour (the server's, or a model's own)
     over the tokens produced in the last minute / hour / day. chargeback: each model's price sheet
     (USD per 1M tokens) that /admin/api/usage sums into cost_usd, batch prices as batch lines are charged

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -37,7 +37,7 @@ class BatchCreate(BaseModel):
 
 
 @router.post("/v1/batches")
-async def create_batch(request: Request, principal: PrincipalDep, batches: BatchesDep):
+async def create_batch(request: Request, principal: PrincipalDep, batches: BatchesDep) -> dict[str, Any]:
     body = await read_body(request, BatchCreate, 64 * 1024)
     if body.endpoint not in ENDPOINTS:
         raise invalid_request(f"endpoint must be one of {list(ENDPOINTS)}; got {body.endpoint!r}.", param="endpoint")
@@ -80,19 +80,19 @@ async def list_batches(
     batches: BatchesDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-):
+) -> dict[str, Any]:
     rows, has_more = await run_in_threadpool(batches.jobs.page, team_id=principal.team_id, after=after, limit=limit)
     data = [batch_view(row) for row in rows]
     return list_page(data, has_more)
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(batch_id: str, principal: PrincipalDep, batches: BatchesDep):
+async def get_batch(batch_id: str, principal: PrincipalDep, batches: BatchesDep) -> dict[str, Any]:
     return batch_view(await run_in_threadpool(batches.jobs.get, team_id=principal.team_id, batch_id=batch_id))
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, principal: PrincipalDep, batches: BatchesDep):
+async def cancel_batch(batch_id: str, principal: PrincipalDep, batches: BatchesDep) -> dict[str, Any]:
     job = await run_in_threadpool(batches.jobs.cancel, team_id=principal.team_id, batch_id=batch_id)
     batches.runner.wake(cancelled=batch_id)
     return batch_view(job)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -37,8 +38,8 @@ from engine.sampling_params import SamplingParams
 router = APIRouter()
 
 
-def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list[dict]:
-    def entry(token_id: int, logprob: float) -> dict:
+def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
         return {
             "token": token_texts.text_of(token_id),
             "logprob": logprob,
@@ -52,7 +53,7 @@ def chat_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob]) -> list
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+async def create_chat_completion(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     accepted_at = time.monotonic()
     body = await read_body(request, ChatCompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
@@ -67,7 +68,7 @@ async def create_chat_completion(request: Request, server: ContextDep, principal
 
 async def chat_completion(
     request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest, accepted_at: float
-):
+) -> Any:
     async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
         plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
         params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
@@ -115,7 +116,7 @@ async def chat_response(
     with_logprobs: bool,
     max_tokens_param: str,
     plan: StructuredPlan,
-) -> dict:
+) -> dict[str, Any]:
     choices = [Choice() for _ in range(params.n)]
     status = "error"
     try:
@@ -170,7 +171,7 @@ async def chat_events(
     }
 
     def chunk(
-        index: int, delta: dict, logprobs: list[TokenLogprob] | None = None, finish_reason: str | None = None
+        index: int, delta: dict[str, Any], logprobs: list[TokenLogprob] | None = None, finish_reason: str | None = None
     ) -> str:
         choice = {
             "index": index,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -34,10 +35,13 @@ from engine.async_engine import EngineRejected
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+
 router = APIRouter()
 
 
-def completion_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob], text_offset: int) -> dict:
+def completion_logprobs(token_texts: TokenTexts, logprobs: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
     logprobs = token_texts.shown(logprobs)
     tokens = [token_texts.text_of(item.token_id) for item in logprobs]
     offsets = []
@@ -61,7 +65,7 @@ class PreparedPrompt:
 
 
 @router.post("/v1/completions")
-async def create_completion(request: Request, server: ContextDep, principal: PrincipalDep):
+async def create_completion(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     accepted_at = time.monotonic()
     body = await read_body(request, CompletionRequest, server.settings.max_request_bytes)
     if body.stream_options is not None and not body.stream:
@@ -80,7 +84,7 @@ async def create_completion(request: Request, server: ContextDep, principal: Pri
 
 async def completion(
     request: Request, context: ModelContext, principal: Principal, body: CompletionRequest, accepted_at: float
-):
+) -> Any:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
         prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
@@ -123,13 +127,15 @@ def prepare_prompts(context: ModelContext, body: CompletionRequest, request_id: 
     return prepared
 
 
-def _engine_streams(context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt]):
+def _engine_streams(
+    context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt]
+) -> list[AsyncIterator[RequestOutput]]:
     return [engine_outputs(context, tracker, p.engine_request_id, p.ids, p.params) for p in prompts]
 
 
 async def completion_response(
     request: Request, context: ModelContext, tracker: RequestTracker, prompts: list[PreparedPrompt], echo: bool
-) -> dict:
+) -> dict[str, Any]:
     n = prompts[0].params.n
     choices = [Choice() for _ in range(len(prompts) * n)]
     status = "error"
@@ -190,7 +196,7 @@ async def completion_events(
     with_logprobs = prompts[0].params.logprobs is not None
     text_offsets = [0] * (len(prompts) * n)
 
-    def chunk(index: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
+    def chunk(index: int, text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None) -> str:
         text_offsets[index] += len(text)
         return sse(
             {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}

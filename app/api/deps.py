@@ -5,7 +5,7 @@ find it on app.state.gateway."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import Depends, Request
 
@@ -21,13 +21,13 @@ from app.serving.context import ServerContext
 
 
 def server_context(request: Request) -> ServerContext:
-    return request.app.state.context
+    return cast(ServerContext, request.app.state.context)
 
 
 async def current_principal(request: Request) -> Principal:
     batch_caller = request.scope.get(BATCH_PRINCIPAL)  # a batch line the runner sends in process
     if batch_caller is not None:
-        return batch_caller
+        return cast(Principal, batch_caller)
     principal = await server_context(request).gateway.authenticate(request)
     # A Ray Serve replica reads it after the answer, to tell its router this key's cache salt.
     request.state.principal = principal
@@ -35,7 +35,7 @@ async def current_principal(request: Request) -> Principal:
 
 
 def batch_service(request: Request) -> BatchService:
-    return request.app.state.batches
+    return cast(BatchService, request.app.state.batches)
 
 
 ContextDep = Annotated[ServerContext, Depends(server_context)]
@@ -44,7 +44,7 @@ PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
 def get_gateway(request: Request) -> TeamGateway:
-    return request.app.state.gateway
+    return cast(TeamGateway, request.app.state.gateway)
 
 
 GatewayDep = Annotated[TeamGateway, Depends(get_gateway)]

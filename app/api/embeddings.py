@@ -75,7 +75,8 @@ def embedder_of(context: ModelContext) -> EmbeddingModel:
     served = context.served
     if served.kind != "embedding" or served.embedder is None:
         raise invalid_request(f"`{served.name}` is not an embedding model; /v1/embeddings needs one.", param="model")
-    return served.embedder
+    embedder: EmbeddingModel = served.embedder
+    return embedder
 
 
 def check_dimensions(name: str, model: EmbeddingModel, dimensions: int | None) -> None:
@@ -167,7 +168,7 @@ def report_usage(
 
 
 @router.post("/v1/embeddings")
-async def create_embeddings(request: Request, context: ContextDep, principal: PrincipalDep):
+async def create_embeddings(request: Request, context: ContextDep, principal: PrincipalDep) -> Any:
     body = await read_body(request, EmbeddingRequest, context.settings.max_request_bytes)
     return await context.with_model(
         body.model, lambda bound: serve_embeddings(request, bound, principal, body), principal=principal

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -19,7 +19,7 @@ router = APIRouter()
 
 
 @router.post("/v1/files")
-async def upload_file(request: Request, principal: PrincipalDep, batches: BatchesDep):
+async def upload_file(request: Request, principal: PrincipalDep, batches: BatchesDep) -> Any:
     form = await request.form(max_files=1, max_fields=8)
     try:
         upload = form.get("file")
@@ -63,7 +63,7 @@ async def list_files(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
-):
+) -> dict[str, Any]:
     rows, has_more = await run_in_threadpool(
         batches.files.page,
         team_id=principal.team_id,
@@ -77,18 +77,18 @@ async def list_files(
 
 
 @router.get("/v1/files/{file_id}")
-async def get_file(file_id: str, principal: PrincipalDep, batches: BatchesDep):
+async def get_file(file_id: str, principal: PrincipalDep, batches: BatchesDep) -> dict[str, Any]:
     row = await run_in_threadpool(batches.files.get, team_id=principal.team_id, file_id=file_id)
     return file_view(row)
 
 
 @router.get("/v1/files/{file_id}/content")
-async def get_file_content(file_id: str, principal: PrincipalDep, batches: BatchesDep):
+async def get_file_content(file_id: str, principal: PrincipalDep, batches: BatchesDep) -> FileResponse:
     row, path = await run_in_threadpool(batches.files.open, team_id=principal.team_id, file_id=file_id)
     return FileResponse(path, media_type="application/octet-stream", filename=row.filename)
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(file_id: str, principal: PrincipalDep, batches: BatchesDep):
+async def delete_file(file_id: str, principal: PrincipalDep, batches: BatchesDep) -> dict[str, Any]:
     await run_in_threadpool(batches.files.delete, team_id=principal.team_id, file_id=file_id)
     return {"id": file_id, "object": "file", "deleted": True}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC
+from typing import Any
 
 from fastapi import APIRouter
 
@@ -29,7 +30,7 @@ def visible_names(spec: ModelSpec, principal: Principal) -> list[str]:
     return [alias for alias in spec.aliases if principal.allows(alias)]
 
 
-def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settings) -> dict:
+def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settings) -> dict[str, Any]:
     created = int(spec.created_at.replace(tzinfo=UTC).timestamp()) if spec.created_at else STARTED_AT
     card = {
         "id": model_id,
@@ -53,7 +54,7 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settin
 
 
 @router.get("/v1/models")
-async def list_models(context: ContextDep, principal: PrincipalDep) -> dict:
+async def list_models(context: ContextDep, principal: PrincipalDep) -> dict[str, Any]:
     pool = context.models
     return {
         "object": "list",
@@ -66,7 +67,7 @@ async def list_models(context: ContextDep, principal: PrincipalDep) -> dict:
 
 
 @router.get("/v1/models/{model_id:path}")
-async def retrieve_model(model_id: str, context: ContextDep, principal: PrincipalDep) -> dict:
+async def retrieve_model(model_id: str, context: ContextDep, principal: PrincipalDep) -> dict[str, Any]:
     spec = context.models.spec(model_id)
     if spec is None or model_id not in visible_names(spec, principal):
         raise model_not_found(model_id)

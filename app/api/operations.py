@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -11,7 +13,7 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> dict:
+async def health() -> dict[str, Any]:
     """What a load balancer needs and no more: which models exist is for keys that may use them
     (/v1/models) and for the admin (/admin/api/models)."""
     return {"status": "ok"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -43,15 +43,18 @@ from app.serving.tracker import (
 from engine.async_engine import EngineRejected
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger("tokenmill.responses")
 router = APIRouter()
 PROMPT_PARAM, MAX_TOKENS_PARAM = "input", "max_output_tokens"
 
-Saver = Callable[[dict], None]
+Saver = Callable[[dict[str, Any]], None]
 Result = TypeVar("Result")
 
 
-async def in_store(call: Callable[..., Result], *args) -> Result:
+async def in_store(call: Callable[..., Result], *args: object) -> Result:
     """A store call off the event loop; a database that is away is a 503 to retry, not a 500."""
     try:
         return await run_in_threadpool(call, *args)
@@ -71,10 +74,10 @@ def response_not_found(response_id: str, param: str | None = None) -> OpenAIErro
 
 
 @router.post("/v1/responses")
-async def create_response(request: Request, server: ContextDep, principal: PrincipalDep):
+async def create_response(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     body = await read_body(request, ResponsesRequest, server.settings.max_request_bytes)
     check_fields(body)
-    earlier: list[dict] = []
+    earlier: list[dict[str, Any]] = []
     if body.previous_response_id is not None:  # another team's response is as absent as a missing one
         previous = await in_store(server.responses.get, body.previous_response_id, principal.team_id)
         if previous is None:
@@ -95,9 +98,9 @@ async def run_response(
     context: ModelContext,
     principal: Principal,
     body: ResponsesRequest,
-    conversation: list[dict],
+    conversation: list[dict[str, Any]],
     store: ResponseStore,
-):
+) -> Any:
     chat_body, plan, prompt_ids = await run_in_threadpool(
         prepare, context.engine.tokenizer, body, conversation, context.engine.max_model_len
     )
@@ -138,7 +141,7 @@ async def run_response(
 
 
 def prepare(
-    tokenizer, body: ResponsesRequest, conversation: list[dict], max_model_len: int
+    tokenizer: PreTrainedTokenizerBase, body: ResponsesRequest, conversation: list[dict[str, Any]], max_model_len: int
 ) -> tuple[ChatCompletionRequest, StructuredPlan, list[int]]:
     """The request in chat's shape, the plan and the prompt's token ids. With truncation 'auto', the oldest turns
     are left out of the prompt (never out of what is stored) until it fits. Blocking."""
@@ -152,7 +155,7 @@ def prepare(
         conversation = shorter
 
 
-def oldest_turn_dropped(conversation: list[dict]) -> list[dict] | None:
+def oldest_turn_dropped(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
     """The conversation without its first user turn and what answered it (system and developer messages
     stay); None when no earlier turn is left to drop."""
     kept = [item for item in conversation if item.get("role") in ("system", "developer")]
@@ -172,7 +175,7 @@ async def whole_response(
     params: SamplingParams,
     plan: StructuredPlan,
     save: Saver | None,
-) -> dict:
+) -> dict[str, Any]:
     choice = Choice()
     status = "error"
     try:
@@ -258,7 +261,7 @@ def failed(events: ResponseEvents, error: OpenAIError) -> str:
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request, server: ContextDep, principal: PrincipalDep):
+async def retrieve_response(response_id: str, request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     if request.query_params.get("stream", "false").lower() not in ("false", "0"):
         raise invalid_request(
             "Streaming a stored response again is not supported.", param="stream", code="unsupported_parameter"
@@ -270,14 +273,14 @@ async def retrieve_response(response_id: str, request: Request, server: ContextD
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, server: ContextDep, principal: PrincipalDep):
+async def delete_response(response_id: str, server: ContextDep, principal: PrincipalDep) -> dict[str, Any]:
     if not await in_store(server.responses.delete, response_id, principal.team_id):
         raise response_not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, server: ContextDep, principal: PrincipalDep):
+async def cancel_response(response_id: str, server: ContextDep, principal: PrincipalDep) -> Any:
     if await in_store(server.responses.get, response_id, principal.team_id) is None:
         raise response_not_found(response_id)
     raise invalid_request(
@@ -286,7 +289,9 @@ async def cancel_response(response_id: str, server: ContextDep, principal: Princ
 
 
 @router.get("/v1/responses/{response_id}/input_items")
-async def list_input_items(response_id: str, request: Request, server: ContextDep, principal: PrincipalDep):
+async def list_input_items(
+    response_id: str, request: Request, server: ContextDep, principal: PrincipalDep
+) -> dict[str, Any]:
     query = request.query_params
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):

@@ -41,7 +41,7 @@ class DetokenizeRequest(BaseModel):
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep):
+async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     body = await read_body(request, TokenizeRequest, server.settings.max_request_bytes)
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request("Give exactly one of 'prompt' and 'messages'.", param="prompt")
@@ -56,7 +56,7 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
             param="add_generation_prompt",
         )
 
-    async def handle(context: ModelContext):
+    async def handle(context: ModelContext) -> Any:  # a JSON body; with_model passes it through
         tokenizer = context.engine.tokenizer
         if body.messages is not None:
             chat = {
@@ -82,10 +82,10 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request, server: ContextDep, principal: PrincipalDep):
+async def detokenize(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
     body = await read_body(request, DetokenizeRequest, server.settings.max_request_bytes)
 
-    async def handle(context: ModelContext):
+    async def handle(context: ModelContext) -> Any:  # a JSON body; with_model passes it through
         tokenizer = context.engine.tokenizer
         if any(not 0 <= token < len(tokenizer) for token in body.tokens):
             raise invalid_request(f"Token ids must be between 0 and {len(tokenizer) - 1}.", param="tokens")

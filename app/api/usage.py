@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
 
@@ -16,7 +16,9 @@ router = APIRouter(prefix="/v1", tags=["usage"])
 
 
 @router.get("/usage", response_model=UsageReport, responses=CSV_RESPONSE)
-def team_usage(principal: TeamKeyDep, session: SessionDep, query: Annotated[UsageQuery, Depends()]) -> Response | dict:
+def team_usage(
+    principal: TeamKeyDep, session: SessionDep, query: Annotated[UsageQuery, Depends()]
+) -> Response | dict[str, Any]:
     """Usage of the calling key's team; `team_id` is ignored, `key_id` must be one of the team's keys."""
     if query.key_id is not None:
         key = crud.get_key(session, key_id=query.key_id)

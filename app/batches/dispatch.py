@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 from starlette.types import ASGIApp, Message
 
@@ -20,7 +21,7 @@ BATCH_PRINCIPAL = "tokenmill.batch_principal"
 
 async def dispatch(
     app: ASGIApp, path: str, body: bytes, principal: Principal, stop: asyncio.Event | None = None
-) -> tuple[int, dict]:
+) -> tuple[int, dict[str, Any]]:
     """(status code, JSON body) of POST `path` with `body`. Setting `stop` reads to the route as the
     client going away: the engine aborts the line."""
     scope = {

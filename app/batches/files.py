@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from sqlalchemy import or_, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
@@ -45,7 +45,7 @@ def file_not_found(file_id: str) -> OpenAIError:
     return OpenAIError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
 
 
-def file_view(row: StoredFile) -> dict:
+def file_view(row: StoredFile) -> dict[str, Any]:
     """A FileObject, as the openai client reads it."""
     return {
         "id": row.id,

@@ -8,7 +8,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import cast
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
@@ -44,7 +44,7 @@ def batch_not_found(batch_id: str) -> OpenAIError:
     return OpenAIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
 
 
-def batch_view(row: BatchJob) -> dict:
+def batch_view(row: BatchJob) -> dict[str, Any]:
     """A Batch, as the openai client reads it."""
     return {
         "id": row.id,
@@ -82,7 +82,7 @@ class BatchStore:
         endpoint: str,
         input_file_id: str,
         completion_window: str,
-        metadata: dict | None,
+        metadata: dict[str, Any] | None,
         total: int,
         output_expires_after_s: int | None = None,
     ) -> BatchJob:
@@ -186,7 +186,7 @@ class BatchStore:
                 .where(BatchJob.id == batch_id, free)
                 .values(runner_id=runner_id, lease_expires_at=now + lease)
             )
-            return cast(CursorResult, result).rowcount == 1
+            return cast(CursorResult[Any], result).rowcount == 1
 
     def release(self, batch_id: str, runner_id: str) -> None:
         with self.sessions() as session, session.begin():
@@ -219,14 +219,14 @@ class BatchStore:
                 .where(BatchJob.id == batch_id, BatchJob.status.in_(only_from))
                 .values(status=status, **values)
             )
-            return cast(CursorResult, result).rowcount == 1
+            return cast(CursorResult[Any], result).rowcount == 1
 
     def finished_lines(self, batch_id: str) -> set[int]:
         with self.sessions() as session:
             return set(session.scalars(select(BatchLine.line_number).where(BatchLine.batch_id == batch_id)))
 
     def record_line(
-        self, batch_id: str, *, line_number: int, custom_id: str | None, status_code: int, result: dict
+        self, batch_id: str, *, line_number: int, custom_id: str | None, status_code: int, result: dict[str, Any]
     ) -> bool:
         """Keep one finished line and count it; False if that line was recorded already (it never is twice)."""
         ok = 200 <= status_code < 300

@@ -10,6 +10,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,9 @@ def parse_line(number: int, raw: bytes, endpoint: str, seen: set[str]) -> InputL
     return InputLine(number, custom_id, json.dumps(body).encode())
 
 
-def output_line(custom_id: str | None, status_code: int, body: dict) -> dict:
+def output_line(custom_id: str | None, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
     """The output file's line for a response of the endpoint (status 2xx), or the error file's for a refusal."""
-    line: dict = {
+    line: dict[str, Any] = {
         "id": f"batch_req_{uuid.uuid4().hex[:24]}",
         "custom_id": custom_id,
         "response": {"status_code": status_code, "request_id": body.get("id", ""), "body": body},
@@ -76,7 +77,7 @@ def output_line(custom_id: str | None, status_code: int, body: dict) -> dict:
     }
     if not 200 <= status_code < 300:
         found = body.get("error")
-        error: dict = found if isinstance(found, dict) else {}
+        error: dict[str, Any] = found if isinstance(found, dict) else {}
         line["error"] = {
             "code": error.get("code") or error.get("type") or "request_failed",
             "message": error.get("message") or f"The request failed with status {status_code}.",
@@ -84,7 +85,7 @@ def output_line(custom_id: str | None, status_code: int, body: dict) -> dict:
     return line
 
 
-def error_line(custom_id: str | None, code: str, message: str) -> dict:
+def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
     """The error file's line for a request that never ran (malformed, cancelled, expired)."""
     return {
         "id": f"batch_req_{uuid.uuid4().hex[:24]}",
@@ -94,5 +95,5 @@ def error_line(custom_id: str | None, code: str, message: str) -> dict:
     }
 
 
-def encode(line: dict) -> bytes:
+def encode(line: dict[str, Any]) -> bytes:
     return json.dumps(line, separators=(",", ":")).encode() + b"\n"

@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -60,7 +61,7 @@ class Halt:
             self.event.set()
 
 
-def cut_short(body: dict) -> bool:
+def cut_short(body: dict[str, Any]) -> bool:
     """Whether a 2xx response is one the engine aborted before it finished (chat and completions say so
     per choice, a response by its status)."""
     choices = body.get("choices")
@@ -107,7 +108,7 @@ class BatchRunner:
         self.cancelled: set[str] = set()  # cancels made in this process, seen at once
         self.halts: dict[str, Halt] = {}  # the batches being fed here, to stop their lines in flight
         self.wakeup = asyncio.Event()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
         self.task = asyncio.create_task(self.run_forever(), name="batch-runner")
@@ -189,7 +190,7 @@ class BatchRunner:
         batch is cancelled or expires: then the lines in flight are aborted too."""
         done = await run_in_threadpool(self.jobs.finished_lines, job.id)
         seats = asyncio.Semaphore(self.max_in_flight)
-        in_flight: set[asyncio.Task] = set()
+        in_flight: set[asyncio.Task[Any]] = set()
         halt = self.halts[job.id] = Halt()
         if job.id in self.cancelled:
             halt.set("cancelled")
@@ -205,7 +206,7 @@ class BatchRunner:
                 task = asyncio.create_task(self.run_line(job, line, principal, halt))
                 in_flight.add(task)
 
-                def free_seat(finished: asyncio.Task) -> None:
+                def free_seat(finished: asyncio.Task[Any]) -> None:
                     in_flight.discard(finished)
                     seats.release()
 

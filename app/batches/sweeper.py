@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
@@ -17,7 +18,7 @@ class FileSweeper:
     def __init__(self, files: FileStore, every_s: float) -> None:
         self.files = files
         self.every_s = every_s
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[Any] | None = None
 
     async def start(self) -> None:
         self.task = asyncio.create_task(self.run_forever(), name="file-sweeper")

@@ -15,14 +15,23 @@ import socket
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 from app.db import make_engine, migrate, session_factory
 from app.gateway import crud
 from app.gateway.audit import Actor
 from app.gateway.reports import parse_duration, parse_group_by, parse_when, report_columns, to_csv, usage_report
 
+if TYPE_CHECKING:
+    from typing import TextIO
 
-def _open(args: argparse.Namespace):
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session, sessionmaker
+
+    from app.tables import Team
+
+
+def _open(args: argparse.Namespace) -> tuple[Engine, sessionmaker[Session]]:
     from app.settings import settings_from
 
     settings = settings_from({"database_url": args.database_url, "data_dir": args.data_dir}, os.environ)
@@ -66,7 +75,7 @@ def parse_expiry(text: str | None) -> datetime | None:
     return parse_when(text)
 
 
-def _limits(args: argparse.Namespace) -> dict:
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
     limits = {
         "rpm_limit": args.rpm,
         "tpm_limit": args.tpm,
@@ -79,7 +88,7 @@ def _limits(args: argparse.Namespace) -> dict:
     return {k: v for k, v in limits.items() if v is not None}
 
 
-def _table(rows: list[dict], columns: list[str], out=None) -> None:
+def _table(rows: list[dict[str, Any]], columns: list[str], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     cells = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
@@ -93,7 +102,7 @@ def _fail(message: str) -> int:
     return 1
 
 
-def _team_named(session, name: str):
+def _team_named(session: Session, name: str) -> Team:
     team = crud.get_team_by_name(session, name=name)
     if team is None:
         raise LookupError(f"no team named {name!r}")
@@ -199,7 +208,7 @@ def keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_key(session, ident: str):
+def _one_key(session: Session, ident: str):
     """The key `ident` names: its id, or its visible prefix as `keys list` shows it."""
     from sqlalchemy import select
 
@@ -324,7 +333,8 @@ def _usage_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    return args.run(args)
+    run: Callable[[argparse.Namespace], int] = args.run
+    return run(args)
 
 
 def commands() -> list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]]:

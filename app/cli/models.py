@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -40,7 +41,7 @@ def _base_url(args: argparse.Namespace) -> str:
     return f"http://{host}:{os.environ.get('TOKENMILL_PORT') or 8000}"
 
 
-def _call(args: argparse.Namespace, method: str, path: str, **kwargs) -> dict | None:
+def _call(args: argparse.Namespace, method: str, path: str, **kwargs: Any) -> dict[str, Any] | None:
     """The JSON answer, or None after printing the server's error (or why it could not be reached)."""
     key = args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY")
     if not key:
@@ -63,7 +64,7 @@ def _call(args: argparse.Namespace, method: str, path: str, **kwargs) -> dict | 
 COLUMNS = ["name", "kind", "state", "aliases", "price_in_out_per_1m", "defaults", "path"]
 
 
-def _print_models(models: list[dict]) -> None:
+def _print_models(models: list[dict[str, Any]]) -> None:
     from app.cli.admin import _table
 
     rows = [
@@ -146,7 +147,7 @@ def _setting(text: str) -> tuple[str, object]:
         return name.strip(), value
 
 
-def _action(method: str, suffix: str = "", **json_body) -> Callable[[argparse.Namespace], int]:
+def _action(method: str, suffix: str = "", **json_body: Any) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         params = {"wait": "true"} if getattr(args, "wait", False) else None
         body = _call(
@@ -211,6 +212,6 @@ def _dispatch(args: argparse.Namespace) -> int:
     return args.run(args)
 
 
-def commands() -> list[tuple]:
+def commands() -> list[tuple[Any, ...]]:
     """(name, help, add_arguments, run) for app.cli.main's COMMANDS."""
     return [("models", "register, list, load and unload models (on the running server)", _models_arguments, _dispatch)]

@@ -3,6 +3,8 @@ images and connections (so nothing can call out, and nothing from a CDN would ev
 
 from __future__ import annotations
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
@@ -21,15 +23,15 @@ def is_dashboard_path(path: str) -> bool:
 
 
 class DashboardHeadersMiddleware:
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not is_dashboard_path(scope["path"]):
             await self.app(scope, receive, send)
             return
 
-        async def send_with_headers(message) -> None:
+        async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), *HEADERS]}
             await send(message)

@@ -4,6 +4,8 @@ sees, creates, rotates and revokes their own team's keys only; limits are the ad
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import select
@@ -18,10 +20,13 @@ from app.gateway.reports import parse_duration
 from app.gateway.schemas import KeyCreate, KeyRotate, KeyUpdate
 from app.tables import Team
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
 router = APIRouter()
 
 
-def team_names(session, team_ids: set[int]) -> dict[int, str]:
+def team_names(session: Session, team_ids: set[int]) -> dict[int, str]:
     if not team_ids:
         return {}
     return dict(session.execute(select(Team.id, Team.name).where(Team.id.in_(team_ids))).all())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -17,8 +17,8 @@ class FormError(ValueError):
     pass
 
 
-def limits_from(form: dict[str, str]) -> dict:
-    values: dict = {}
+def limits_from(form: dict[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
     for name in LIMIT_NAMES:
         if name not in form:
             continue
@@ -30,9 +30,9 @@ def limits_from(form: dict[str, str]) -> dict:
     return values
 
 
-def share_from(form: dict[str, str]) -> dict:
+def share_from(form: dict[str, str]) -> dict[str, Any]:
     """A team's share of the engine: an empty weight keeps the current one, an empty group leaves any group."""
-    values: dict = {}
+    values: dict[str, Any] = {}
     if form.get("scheduling_weight", "").strip():
         values["scheduling_weight"] = form["scheduling_weight"].strip()
     if "cache_group" in form:
@@ -40,7 +40,7 @@ def share_from(form: dict[str, str]) -> dict:
     return values
 
 
-def body_from(form: dict[str, str], model: type[Body], **fields) -> Body:
+def body_from(form: dict[str, str], model: type[Body], **fields: Any) -> Body:
     """The form's limits (and `fields`) as `model`, or FormError with a message for the page."""
     values = {**limits_from(form), **fields}
     try:

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from app.dashboard.histograms import HistogramCounts, quantile
 from app.observability.costs import usd_per_million
@@ -38,7 +39,7 @@ class ModelSource:
     inter_token: Callable[[], HistogramCounts] = HistogramCounts.empty
     # Read at every sample, so a change made on the Models page shows at the next one.
     hardware_cost_per_hour: Callable[[], float] | None = None  # its own, or the server's; None: the sampler's
-    price: Callable[[], dict | None] = lambda: None  # its price sheet (USD per 1M tokens), if any
+    price: Callable[[], dict[str, Any] | None] = lambda: None  # its price sheet (USD per 1M tokens), if any
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def cost_per_million(cost_per_hour: float, seconds: float, tokens: int) -> float
     return cost_per_hour * seconds / 3600 / tokens * 1e6
 
 
-def rates(older: Snapshot, newer: Snapshot) -> dict:
+def rates(older: Snapshot, newer: Snapshot) -> dict[str, Any]:
     """What happened between two snapshots: throughput, and batch and KV occupancy averaged over steps."""
     a, b = older.stats, newer.stats
     seconds = max(newer.at - older.at, 1e-9)
@@ -89,7 +90,7 @@ def rates(older: Snapshot, newer: Snapshot) -> dict:
     }
 
 
-def latencies(older: Snapshot, newer: Snapshot, cost_per_hour: float) -> dict:
+def latencies(older: Snapshot, newer: Snapshot, cost_per_hour: float) -> dict[str, Any]:
     """Percentiles, prefix hit rate and cost per token over a window (about a minute)."""
     a, b = older.stats, newer.stats
     ttft = newer.ttft.since(older.ttft)
@@ -121,7 +122,7 @@ def latencies(older: Snapshot, newer: Snapshot, cost_per_hour: float) -> dict:
     }
 
 
-def gauges(stats: EngineStats) -> dict:
+def gauges(stats: EngineStats) -> dict[str, Any]:
     return {
         "running": stats.num_running,
         "running_batch": stats.num_running_background,
@@ -142,7 +143,7 @@ def gauges(stats: EngineStats) -> dict:
     }
 
 
-def team_shares(stats: EngineStats, names: Mapping[str, str]) -> list[dict]:
+def team_shares(stats: EngineStats, names: Mapping[str, str]) -> list[dict[str, Any]]:
     """Each team's share of one model: the tokens it was served over the last minute (the number /metrics
     has as tokenmill:team_tokens_last_minute) and its requests running and waiting now; most served
     first, teams with none of these left out. `names` maps the engine's "team:<id>" to a team's name."""
@@ -189,7 +190,7 @@ class ModelHistory:
     def __init__(self, source: ModelSource, max_snapshots: int) -> None:
         self.source = source
         self.snapshots: deque[Snapshot] = deque(maxlen=max_snapshots)
-        self.points: deque[dict] = deque(maxlen=max_snapshots)
+        self.points: deque[dict[str, Any]] = deque(maxlen=max_snapshots)
         self.day_start: Snapshot | None = None  # the first snapshot of the current UTC day
         # The hardware cost since day_start, summed per interval at the rate in force then: a cost set on
         # the Models page at noon does not reprice the morning.
@@ -226,7 +227,7 @@ class LiveSampler:
         self.clock = clock
         self.max_snapshots = int((history_s + MINUTE_S) / interval_s) + 2
         self.models: dict[str, ModelHistory] = {}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     @property
     def hardware_cost_per_hour(self) -> float:
@@ -266,7 +267,7 @@ class LiveSampler:
                 }
                 history.points.append(point)
 
-    def current(self, name: str) -> dict:
+    def current(self, name: str) -> dict[str, Any]:
         """The headline numbers for one model: now, the last seconds, the last minute, and today."""
         history = self.models[name]
         cost_per_hour = self.cost_of(history.source)
@@ -298,7 +299,7 @@ class LiveSampler:
             "teams": team_shares(latest.stats, self.team_names()),
         }
 
-    def series(self, name: str, *, after: float | None = None) -> dict[str, list]:
+    def series(self, name: str, *, after: float | None = None) -> dict[str, list[Any]]:
         """Points newer than `after` (all 15 minutes when None), one list per field."""
         cutoff = self.clock() - self.history_s
         if after is not None:
@@ -306,7 +307,7 @@ class LiveSampler:
         points = [p for p in self.models[name].points if p["t"] > cutoff]
         return {"t": [p["t"] for p in points], **{f: [p[f] for p in points] for f in SERIES_FIELDS}}
 
-    def live(self, *, after: float | None = None) -> dict:
+    def live(self, *, after: float | None = None) -> dict[str, Any]:
         if not self.models:
             self.sample()
         return {

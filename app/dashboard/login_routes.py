@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import RedirectResponse, Response
@@ -20,6 +20,9 @@ from app.errors import OpenAIError
 from app.gateway.audit import Actor, record_alone
 from app.gateway.service import client_address
 
+if TYPE_CHECKING:
+    from app.dashboard.deps import Dashboard
+
 router = APIRouter()
 log = logging.getLogger("tokenmill.dashboard")
 
@@ -31,7 +34,7 @@ def secure_cookies(request: Request) -> bool:
 
 
 def login_page(
-    request: Request, dashboard, *, next_path: str, error: str | None = None, status_code: int = 200
+    request: Request, dashboard: Dashboard, *, next_path: str, error: str | None = None, status_code: int = 200
 ) -> Response:
     token, cookie = dashboard.signer.login_token()
     response = render(
@@ -56,7 +59,7 @@ def login_page(
     return response
 
 
-def set_session_cookie(request: Request, response: Response, dashboard, cookie: str) -> None:
+def set_session_cookie(request: Request, response: Response, dashboard: Dashboard, cookie: str) -> None:
     response.set_cookie(
         SESSION_COOKIE,
         cookie,
@@ -115,7 +118,7 @@ async def log_in(request: Request, dashboard: DashboardDep) -> Response:
     return response
 
 
-def record_failed_login(dashboard, address: str) -> None:
+def record_failed_login(dashboard: Dashboard, address: str) -> None:
     """Blocking. A store that is away must not turn a refused login into a 500: it is logged instead."""
     try:
         record_alone(

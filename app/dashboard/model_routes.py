@@ -6,6 +6,7 @@ status: 400, 404, or 409 for a taken name or a load that would not fit in memory
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Request
@@ -27,6 +28,9 @@ from app.registry import operations
 from app.registry.schemas import ModelChanges, ModelCreate, ServerCostChange
 from app.registry.spec import ENGINE_SETTINGS
 
+if TYPE_CHECKING:
+    from app.dashboard.sessions import AdminSession
+
 router = APIRouter()
 NOTICES = {
     "registered": "Model registered.",
@@ -43,11 +47,11 @@ ACTIONS = ("save", "load", "unload", "enable", "disable", "remove")
 
 def models_page(
     request: Request,
-    session,
+    session: AdminSession | None,
     *,
     done: str | None = None,
     error: OpenAIError | None = None,
-    form: dict | None = None,
+    form: dict[str, Any] | None = None,
     failed: str | None = None,
 ) -> Response:
     """The page; after a refused change, with the API's message, its status, and what was typed."""

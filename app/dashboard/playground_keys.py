@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import IntegrityError
 
@@ -17,6 +18,11 @@ from app.errors import OpenAIError
 from app.gateway import admin, crud
 from app.gateway.audit import Actor
 from app.gateway.schemas import KeyCreate, TeamCreate
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from app.gateway.service import TeamGateway
 
 PLAYGROUND_TEAM = "playground"
 KEY_LIFETIME_S = 3600
@@ -32,7 +38,7 @@ class PlaygroundKey:
 
 
 class PlaygroundKeys:
-    def __init__(self, gateway, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, gateway: TeamGateway, *, clock: Callable[[], float] = time.time) -> None:
         self.gateway = gateway
         self.clock = clock
         self._by_session: dict[str, PlaygroundKey] = {}
@@ -59,7 +65,7 @@ class PlaygroundKeys:
         return PlaygroundKey(created.key, created.id, team_id, expires_at)
 
     @staticmethod
-    def _team_id(session, actor: Actor) -> int:
+    def _team_id(session: Session, actor: Actor) -> int:
         team = crud.get_team_by_name(session, name=PLAYGROUND_TEAM)
         if team is not None:
             return team.id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import HTMLResponse
@@ -15,7 +16,7 @@ WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 NO_STORE = {"cache-control": "no-store"}
 
 
-def _number(value) -> str:
+def _number(value: float | None) -> str:
     if value is None:
         return "—"
     if isinstance(value, float) and not value.is_integer():
@@ -23,13 +24,13 @@ def _number(value) -> str:
     return f"{int(value):,}"
 
 
-def _usd(value) -> str:
+def _usd(value: float | None) -> str:
     if value is None:
         return "—"
     return f"${value:,.6f}".rstrip("0").rstrip(".") if value < 1 else f"${value:,.2f}"
 
 
-def _when(value) -> str:
+def _when(value: object) -> str:
     if value is None:
         return "—"
     if isinstance(value, datetime):
@@ -41,7 +42,7 @@ def _when(value) -> str:
     return str(value)
 
 
-def _field_value(value) -> str:
+def _field_value(value: object) -> str:
     """A value as a form field shows it: empty for None, lists comma-separated, times without seconds."""
     if value is None:
         return ""
@@ -59,7 +60,7 @@ templates.env.filters.update(number=_number, usd=_usd, when=_when, field=_field_
 
 
 def render(
-    request: Request, name: str, session: AdminSession | None, *, status_code: int = 200, **context
+    request: Request, name: str, session: AdminSession | None, *, status_code: int = 200, **context: Any
 ) -> HTMLResponse:
     signer = request.app.state.dashboard.signer
     context = {

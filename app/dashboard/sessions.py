@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import delete
 from sqlalchemy.orm import Session, sessionmaker
@@ -114,12 +115,12 @@ class SessionSigner:
 
     # sealed state (an SSO sign-in between the redirect and the callback)
 
-    def seal(self, purpose: str, data: dict, max_age_s: float) -> str:
+    def seal(self, purpose: str, data: dict[str, Any], max_age_s: float) -> str:
         """`data` as a tamper-proof (not secret: the browser holds it anyway) cookie value that expires."""
         body = _b64(json.dumps({"data": data, "until": int(self.clock() + max_age_s)}).encode())
         return f"{body}.{self._sign(purpose, body)}"
 
-    def unseal(self, purpose: str, sealed: str | None) -> dict | None:
+    def unseal(self, purpose: str, sealed: str | None) -> dict[str, Any] | None:
         if not sealed or sealed.count(".") != 1:
             return None
         body, signature = sealed.split(".")

@@ -4,14 +4,18 @@ model, and one model card (registry entry, state, settings, prices) per register
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from app.dashboard.histograms import HistogramCounts
 from app.dashboard.live import ModelSource
 from app.registry.served import ServedModel
 from app.registry.store import PRICE_COLUMNS, columns_of
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
-def _source(app, served: ServedModel) -> ModelSource:
+
+def _source(app: FastAPI, served: ServedModel) -> ModelSource:
     engine, metrics, pool, name = served.engine, served.metrics, app.state.context.models, served.name
     return ModelSource(
         name=name,
@@ -23,11 +27,11 @@ def _source(app, served: ServedModel) -> ModelSource:
     )
 
 
-def model_sources(app) -> list[ModelSource]:  # FastAPI
+def model_sources(app: FastAPI) -> list[ModelSource]:  # FastAPI
     return [_source(app, served) for served in app.state.context.models.loaded() if served.engine is not None]
 
 
-def price_sheet(app, name: str) -> dict | None:
+def price_sheet(app: FastAPI, name: str) -> dict[str, Any] | None:
     """What usage of `name` is charged at: its registry price sheet, else the gateway's --model-prices
     (the same order the gateway charges by), with the batch prices as batch lines pay them."""
     spec = app.state.context.models.specs.get(name)
@@ -58,7 +62,7 @@ ENGINE_SETTING_NOTES = {
 }
 
 
-def model_cards(app) -> list[dict]:
+def model_cards(app: FastAPI) -> list[dict[str, Any]]:
     """Every registered model; the engine's numbers for those loaded here."""
     pool = app.state.context.models
     cards = []

@@ -64,7 +64,7 @@ class OidcClient:
             raise ProviderUnreachable(f"Discovery at {self.config.discovery_url} names issuer {issuer!r}.")
         return issuer
 
-    def _claims_options(self, issuer: str) -> dict:
+    def _claims_options(self, issuer: str) -> dict[str, Any]:
         """What Authlib checks the ID token's claims against. `aud` is spelled out: Authlib's own ID token
         check (1.9.6) accepts an audience that lacks our client id as long as `azp` names it, and OpenID
         Connect Core 3.1.3.7 says the audience must contain it."""
@@ -73,7 +73,7 @@ class OidcClient:
             "aud": {"essential": True, "value": self.config.client_id},
         }
 
-    async def start(self, request: Request, redirect_uri: str) -> tuple[Response, dict]:
+    async def start(self, request: Request, redirect_uri: str) -> tuple[Response, dict[str, Any]]:
         """The redirect to the provider's login, and the state to keep until its callback (state,
         nonce, PKCE verifier, redirect URI)."""
         request.scope["session"] = {}
@@ -86,7 +86,7 @@ class OidcClient:
             ) from None
         return response, dict(request.scope["session"])
 
-    async def finish(self, request: Request, kept: dict) -> dict[str, Any]:
+    async def finish(self, request: Request, kept: dict[str, Any]) -> dict[str, Any]:
         """The ID token's verified claims for the callback `request`, given what `start` kept."""
         request.scope["session"] = dict(kept)
         try:

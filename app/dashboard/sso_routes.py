@@ -6,6 +6,7 @@ session like the admin key's, carrying the subject, email, role and team."""
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -14,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from app.dashboard.deps import Dashboard, DashboardDep, PageRefused, safe_next, sso_actor
 from app.dashboard.login_routes import login_page, secure_cookies, set_session_cookie
 from app.dashboard.rendering import render
-from app.dashboard.sso import ProviderUnreachable, SsoRefused
+from app.dashboard.sso import OidcClient, ProviderUnreachable, SsoRefused
 from app.dashboard.sso_config import SsoDenied, SsoIdentity, identity_from_claims
 from app.gateway import crud
 from app.gateway.audit import record_alone
@@ -26,7 +27,7 @@ SSO_COOKIE_PATH = "/admin/sso"
 SIGN_IN_MAX_AGE_S = 600  # from the redirect to the provider until its callback
 
 
-def _sso(dashboard: Dashboard):
+def _sso(dashboard: Dashboard) -> OidcClient:
     if dashboard.sso is None:
         raise PageRefused(404, "Single sign-on is not configured on this server.")
     return dashboard.sso
@@ -62,7 +63,7 @@ def _team_id(dashboard: Dashboard, name: str) -> int | None:
         return team.id if team is not None else None
 
 
-async def _role_of(dashboard: Dashboard, claims: dict) -> tuple[SsoIdentity, int | None]:
+async def _role_of(dashboard: Dashboard, claims: dict[str, Any]) -> tuple[SsoIdentity, int | None]:
     """The identity the verified claims earn, and its team's id; SsoDenied when they earn none."""
     identity = identity_from_claims(claims, _sso(dashboard).config)
     if identity.team_name is None:
@@ -79,7 +80,7 @@ async def finish_sign_in(request: Request, dashboard: DashboardDep) -> Response:
     if flow is None:  # not recorded: anyone can call this URL, and the audit log is not for floods
         return _refused(request, dashboard, "/admin", 400, "This sign-in expired or did not start here. Try again.")
     next_path = safe_next(flow.get("next"))
-    claims: dict = {}
+    claims: dict[str, Any] = {}
     try:
         claims = await _sso(dashboard).finish(request, flow.get("authlib") or {})
         identity, team_id = await _role_of(dashboard, claims)
@@ -106,7 +107,7 @@ async def finish_sign_in(request: Request, dashboard: DashboardDep) -> Response:
     return response
 
 
-def _record_refusal(request: Request, dashboard: Dashboard, claims: dict, reason: str) -> None:
+def _record_refusal(request: Request, dashboard: Dashboard, claims: dict[str, Any], reason: str) -> None:
     """A failed SSO sign-in in the audit log: who, when the provider got as far as saying so."""
     subject = str(claims.get("sub") or "unknown")
     record_alone(

@@ -3,6 +3,8 @@ Changes go through the admin API's functions, so the key cache is invalidated ex
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import func, select
@@ -15,6 +17,12 @@ from app.gateway import admin, crud
 from app.gateway.schemas import TeamCreate, TeamUpdate
 from app.tables import ApiKey
 
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from app.dashboard.deps import Dashboard
+    from app.dashboard.sessions import AdminSession
+
 router = APIRouter()
 PAGE_SIZE = 50
 NOTICES = {
@@ -26,7 +34,7 @@ NOTICES = {
 }
 
 
-def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:
+def live_key_counts(session: Session, team_ids: list[int]) -> dict[int, int]:
     if not team_ids:
         return {}
     query = (
@@ -39,12 +47,12 @@ def live_key_counts(session, team_ids: list[int]) -> dict[int, int]:
 
 def teams_page(
     request: Request,
-    session_,
-    dashboard,
+    session_: AdminSession | None,
+    dashboard: Dashboard,
     *,
     after: int | None,
     error: str | None = None,
-    form: dict | None = None,
+    form: dict[str, Any] | None = None,
     status_code: int = 200,
 ) -> Response:
     with dashboard.gateway.sessions() as session:
@@ -99,8 +107,8 @@ def engine_share(request: Request, team_id: int) -> dict[str, int]:
 
 def team_page(
     request: Request,
-    session_,
-    dashboard,
+    session_: AdminSession | None,
+    dashboard: Dashboard,
     team_id: int,
     *,
     after: int | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Query, Request
@@ -69,7 +69,7 @@ class UsageFilter:
             max(offset, 0),
         )
 
-    def report_args(self) -> dict:
+    def report_args(self) -> dict[str, Any]:
         return {
             "since": datetime.combine(self.first_day, time()),
             "until": datetime.combine(self.last_day + timedelta(days=1), time()),
@@ -78,7 +78,7 @@ class UsageFilter:
             "model": self.model,
         }
 
-    def query(self, **changes) -> str:
+    def query(self, **changes: object) -> str:
         values = {
             "since": self.first_day.isoformat(),
             "until": self.last_day.isoformat(),

@@ -4,6 +4,8 @@ told what changed. `actor` is who asks: the admin key, an SSO user, the system."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from sqlalchemy.orm import Session
 
 from app.errors import OpenAIError
@@ -23,6 +25,9 @@ from app.gateway.schemas import (
 from app.gateway.service import TeamGateway
 from app.tables import ApiKey
 
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
 
 def not_found(what: str, ident: int) -> OpenAIError:
     return OpenAIError(404, f"No {what} with id {ident}.", code="not_found")
@@ -36,7 +41,7 @@ def _commit(session: Session) -> None:
         raise
 
 
-def _changes(body) -> dict:
+def _changes(body: BaseModel) -> dict[str, Any]:
     return body.model_dump(exclude_unset=True)
 
 
@@ -81,7 +86,7 @@ def update_team(team_id: int, body: TeamUpdate, session: Session, gateway: TeamG
     return TeamView.of(team)
 
 
-def delete_team(team_id: int, session: Session, gateway: TeamGateway, *, actor: Actor) -> dict:
+def delete_team(team_id: int, session: Session, gateway: TeamGateway, *, actor: Actor) -> dict[str, Any]:
     team = crud.get_team(session, team_id=team_id)
     if team is None:
         raise not_found("team", team_id)

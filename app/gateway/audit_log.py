@@ -137,7 +137,7 @@ class AuditPruner:
         self.sessions = sessions
         self.retention_days = retention_days
         self.interval_s = interval_s
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
 
     def prune_now(self) -> int:
         with self.sessions() as session, session.begin():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
 
@@ -113,17 +113,9 @@ class SingleKeyGateway:
             raise invalid_api_key()
         return Principal()
 
-    async def admit(
-        self,
-        principal: Principal,
-        *,
-        model: str,
-        prompt_tokens: int,
-        max_tokens: int | None,
-        sequences: int = 1,
-        request_id: str | None = None,
-        price: ModelPrice | None = None,
-    ) -> dict[str, str]:
+    async def admit(self, principal: Principal, **admission: Any) -> dict[str, str]:
+        """Admits everything: Gateway.admit's keywords are accepted whatever they are (so a new one needs
+        no change here) and none of them is limited."""
         return {}
 
     def request_finished(self, record: UsageRecord) -> None:

@@ -205,7 +205,12 @@ def rotate_key(session: Session, *, actor: Actor, key: ApiKey, grace_period_s: f
 
 
 def _record(
-    session: Session, actor: Actor, action: str, row: Team | ApiKey, before: dict | None, after: dict | None
+    session: Session,
+    actor: Actor,
+    action: str,
+    row: Team | ApiKey,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
 ) -> None:
     if before == after == {}:  # an update that changed nothing is no change to record
         return

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger("tokenmill.gateway.holds")
 
@@ -92,7 +93,7 @@ class SharedHolds(Holds):
         self.tick_s = tick_s
         self._unsent: dict[str, int] = {}
         self._later: list[tuple[float, dict[str, int]]] = []  # (monotonic due time, deltas)
-        self._keeper: asyncio.Task | None = None
+        self._keeper: asyncio.Task[Any] | None = None
         self._wake = asyncio.Event()
         self._last_beat = 0.0
         self._last_outage_log = float("-inf")

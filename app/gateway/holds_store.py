@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -51,7 +52,7 @@ return 0
 
 
 class RedisHolds(SharedHolds):
-    def __init__(self, url: str, *, prefix: str = "tokenmill:rl:", **options) -> None:
+    def __init__(self, url: str, *, prefix: str = "tokenmill:rl:", **options: Any) -> None:
         import redis.asyncio as redis
 
         super().__init__(**options)
@@ -65,7 +66,7 @@ class RedisHolds(SharedHolds):
         if deltas:
             await self._apply(deltas)
             deltas.clear()  # sent: not to be put back if what follows fails
-        args: list = [self.holder, self._alive, int(self.alive_ttl_s * 1000)]
+        args: list[Any] = [self.holder, self._alive, int(self.alive_ttl_s * 1000)]
         for item in items:
             args.extend((item.capacity, item.amount))
         refused = int(await self._take_script(keys=[self._prefix + item.scope for item in items], args=args))
@@ -94,7 +95,7 @@ class DatabaseHolds(SharedHolds):
     """Holds as rows (scope, holder, amount, alive_until); a holder's heartbeat moves its alive_until.
     Every transaction takes its advisory locks, then its row locks, each in scope order: none deadlock."""
 
-    def __init__(self, engine: Engine, **options) -> None:
+    def __init__(self, engine: Engine, **options: Any) -> None:
         super().__init__(**options)
         self.engine = engine
         self.postgres = engine.dialect.name == "postgresql"

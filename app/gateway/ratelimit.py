@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("tokenmill.gateway.ratelimit")
 
@@ -107,7 +107,9 @@ class InProcessCounters:
             self._window = window
         return self._counts.setdefault((name, window), [0, 0])
 
-    async def acquire(self, window, ttl_s, scopes, reserve=0):
+    async def acquire(
+        self, window: int, ttl_s: float, scopes: Sequence[Scope], reserve: int = 0
+    ) -> tuple[int, list[tuple[int, int]]]:
         slots = [self._slot(scope.name, window) for scope in scopes]
         rejected = next((code for scope, (r, t) in zip(scopes, slots) if (code := _over(scope, r, t, reserve))), 0)
         if not rejected:
@@ -116,7 +118,7 @@ class InProcessCounters:
                 slot[1] += reserve
         return rejected, [(r, t) for r, t in slots]
 
-    async def add_tokens(self, window, ttl_s, amounts):
+    async def add_tokens(self, window: int, ttl_s: float, amounts: Sequence[tuple[Scope, int]]) -> None:
         self.add_tokens_now(window, amounts)
 
     def add_tokens_now(self, window: int, amounts: Sequence[tuple[Scope, int]]) -> None:
@@ -193,17 +195,19 @@ class RedisCounters:
         self._prefix = prefix
         self._acquire = self._redis.register_script(_ACQUIRE_LUA)
         self._add = self._redis.register_script(_ADD_TOKENS_LUA)
-        self._waiting: list[tuple[int, float, Sequence[Scope], int, asyncio.Future]] = []
-        self._sender: asyncio.Task | None = None
+        self._waiting: list[tuple[int, float, Sequence[Scope], int, asyncio.Future[Any]]] = []
+        self._sender: asyncio.Task[Any] | None = None
         self.calls = 0
 
     def _keys(self, scope: Scope, window: int) -> tuple[str, str]:
         base = f"{self._prefix}{scope.name}:{window}"
         return base + ":r", base + ":t"
 
-    async def acquire(self, window, ttl_s, scopes, reserve=0):
+    async def acquire(
+        self, window: int, ttl_s: float, scopes: Sequence[Scope], reserve: int = 0
+    ) -> tuple[int, list[tuple[int, int]]]:
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: asyncio.Future[tuple[int, list[tuple[int, int]]]] = loop.create_future()
         self._waiting.append((window, ttl_s, scopes, reserve, future))
         if self._sender is None or self._sender.done() or self._sender.get_loop() is not loop:
             self._sender = loop.create_task(self._send_acquires())
@@ -212,7 +216,8 @@ class RedisCounters:
     async def _send_acquires(self) -> None:
         while self._waiting:
             batch, self._waiting = self._waiting, []
-            keys, args = [], [int(batch[0][1] * 1000)]
+            keys: list[str] = []
+            args = [int(batch[0][1] * 1000)]
             for window, _, scopes, reserve, _ in batch:
                 args.extend((len(scopes), reserve))
                 for scope in scopes:
@@ -234,7 +239,7 @@ class RedisCounters:
                 if not future.done():
                     future.set_result((code, counts))
 
-    async def add_tokens(self, window, ttl_s, amounts):
+    async def add_tokens(self, window: int, ttl_s: float, amounts: Sequence[tuple[Scope, int]]) -> None:
         keys = [self._keys(scope, window)[1] for scope, _ in amounts]
         await self._add(keys=keys, args=[int(ttl_s * 1000), *(tokens for _, tokens in amounts)])
 
@@ -257,7 +262,7 @@ class RateLimiter:
         self.clock = clock
         self._last_error_log = 0.0
         self._unsent: dict[tuple[int, Scope], int] = {}  # (window, scope) -> tokens not yet sent to Redis
-        self._sender: asyncio.Task | None = None
+        self._sender: asyncio.Task[Any] | None = None
 
     def _window(self) -> tuple[int, float]:
         now = self.clock()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("tokenmill.gateway.refresh")
 
@@ -36,5 +37,5 @@ class RefreshRounds:
         except Exception as error:  # the store is away: entries expire by their own rule
             log.debug("%s refresh failed: %s", self.what, type(error).__name__)
 
-    def _done(self, _future: asyncio.Future) -> None:
+    def _done(self, _future: asyncio.Future[Any]) -> None:
         self.running = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
@@ -168,7 +168,7 @@ class UsageReport(BaseModel):
     group_by: list[str]
     since: str | None
     until: str | None
-    data: list[dict]
+    data: list[dict[str, Any]]
     has_more: bool
 
 

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fastapi import Request
 from sqlalchemy.exc import SQLAlchemyError
@@ -33,6 +33,11 @@ from app.gateway.keys import bearer_token, visible_prefix
 from app.gateway.ratelimit import InProcessCounters, RateLimiter, RedisCounters, Scope
 from app.gateway.usage import UsageEvent, UsageWriter
 from app.tables import NANO
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from sqlalchemy import Engine
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -343,7 +348,7 @@ class TeamGateway:
 
     # the rest
 
-    def _committed(self, events) -> None:
+    def _committed(self, events: Sequence[UsageEvent]) -> None:
         """The usage writer's thread, after a batch is in the database: the costs it held are given
         back once every replica's cached spend has them."""
         self.budgets.committed(events)
@@ -365,7 +370,7 @@ class TeamGateway:
         name = f"budget:{scope.name}"
         return sum(kept.get(name, 0) for at, kept in list(self._committed_held) if at < read_at)
 
-    def _scopes_of(self, record: UsageRecord) -> tuple:
+    def _scopes_of(self, record: UsageRecord) -> tuple[Any, ...]:
         principal = self.keys.by_key_id.get(record.key_id)
         return principal.rate_scopes if principal is not None else ()
 
@@ -397,7 +402,7 @@ class TeamGateway:
         self.keys.invalidate(key_hashes)
 
 
-def make_holds(config: GatewayConfig, engine) -> Holds:
+def make_holds(config: GatewayConfig, engine: Engine) -> Holds:
     """Where holds live: Redis when configured; else the database when replicas can share it
     (PostgreSQL, or `reservations="database"`); else this process."""
     where = config.reservations

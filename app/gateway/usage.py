@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, Table, TextClause, text
 from sqlalchemy.dialects import postgresql, sqlite
@@ -56,7 +57,7 @@ class UsageEvent:
     def is_error(self) -> bool:
         return self.status not in (OK, ABORTED)
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         """The usage table's columns (dataclasses.asdict, without its deep copies)."""
         return {name: getattr(self, name) for name in self.__slots__}
 
@@ -72,9 +73,9 @@ class UsageEvent:
         return cls(**data)
 
 
-def rollup(events: Iterable[UsageEvent]) -> list[dict]:
+def rollup(events: Iterable[UsageEvent]) -> list[dict[str, Any]]:
     """Sum a batch per (day, key, model), sorted so concurrent writers lock roll-up rows in one order."""
-    sums: dict[tuple[date, int, str], dict] = {}
+    sums: dict[tuple[date, int, str], dict[str, Any]] = {}
     for e in events:
         row = sums.get((e.created_at.date(), e.key_id, e.model))
         if row is None:
@@ -126,7 +127,11 @@ PG_ROLLUP_UPSERT = unnest_insert(
 
 
 def write_batch(
-    engine: Engine, events: Sequence[UsageEvent], *, key_times: dict | None = None, team_times: dict | None = None
+    engine: Engine,
+    events: Sequence[UsageEvent],
+    *,
+    key_times: dict[str, Any] | None = None,
+    team_times: dict[str, Any] | None = None,
 ) -> None:
     with Session(engine) as session, session.begin():
         if events:
@@ -151,7 +156,7 @@ class UsageWriter:
         self,
         engine: Engine,
         *,
-        spill_dir: str | os.PathLike,
+        spill_dir: str | os.PathLike[str],
         flush_interval_s: float = 0.5,
         batch_max: int = 5000,
         buffer_max: int = 2_000_000,

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
+from typing import Any
 
 WINDOWS_S = {"minute": 60.0, "hour": 3600.0, "day": 86400.0}
 
@@ -27,7 +28,7 @@ class TokenBuckets:
     def __init__(self, width_s: float, span_s: float) -> None:
         self.width_s = width_s
         self.span_s = span_s
-        self.buckets: deque[tuple[int, Counter]] = deque()
+        self.buckets: deque[tuple[int, Counter[str]]] = deque()
 
     def add(self, now: float, model: str | None, tokens: int) -> None:
         index = math.floor(now / self.width_s)
@@ -36,9 +37,9 @@ class TokenBuckets:
             self._forget_before(now)
         self.buckets[-1][1][model] += tokens  # a clock that stepped back lands in the newest bucket
 
-    def totals(self, now: float, window_s: float) -> Counter:
+    def totals(self, now: float, window_s: float) -> Counter[str]:
         first = math.ceil((now - window_s) / self.width_s)
-        totals: Counter = Counter()
+        totals: Counter[str] = Counter()
         for index, counts in reversed(self.buckets):
             if index < first:
                 break
@@ -109,7 +110,7 @@ class HardwareCostMeter:
             self._seconds.add(now, model, tokens)
             self._minutes.add(now, model, tokens)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         with self._lock:
             now = self.clock()
             uptime = max(now - self.started_at, 0.0)
@@ -119,7 +120,7 @@ class HardwareCostMeter:
                 windows[name] = self._window(now, window_s, buckets.totals(now, window_s))
             return {"cost_per_hour": self.cost_per_hour, "uptime_s": uptime, "windows": windows}
 
-    def _window(self, now: float, window_s: float, tokens_by_model: Counter) -> dict:
+    def _window(self, now: float, window_s: float, tokens_by_model: Counter[str]) -> dict[str, Any]:
         elapsed = min(window_s, max(now - self.started_at, 0.0))
         server_cost = self.cost_per_hour * min(elapsed, max(now - self._server_since, 0.0)) / 3600
         own_costs = {

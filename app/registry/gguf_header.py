@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from app.registry.files import open_regular
 
@@ -16,11 +16,11 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 MAX_ARRAY_DEPTH = 4
 
 
-def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dict:
+def gguf_header(path: Path, *, wanted: tuple[str, ...], stop_prefix: str) -> dict[str, Any]:
     """The wanted metadata of a GGUF file, read from its header without touching tensors (gguf's reader
     maps the whole file: seconds for a 100 MB model). Stops at the first key starting with stop_prefix
     (the tokenizer's big arrays come last), or when every wanted key is found."""
-    found: dict = {}
+    found: dict[str, Any] = {}
     with open_regular(path) as file:
         magic, version = struct.unpack("<4sI", file.read(8))
         if magic != b"GGUF" or version < 2:

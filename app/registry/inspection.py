@@ -8,6 +8,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from app.registry.files import read_regular
 from app.registry.gguf_header import gguf_header
@@ -146,7 +147,7 @@ def _embedding_facts(source: str) -> SourceFacts:
     return SourceFacts(architecture, config.get("max_position_embeddings"))
 
 
-def _folder_config(path: Path) -> dict:
+def _folder_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(read_regular(path / "config.json", MAX_CONFIG_BYTES))
     except FileNotFoundError:

@@ -4,13 +4,16 @@ work the pool runs in threads, kept apart from its bookkeeping."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from app.registry.inspection import default_source_path, inspect_source
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 
 def start_serving(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
@@ -25,7 +28,7 @@ def start_serving(spec: ModelSpec, base: EngineConfig) -> dict[str, Any]:
     return {"embedder": EmbeddingModel.load(path, dtype=DTYPES.get(spec.dtype, torch.float32), name=spec.name)}
 
 
-def preloaded_spec(engine) -> ModelSpec:
+def preloaded_spec(engine: AsyncEngine) -> ModelSpec:
     """The registry entry for an engine started outside the pool, from its own settings."""
     config = engine.config
     source = config.model if config.model == DEFAULT_SOURCE else str(Path(config.model).expanduser().resolve())

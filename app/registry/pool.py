@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
@@ -31,6 +31,10 @@ from app.registry.served import DRAINING, LOADED, ServedModel
 from app.registry.spec import KINDS, ModelSpec, RegistryError
 from app.registry.store import RegistryStore
 from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.embeddings import EmbeddingModel
 
 log = logging.getLogger("tokenmill.registry")
 
@@ -69,13 +73,13 @@ class ModelPool:
         self.drain_timeout_s = drain_timeout_s  # then the engine stops anyway (a request that never ended)
         self.first_start = first_start  # registered on start unless their names are taken
         self.refresh_interval_s = refresh_interval_s  # re-read the registry (changes made on other replicas)
-        self._refresher: asyncio.Task | None = None
+        self._refresher: asyncio.Task[Any] | None = None
         self.cost_meter: HardwareCostMeter | None = None  # told each model's own hardware cost, if any
         self._costs_told: dict[str, float | None] = {}
         self.specs: dict[str, ModelSpec] = {}
         self.served: dict[str, ServedModel] = {}  # loaded or draining
-        self._loading: dict[str, asyncio.Task] = {}
-        self._draining: dict[str, asyncio.Task] = {}
+        self._loading: dict[str, asyncio.Task[Any]] = {}
+        self._draining: dict[str, asyncio.Task[Any]] = {}
         self._changes = asyncio.Lock()  # registry changes one at a time: names and aliases stay unique
         self.inspect_timeout_s = 30.0  # reading a source's config / header; it is small and local
 
@@ -122,7 +126,12 @@ class ModelPool:
 
     # ---- start and stop ----------------------------------------------------------------------
     def add_loaded(
-        self, engine=None, *, embedder=None, spec: ModelSpec | None = None, owned: bool = False
+        self,
+        engine: AsyncEngine | None = None,
+        *,
+        embedder: EmbeddingModel | None = None,
+        spec: ModelSpec | None = None,
+        owned: bool = False,
     ) -> ServedModel:
         """A chat engine or an embedding model someone else loaded (`tokenmill serve --model`, tests);
         registered on start() unless the registry has it. The spec defaults to what the engine says."""
@@ -377,7 +386,7 @@ class ModelPool:
             raise OpenAIError(404, f"No model named {name!r} is registered.", param="model", code="not_found")
         return spec
 
-    def _start_loading(self, spec: ModelSpec) -> asyncio.Task:
+    def _start_loading(self, spec: ModelSpec) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(self._load(spec))
         self._loading[spec.name] = task
         task.add_done_callback(lambda _: self._loading.pop(spec.name, None))
@@ -420,6 +429,6 @@ class ModelPool:
         log.info("unloaded %s", served.name)
 
 
-def _log_failure(task: asyncio.Task) -> None:
+def _log_failure(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("%s", task.exception())

@@ -32,8 +32,19 @@ SAMPLING_DEFAULT_KEYS = (
     "max_tokens",
 )
 WHOLE_NUMBER_KEYS = frozenset({"top_k", "max_tokens"})
-# SmolLM2-135M-Instruct's model card: "temperature=0.2, top_p=0.9". Its GGUF carries no sampling metadata.
-EMBEDDED_CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+# The embedded SmolLM2-135M-Instruct's (its GGUF carries no sampling metadata), chosen by
+# bench/defaults_bench.py (bench/README.md has the table): with its model card's "temperature=0.2, top_p=0.9"
+# alone, "What is the capital of France?" named Paris in 6 of 10 tries and some answers ran on in French to
+# the end of the context (4,096 tokens). Greedy answered it in 10 of 10 (the first token decides whether the
+# answer is English), frequency_penalty 0.5 ends loops by penalising the answer's own repeats (a
+# repetition_penalty also counts the question's words, and steered answers away from them), and
+# max_tokens 256 bounds what is left. top_p stays for a request that sets a temperature.
+EMBEDDED_CHAT_DEFAULTS: dict[str, float | int] = {
+    "temperature": 0.0,
+    "top_p": 0.9,
+    "frequency_penalty": 0.5,
+    "max_tokens": 256,
+}
 # generation_config.json's names (transformers' GenerationConfig) -> ours. do_sample is not read: like
 # vLLM, an explicit temperature is what counts.
 GENERATION_CONFIG_KEYS = {

@@ -3,15 +3,28 @@ metrics, and how many requests are using it, so that unloading can wait for them
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from app.observability.metrics import ModelMetrics
 from app.registry.spec import ModelSpec
 from app.serving.token_text import TokenTexts
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from engine.embeddings import EmbeddingModel
 
 LOADED, DRAINING = "loaded", "draining"
 
 
 class ServedModel:
-    def __init__(self, spec: ModelSpec, *, engine=None, embedder=None, owned: bool = True) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        engine: AsyncEngine | None = None,
+        embedder: EmbeddingModel | None = None,
+        owned: bool = True,
+    ) -> None:
         self.spec = spec  # replaced when the registry row changes (aliases, prices); the weights stay
         self.engine = engine  # engine.async_engine.AsyncEngine for kind "chat"
         self.embedder = embedder  # engine.embeddings.EmbeddingModel for kind "embedding"

@@ -127,7 +127,9 @@ class RegistryStore:
                 after={name: value},
             )
 
-    def record(self, *, actor: Actor, action: str, name: str, before: dict | None, after: dict | None) -> None:
+    def record(
+        self, *, actor: Actor, action: str, name: str, before: dict[str, Any] | None, after: dict[str, Any] | None
+    ) -> None:
         """A change that is not a row (a load, an unload), in a transaction of its own."""
         with self.sessions() as session, session.begin():
             _record(session, actor, action, name, before, after)
@@ -140,7 +142,9 @@ def model_action(before: dict[str, Any], after: dict[str, Any]) -> str:
     return "model.update"
 
 
-def _record(session: Session, actor: Actor, action: str, name: str, before: dict | None, after: dict | None) -> None:
+def _record(
+    session: Session, actor: Actor, action: str, name: str, before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> None:
     if before == after == {}:  # an update that changed nothing is no change to record
         return
     record_change(session, actor=actor, action=action, target_type="model", target_id=name, before=before, after=after)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ResponseStart:
     headers: list[tuple[bytes, bytes]]
 
 
-def http_scope(request: ForwardedRequest, state: dict | None = None) -> dict:
+def http_scope(request: ForwardedRequest, state: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "state": {} if state is None else state,  # request.state: what the app leaves there, the caller reads
         "type": "http",
@@ -56,13 +57,13 @@ async def run_asgi(
     app,
     request: ForwardedRequest,  # app: any ASGI app
     extra_headers: list[tuple[bytes, bytes]] = (),
-    state: dict | None = None,
+    state: dict[str, Any] | None = None,
 ) -> AsyncIterator[ResponseStart | bytes]:
-    messages: asyncio.Queue = asyncio.Queue()
+    messages: asyncio.Queue[Any] = asyncio.Queue()
     disconnected = asyncio.Event()
     body_sent = False
 
-    async def receive() -> dict:
+    async def receive() -> dict[str, Any]:
         nonlocal body_sent
         if not body_sent:
             body_sent = True
@@ -70,7 +71,7 @@ async def run_asgi(
         await disconnected.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict) -> None:
+    async def send(message: dict[str, Any]) -> None:
         if disconnected.is_set():
             raise OSError("client disconnected")  # what uvicorn's send does once the peer is gone
         await messages.put(message)

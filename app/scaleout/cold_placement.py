@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Long enough to cover a cold prompt's wait in a busy replica's queue plus its prefill and the next
 # report (the bench's p99 latency under load is ~25 s); short enough that a tenant whose blocks were
@@ -94,7 +95,7 @@ class ColdPlacements:
             self._homes.setdefault(identity, (replica, now))
         self._sent.append(_Sent(replica, tuple(blocks), tuple(identities), now))
 
-    def blocks_taken(self, replicas: Sequence[Hashable], held: Mapping[Hashable, frozenset[bytes]]) -> dict:
+    def blocks_taken(self, replicas: Sequence[Hashable], held: Mapping[Hashable, frozenset[bytes]]) -> dict[str, Any]:
         """Blocks each replica holds or is about to: reported plus pending."""
         self._forget_expired(self.clock())
         return {

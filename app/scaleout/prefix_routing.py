@@ -50,7 +50,7 @@ import json
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from app.scaleout.cold_placement import ColdPlacements, identities
 from engine.block_manager import hash_block
@@ -108,7 +108,7 @@ def prefix_key(text: str | None, prefix_chars: int = PREFIX_CHARS, salt: str | N
     return key.hexdigest()
 
 
-def rendezvous_order(key: str, replica_ids: Sequence[Hashable]) -> list:
+def rendezvous_order(key: str, replica_ids: Sequence[Hashable]) -> list[Any]:
     """Replica ids, the key's favourite first. Same key and set: same order, in every process."""
 
     def score(replica_id: Hashable) -> bytes:
@@ -151,7 +151,7 @@ def allowed_load(loads: Mapping[Hashable, int], epsilon: float) -> int:
 
 @dataclass(frozen=True)
 class Placement:
-    ranks: list[list]  # replica ids, most preferred first (Ray Serve's choose_replicas shape)
+    ranks: list[list[Any]]  # replica ids, most preferred first (Ray Serve's choose_replicas shape)
     by: RoutedBy  # "affinity": it holds the prompt's prefix; "load": no allowed replica held enough of it
     # (then its tenant's cold home, or the most free room)
 
@@ -202,7 +202,7 @@ def _cold_choice(
     blocks: Sequence[bytes],
     loads: Mapping[Hashable, int],
     held: Mapping[Hashable, frozenset[bytes]],
-    allowed: list,
+    allowed: list[Any],
     cold: ColdPlacements | None,
 ) -> Hashable:
     """A prompt no allowed replica holds: its tenant's cold home if allowed, else the most free room."""

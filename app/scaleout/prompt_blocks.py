@@ -15,13 +15,18 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.gateway.keys import bearer_token, hash_key
 from app.scaleout.prefix_routing import ROUTED_PATHS
 from app.serving.tracker import cache_salt, team_of
 from engine.config import EngineConfig
 from engine.tenancy import Tenancy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("tokenmill.scaleout")
 
@@ -37,7 +42,7 @@ class CacheRoot:
     root: bytes | None
 
 
-def cache_root_after(path: str, status: int | None, state: dict, prefix_cache_scope: str) -> CacheRoot | None:
+def cache_root_after(path: str, status: int | None, state: dict[str, Any], prefix_cache_scope: str) -> CacheRoot | None:
     """A replica's note after it answered `path` with `status`: the cache root of the key the app
     authenticated (app.api.deps.current_principal leaves it in request.state), computed as the engine's
     Tenancy computes it. None for other paths and failed answers (the key may be invalid)."""
@@ -84,7 +89,7 @@ class PromptTokens:
     """A request body's prompt token ids as the replica's engine will see them, for the served model
     (--model; other registry models get ids from this tokenizer too, which simply match no blocks)."""
 
-    def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
         self.tokenizer: Any = None  # a transformers tokenizer, once the model's folder exists
@@ -95,7 +100,7 @@ class PromptTokens:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def _load(self):
+    def _load(self) -> None:
         # One loader at a time: transformers' lazy imports fail when two threads race through them.
         with self._lock:
             if self.tokenizer is None and self.clock() >= self._next_try:
@@ -125,7 +130,7 @@ class PromptTokens:
             return None
 
 
-def _chat_ids(tokenizer, body: bytes) -> list[int] | None:
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, body: bytes) -> list[int] | None:
     from app.serving.prompts import chat_prompt_ids
     from app.serving.schemas import ChatCompletionRequest
 
@@ -135,7 +140,7 @@ def _chat_ids(tokenizer, body: bytes) -> list[int] | None:
     return chat_prompt_ids(tokenizer, request.messages)
 
 
-def _completion_ids(tokenizer, body: bytes) -> list[int]:
+def _completion_ids(tokenizer: PreTrainedTokenizerBase, body: bytes) -> list[int]:
     from app.serving.prompts import completion_prompt_ids
     from app.serving.schemas import CompletionRequest
 

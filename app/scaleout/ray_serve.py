@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -43,7 +44,7 @@ from app.scaleout.prefix_routing import (
     routing_text,
 )
 from app.scaleout.prompt_blocks import CacheRoot, CacheRoots, PromptTokens, cache_root_after
-from app.scaleout.routing_ledger import routing_exposition
+from app.scaleout.routing_ledger import RoutingLedger, routing_exposition
 from app.settings import Settings
 from engine.config import EngineConfig
 
@@ -111,7 +112,7 @@ class _RemembersReplicas(RequestRouter):
         ray_serve.RoutedReplicas.ids = frozenset(replica.replica_id.unique_id for replica in replicas)
 
 
-def routing_ledger():
+def routing_ledger() -> RoutingLedger:
     from app.scaleout import routing_ledger  # the imported module, see routed_replica_ids
 
     return routing_ledger.LEDGER
@@ -198,7 +199,7 @@ class TokenmillReplica:
         await self.lifespan.__aenter__()  # gateway, pool, usage writer: as uvicorn would start them
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes | CacheRoot]:
-        state: dict = {}
+        state: dict[str, Any] = {}
         status = None
         async for item in run_asgi(self.app, request, self.identity, state):
             if isinstance(item, ResponseStart):
@@ -208,7 +209,7 @@ class TokenmillReplica:
         if (note := cache_root_after(request.path, status, state, self.prefix_cache_scope)) is not None:
             yield note
 
-    def record_routing_stats(self) -> dict:
+    def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls it every ROUTING_STATS_PERIOD_S; the routers read it as replica.routing_stats."""
         return {DIGEST_STAT: digest(self.engine.cached_prefix_digest())}
 
@@ -246,7 +247,7 @@ def _replica_lost() -> Response:
 
 class Ingress:
     def __init__(
-        self, replicas: DeploymentHandle, prefix_chars: int = PREFIX_CHARS, engine: EngineConfig | None = None
+        self, replicas: DeploymentHandle[Any], prefix_chars: int = PREFIX_CHARS, engine: EngineConfig | None = None
     ) -> None:
         self.replicas = replicas.options(stream=True, method_name="handle")
         self.prefix_chars = prefix_chars
@@ -296,7 +297,7 @@ class Ingress:
             scheme=request.url.scheme,
         )
         for _ in range(ATTEMPTS):
-            stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
+            stream: DeploymentResponseGenerator[Any] = self.replicas.remote(forwarded)
             try:
                 start = await stream.__anext__()
             except (RayActorError, ActorUnavailableError):
@@ -343,13 +344,15 @@ class Ingress:
             client=None,
             replica=replica,
         )
-        stream: DeploymentResponseGenerator = self.replicas.remote(forwarded)
+        stream: DeploymentResponseGenerator[Any] = self.replicas.remote(forwarded)
         start = await stream.__anext__()
         body = b"".join([chunk async for chunk in stream])
         answered = dict(start.headers)[REPLICA_HEADER.encode()].decode()
         return answered, body.decode()
 
-    async def _rest_of(self, stream: DeploymentResponseGenerator, authorization: str | None) -> AsyncIterator[bytes]:
+    async def _rest_of(
+        self, stream: DeploymentResponseGenerator[Any], authorization: str | None
+    ) -> AsyncIterator[bytes]:
         finished = False
         try:
             async for chunk in stream:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,13 +18,16 @@ from prometheus_client.registry import Collector
 
 from app.observability.metrics import OPENMETRICS_ACCEPT, exposition
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 # A request whose completion the router never heard of (a lost callback) stops counting after this long,
 # so one missed event cannot mark a replica busy for ever. Longer than any generation we serve.
 FORGET_AFTER_S = 900.0
 
 
 class RoutingLedger:
-    def __init__(self, clock=time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._lock = threading.Lock()
         self._in_flight: dict[str, tuple[str, float]] = {}  # request id -> (replica id, routed at)

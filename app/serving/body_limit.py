@@ -12,10 +12,16 @@ body, and only there."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import OpenAIError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
 
 
 class BodyTooLarge(HTTPException):
@@ -78,11 +84,13 @@ class BodyLimitMiddleware:
             await body_too_large(limit).response()(scope, receive, send)
 
 
-async def _body_too_large(request, error: BodyTooLarge):  # a FastAPI exception handler
+async def _body_too_large(request: Request, error: BodyTooLarge) -> JSONResponse:  # a FastAPI exception handler
     return body_too_large(error.limit).response()
 
 
-def install_body_limit(app, max_body_bytes: int, path_caps: dict[str, int] | None = None) -> None:  # a FastAPI app
+def install_body_limit(
+    app: FastAPI, max_body_bytes: int, path_caps: dict[str, int] | None = None
+) -> None:  # a FastAPI app
     """Outermost of the app's own middleware, so it also covers what other middleware would read."""
     app.add_exception_handler(BodyTooLarge, _body_too_large)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, path_caps=path_caps)

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from engine.embeddings import BATCH_SIZE, EmbeddingModel
 class Job:
     model: EmbeddingModel
     token_ids: list[list[int]]
-    result: Future
+    result: Future[Any]
 
 
 class EncoderQueue:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from app.errors import invalid_request
 from app.serving.schemas import ChatMessage, Prompt
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> list[int]:
     conversation = [
         {"role": "system" if message.role == "developer" else message.role, "content": message.content or ""}
         for message in messages
@@ -18,7 +23,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompt_ids(tokenizer, prompt: Prompt, index: int, many: bool) -> list[int]:
+def completion_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, index: int, many: bool) -> list[int]:
     param = f"prompt.[{index}]" if many else "prompt"
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from app.errors import invalid_request
 from app.serving.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -39,12 +39,14 @@ class ModelSampling:
     defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def default_max_tokens(self, prompt_len: int, api_default: int | None = None) -> int:
-        """For a request without max_tokens: the model's default, else the API's, else until the
-        context is full; never past the context or the cap, as the request did not ask for it."""
+        """For a request without max_tokens: the smaller of the model's default and the API's (the legacy
+        completions API's 16 stays, as in vLLM), else until the context is full; never past the context
+        or the cap, as the request did not ask for it. A max_tokens the request sets is not capped here."""
         room = max(1, min(self.max_tokens_cap, self.max_model_len - prompt_len))
-        if "max_tokens" in self.defaults:
-            return min(int(self.defaults["max_tokens"]), room)
-        return room if api_default is None else api_default
+        if "max_tokens" not in self.defaults:
+            return room if api_default is None else api_default
+        model_default = min(int(self.defaults["max_tokens"]), room)
+        return model_default if api_default is None else min(model_default, api_default)
 
 
 def sampling_defaults(spec: ModelSpec, settings: Settings) -> dict[str, float | int]:
@@ -58,6 +60,7 @@ def sampling_defaults(spec: ModelSpec, settings: Settings) -> dict[str, float | 
 
 
 def chat_sampling_params(body: ChatCompletionRequest, prompt_len: int, model: ModelSampling) -> SamplingParams:
+    max_tokens: int | None
     if body.max_completion_tokens is not None:
         max_tokens, max_tokens_param = body.max_completion_tokens, "max_completion_tokens"
     else:
@@ -105,7 +108,7 @@ def _sampling_params(
         raise invalid_request("logit_bias keys must be token ids.", param="logit_bias") from None
     if any(token < 0 for token in logit_bias):  # a negative id would index the vocabulary from its end
         raise invalid_request("logit_bias keys must be non-negative token ids.", param="logit_bias")
-    fields = dict(
+    fields: dict[str, Any] = dict(  # checked by SamplingParams itself, each under its OpenAI name
         n=body.n,
         max_tokens=max_tokens,
         **defaulted(body, model.defaults),

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 
@@ -15,13 +15,16 @@ from app.errors import server_error
 from app.serving.tracker import EngineFailure, RequestTracker, rejection_error
 from engine.async_engine import EngineRejected
 
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
+
 log = logging.getLogger("tokenmill.streaming")
 
 SSE_DONE = "data: [DONE]\n\n"
 Item = TypeVar("Item")
 
 
-def sse(payload: dict) -> str:
+def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
@@ -31,11 +34,11 @@ class TrackedStreamingResponse(StreamingResponse):
     never start and their finally never runs, so the response finishes the tracker itself (a no-op
     when the events did) and closes the events, which aborts whatever they began in the engine."""
 
-    def __init__(self, events: AsyncIterator[str], tracker: RequestTracker, **options) -> None:
+    def __init__(self, events: AsyncIterator[str], tracker: RequestTracker, **options: Any) -> None:
         super().__init__(events, **options)
         self.tracker = tracker
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -84,7 +87,7 @@ async def finished_stream(
 
 async def merge(streams: list[AsyncIterator[Item]]) -> AsyncIterator[tuple[int, Item]]:
     """Items of several streams as they arrive, tagged with the stream's index; the first error wins."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
     end = object()
 
     async def pump(index: int, stream: AsyncIterator[Item]) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from engine.outputs import TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -24,7 +28,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 class TokenTexts:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
         self._added = set(tokenizer.added_tokens_decoder)
         self.special_ids = frozenset(tokenizer.all_special_ids)

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -122,7 +123,7 @@ class RequestTracker:
     def cached_tokens(self) -> int:
         return sum(cached for _, cached in self.prompt_tokens_by_request.values())
 
-    def usage(self) -> dict:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -239,7 +240,7 @@ async def engine_outputs(
 
 
 @asynccontextmanager
-async def abort_on_disconnect(request: Request, abort: Callable[[], None]):
+async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> AsyncIterator[None]:
     """For responses sent in one piece: the body is read, so the next ASGI message is the disconnect."""
 
     async def watch() -> None:

@@ -4,8 +4,10 @@ why."""
 
 from __future__ import annotations
 
+import re
 import time
 
+from app.registry.sampling_defaults import EMBEDDED_CHAT_DEFAULTS
 from tests.registry.test_registry import checkpoint
 from tests.registry.test_sampling_defaults import with_generation_config
 from tests.support.dashboard import bearer, chat
@@ -48,8 +50,17 @@ def test_the_models_page_shows_each_models_sampling_defaults(admin, tmp_path):
         page[page.index(f'data-model="{FAKE_MODEL}"') :],
         page[page.index('data-model="qwen-like"') :],
     )
-    assert embedded.index("temperature 0.2 · top_p 0.9") < embedded.index("</section>")  # the model card's
-    assert "temperature 0.6 · top_p 0.95 · top_k 20 · repetition_penalty 1.05 · max_tokens 256" in registered
+    pairs = re.compile(r'<span class="pair">([^<]*)</span>')
+    assert pairs.findall(embedded[: embedded.index("</section>")]) == [
+        f"{name} {value}" for name, value in EMBEDDED_CHAT_DEFAULTS.items()
+    ]
+    assert pairs.findall(registered[: registered.index("</section>")]) == [
+        "temperature 0.6",
+        "top_p 0.95",
+        "top_k 20",
+        "repetition_penalty 1.05",
+        "max_tokens 256",
+    ]
 
 
 def test_the_unload_button_stops_serving_the_model(admin):

@@ -1,5 +1,6 @@
 """Each model's own sampling defaults: a request that sets no sampling field gets the model's (the embedded
-SmolLM2: temperature 0.2, top_p 0.9, its model card's), not OpenAI's temperature 1.0; a value the request
+SmolLM2: greedy, top_p 0.9, frequency_penalty 0.5, max_tokens 256: bench/defaults_bench.py), not OpenAI's
+temperature 1.0; a value the request
 sets always wins. Seen where it counts: the SamplingParams the real engine receives. Defaults come from a
 checkpoint's generation_config.json, the admin API and the CLI; bad ones are a 400 naming the field; the
 migration gives existing rows none, except the embedded model's row."""
@@ -20,6 +21,7 @@ from app.db import alembic_config, make_engine, migrate, session_factory
 from app.gateway.config import GatewayConfig
 from app.gateway.service import TeamGateway
 from app.main import create_app
+from app.registry.sampling_defaults import EMBEDDED_CHAT_DEFAULTS
 from app.registry.store import RegistryStore
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
@@ -30,7 +32,8 @@ from tests.support import MODEL_CACHE
 from tests.support.gateway import ADMIN_KEY, admin_headers, serve_in_thread
 from tests.support.server import MODEL, running_server
 
-EMBEDDED_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+EMBEDDED_DEFAULTS = dict(EMBEDDED_CHAT_DEFAULTS)
+MODEL_CARD = {"temperature": 0.2, "top_p": 0.9}  # what migration 0008 gave an existing embedded row
 # The README's first request: no sampling field at all.
 README_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GENERATION_CONFIG = {
@@ -152,7 +155,7 @@ def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(d
             )
     migrate(engine)
     stored = {spec.name: spec.sampling_defaults for spec in RegistryStore(session_factory(engine)).all()}
-    assert stored == {"SmolLM2-135M-Instruct": EMBEDDED_DEFAULTS, "my-llama": {}, "all-MiniLM-L6-v2": {}}
+    assert stored == {"SmolLM2-135M-Instruct": MODEL_CARD, "my-llama": {}, "all-MiniLM-L6-v2": {}}
     engine.dispose()
 
 
@@ -235,7 +238,7 @@ def test_the_readme_request_gets_the_models_defaults_not_openais(server):
         for _ in range(10)
     ]
     received = server.spy.take()
-    assert [sampling(params) for params in received] == [(0.2, 0.9)] * 10  # before: (1.0, 1.0)
+    assert [sampling(params) for params in received] == [(0.0, 0.9)] * 10  # before: (1.0, 1.0), then (0.2, 0.9)
     assert all(answers)
 
 
@@ -244,7 +247,7 @@ def test_a_value_the_request_sets_wins_even_openais_default(server):
     server.client.chat.completions.create(model=MODEL, messages=README_QUESTION, temperature=1.0, max_tokens=4)
     server.client.chat.completions.create(model=MODEL, messages=README_QUESTION, top_p=1.0, max_tokens=4)
     greedy = server.client.chat.completions.create(model=MODEL, messages=README_QUESTION, temperature=0, max_tokens=12)
-    assert [sampling(params) for params in server.spy.take()] == [(1.0, 0.9), (0.2, 1.0), (0.0, 0.9)]
+    assert [sampling(params) for params in server.spy.take()] == [(1.0, 0.9), (0.0, 1.0), (0.0, 0.9)]
     assert greedy.choices[0].message.content == "The capital of France is Paris."
 
 
@@ -253,7 +256,7 @@ def test_completions_get_the_defaults_too(server):
     server.client.completions.create(model=MODEL, prompt="The capital of France is")
     server.client.completions.create(model=MODEL, prompt="The capital of France is", temperature=1.5)
     first, second = server.spy.take()
-    assert sampling(first) == (0.2, 0.9) and first.max_tokens == 16  # the legacy API's max_tokens still
+    assert sampling(first) == (0.0, 0.9) and first.max_tokens == 16  # the legacy API's max_tokens still
     assert sampling(second) == (1.5, 0.9)
 
 
@@ -263,7 +266,7 @@ def test_the_responses_api_gets_the_defaults_too(server):
     server.client.responses.create(
         model=MODEL, input="What is the capital of France?", max_output_tokens=16, temperature=1.0, store=False
     )
-    assert [sampling(params) for params in server.spy.take()] == [(0.2, 0.9), (1.0, 0.9)]
+    assert [sampling(params) for params in server.spy.take()] == [(0.0, 0.9), (1.0, 0.9)]
 
 
 def test_the_servers_default_temperature_goes_over_the_models(smollm2):
@@ -274,7 +277,10 @@ def test_the_servers_default_temperature_goes_over_the_models(smollm2):
         client.chat.completions.create(model=MODEL, messages=README_QUESTION, max_tokens=2, temperature=0.5)
         assert [sampling(params) for params in spy.take()] == [(0.0, 0.9), (0.5, 0.9)]
         assert answer.choices[0].message.content == "The capital of France is Paris."
-        assert client.models.retrieve(MODEL).model_extra["sampling_defaults"] == {"temperature": 0.0, "top_p": 0.9}
+        assert client.models.retrieve(MODEL).model_extra["sampling_defaults"] == {
+            **EMBEDDED_DEFAULTS,
+            "temperature": 0.0,
+        }
 
 
 def test_v1_models_lists_the_defaults(server):
@@ -286,7 +292,12 @@ def test_v1_models_lists_the_defaults(server):
 def test_an_admins_change_applies_to_the_next_request(server, embedded_defaults_after):
     changed = server.set_defaults({"temperature": 0.7, "top_k": 40, "max_tokens": 5})
     assert changed.status_code == 200, changed.text
-    assert changed.json()["sampling_defaults"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_tokens": 5}
+    assert changed.json()["sampling_defaults"] == {
+        **EMBEDDED_DEFAULTS,
+        "temperature": 0.7,
+        "top_k": 40,
+        "max_tokens": 5,
+    }
     server.spy.take()
     chat = server.client.chat.completions.create(model=MODEL, messages=README_QUESTION)
     server.client.completions.create(model=MODEL, prompt="Once upon a time")
@@ -296,6 +307,7 @@ def test_an_admins_change_applies_to_the_next_request(server, embedded_defaults_
     assert chat.usage.completion_tokens <= 5
     assert server.set_defaults({"temperature": None}).json()["sampling_defaults"] == {
         "top_p": 0.9,
+        "frequency_penalty": 0.5,
         "top_k": 40,
         "max_tokens": 5,
     }
@@ -331,7 +343,11 @@ def test_the_cli_sets_and_drops_a_default(server, embedded_defaults_after, tmp_p
         tokenmill(["models", "update", MODEL, "--default", "temperature=0.4", "--default", "top_p=none", *common]) == 0
     )
     assert "temperature=0.4" in capsys.readouterr().out
-    assert server.client.models.retrieve(MODEL).model_extra["sampling_defaults"] == {"temperature": 0.4}
+    assert server.client.models.retrieve(MODEL).model_extra["sampling_defaults"] == {
+        "temperature": 0.4,
+        "frequency_penalty": 0.5,
+        "max_tokens": 256,
+    }
     assert tokenmill(["models", "update", MODEL, "--default", "temperature=-1", *common]) == 1
     assert "sampling_defaults.temperature" in capsys.readouterr().err
 

@@ -22,7 +22,7 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def normalize_input(raw: str | list[Any], earlier: list[dict]) -> list[dict]:
+def normalize_input(raw: str | list[Any], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's `input` as stored items; 400 for anything malformed or that we cannot run. `earlier`:
     the items of the conversation so far (through previous_response_id), for call ids."""
     if isinstance(raw, str):
@@ -43,7 +43,7 @@ def normalize_input(raw: str | list[Any], earlier: list[dict]) -> list[dict]:
     return items
 
 
-def _normalize_item(entry: Any, param: str) -> dict:
+def _normalize_item(entry: Any, param: str) -> dict[str, Any]:
     if not isinstance(entry, dict):
         raise invalid_request("Each input item must be an object.", param=param)
     kind = entry.get("type", "message" if "role" in entry else None)
@@ -84,7 +84,7 @@ def _normalize_item(entry: Any, param: str) -> dict:
     )
 
 
-def _normalize_message(entry: dict, param: str) -> dict:
+def _normalize_message(entry: dict[str, Any], param: str) -> dict[str, Any]:
     role = entry.get("role")
     if role not in ROLES:
         raise invalid_request(
@@ -123,7 +123,7 @@ def _texts(parts: Any, kinds: tuple[str, ...], param: str) -> list[str]:
     return texts
 
 
-def _message(role: str, content: list[dict], given_id: Any) -> dict:
+def _message(role: str, content: list[dict[str, Any]], given_id: Any) -> dict[str, Any]:
     return {
         "id": given_id if isinstance(given_id, str) and given_id else new_item_id("msg"),
         "type": "message",
@@ -133,16 +133,16 @@ def _message(role: str, content: list[dict], given_id: Any) -> dict:
     }
 
 
-def _given_id(entry: dict, prefix: str) -> str:
+def _given_id(entry: dict[str, Any], prefix: str) -> str:
     given = entry.get("id")
     return given if isinstance(given, str) and given else new_item_id(prefix)
 
 
-def message_text(item: dict) -> str:
+def message_text(item: dict[str, Any]) -> str:
     return "\n".join(part.get("text") or part.get("refusal") or "" for part in item["content"])
 
 
-def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessage]:
+def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list[ChatMessage]:
     """The conversation as chat messages: instructions first (as a system turn), an assistant message and
     the calls after it as one assistant turn, each call output as a tool turn."""
     messages: list[ChatMessage] = []
@@ -167,7 +167,7 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[ChatMessa
     return messages
 
 
-def output_items(message: dict, status: str) -> list[dict]:
+def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
     """A chat message the model produced (app.structured's shape) as output items: the text, if any, as
     a message, then one function_call item per call."""
     items = []
@@ -179,7 +179,7 @@ def output_items(message: dict, status: str) -> list[dict]:
     return items
 
 
-def output_message(text: str, status: str, item_id: str | None = None) -> dict:
+def output_message(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
     return {
         "id": item_id or new_item_id("msg"),
         "type": "message",
@@ -191,7 +191,7 @@ def output_message(text: str, status: str, item_id: str | None = None) -> dict:
 
 def function_call_item(
     call_id: str, name: str, arguments: str, item_id: str | None = None, status: str = "completed"
-) -> dict:
+) -> dict[str, Any]:
     return {
         "id": item_id or new_item_id("fc"),
         "type": "function_call",

@@ -27,12 +27,12 @@ class ResponseHeader:
     def response(
         self,
         status: str,
-        output: list[dict],
-        usage: dict | None = None,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
         *,
-        error: dict | None = None,
+        error: dict[str, Any] | None = None,
         incomplete_reason: str | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         body = self.body
         finished = status in ("completed", "incomplete", "failed")
         return {
@@ -67,7 +67,7 @@ class ResponseHeader:
         }
 
 
-def response_usage(chat_usage: dict) -> dict:
+def response_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     """The tracker's chat-shaped usage in the Responses API's names."""
     return {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -96,17 +96,17 @@ class ResponseEvents:
         self.header = header
         self.obfuscate = obfuscate
         self.sequence_number = 0
-        self.output: list[dict] = []
-        self._open_message: dict | None = None
+        self.output: list[dict[str, Any]] = []
+        self._open_message: dict[str, Any] | None = None
         self._text_parts: list[str] = []
-        self._open_calls: dict[int, dict] = {}  # the chat stream's call index -> its output item
+        self._open_calls: dict[int, dict[str, Any]] = {}  # the chat stream's call index -> its output item
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, **fields, "sequence_number": self.sequence_number}
         self.sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    def _delta_extras(self) -> dict:
+    def _delta_extras(self) -> dict[str, Any]:
         # A random-length pad on deltas, as OpenAI sends, so sizes on the wire do not give the text away.
         return {"obfuscation": secrets.token_urlsafe(secrets.randbelow(12) + 1)} if self.obfuscate else {}
 
@@ -117,7 +117,7 @@ class ResponseEvents:
             self.event("response.in_progress", response=response),
         ]
 
-    def feed(self, delta: dict) -> list[str]:
+    def feed(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
         if delta.get("content"):
             events += self._text(delta["content"])
@@ -184,7 +184,7 @@ class ResponseEvents:
             self.event("response.output_item.done", output_index=index, item=message),
         ]
 
-    def _call_piece(self, piece: dict) -> list[str]:
+    def _call_piece(self, piece: dict[str, Any]) -> list[str]:
         events = []
         function = piece.get("function") or {}
         if piece["index"] not in self._open_calls:

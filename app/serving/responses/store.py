@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, select
+from sqlalchemy import CursorResult, Select, delete, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -27,11 +27,11 @@ PRUNE_EVERY_S = 60.0  # expired rows are removed at most this often, by the next
 
 @dataclass(frozen=True)
 class Stored:
-    response: dict
-    input_items: list[dict]
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
 
     @property
-    def conversation(self) -> list[dict]:
+    def conversation(self) -> list[dict[str, Any]]:
         """What a follow-up (previous_response_id) continues: the input, then the output."""
         return [*self.input_items, *self.response["output"]]
 
@@ -49,7 +49,7 @@ class SqlResponseStore:
         self.clock = clock
         self._pruned_at = float("-inf")
 
-    def save(self, team_id: int | None, response: dict, input_items: list[dict]) -> None:
+    def save(self, team_id: int | None, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         now = self.clock()
         with self.sessions.begin() as session:  # the response and all its items, or nothing
             session.add(
@@ -104,7 +104,7 @@ class SqlResponseStore:
             removed = session.execute(delete(StoredResponse).where(StoredResponse.expires_at <= _naive_utc(now)))
             return cast(CursorResult[Any], removed).rowcount  # a DELETE's result is a CursorResult
 
-    def _owned(self, query, response_id: str, team_id: int | None):
+    def _owned(self, query: Select[Any], response_id: str, team_id: int | None) -> Select[Any]:
         team = StoredResponse.team_id.is_(None) if team_id is None else StoredResponse.team_id == team_id
         return query.where(StoredResponse.id == response_id, team, StoredResponse.expires_at > _naive_utc(self.clock()))
 
@@ -119,7 +119,7 @@ class MemoryResponseStore:
         self._lock = threading.RLock()  # delete() reads under the lock it holds
         self._entries: OrderedDict[str, tuple[int | None, float, Stored]] = OrderedDict()
 
-    def save(self, team_id: int | None, response: dict, input_items: list[dict]) -> None:
+    def save(self, team_id: int | None, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         with self._lock:
             self._entries[response["id"]] = (team_id, self.clock() + self.retention_s, Stored(response, input_items))
             while len(self._entries) > self.capacity:

@@ -13,11 +13,15 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("tokenmill.structured")
 
@@ -31,7 +35,7 @@ class GrammarError(ValueError):
     """The schema or grammar cannot be enforced; the message says why (it goes to the client)."""
 
 
-def json_schema_grammar(schema: dict, *, lenient: bool = False) -> str:
+def json_schema_grammar(schema: dict[str, Any], *, lenient: bool = False) -> str:
     """The llguidance grammar for a JSON schema. Lenient: unsupported keywords are ignored, not refused."""
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_LAYOUT, "lenient": lenient})
@@ -39,14 +43,14 @@ def json_schema_grammar(schema: dict, *, lenient: bool = False) -> str:
         raise GrammarError(str(error)) from None
 
 
-def check_json_schema(schema: dict) -> None:
+def check_json_schema(schema: dict[str, Any]) -> None:
     """GrammarError unless the schema can be enforced as written."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(json_schema_grammar(schema))
     if is_error:
         raise GrammarError("; ".join(messages))
 
 
-def json_schema_lark(schema: dict) -> str:
+def json_schema_lark(schema: dict[str, Any]) -> str:
     """A JSON schema as a Lark nonterminal body, with our layout (for grammars that embed JSON)."""
     return "%json " + json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_LAYOUT}})
 
@@ -54,7 +58,7 @@ def json_schema_lark(schema: dict) -> str:
 class GrammarCompiler:
     """Per tokenizer: the llguidance tokenizer (built once, ~1.5 s) and an LRU of compiled grammars."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._hf_tokenizer = tokenizer
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, GrammarGuideFactory] = OrderedDict()
@@ -94,11 +98,11 @@ class GrammarCompiler:
         return factory
 
 
-_compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compilers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(tokenizer) -> GrammarCompiler:
+def compiler_for(tokenizer: PreTrainedTokenizerBase) -> GrammarCompiler:
     with _compilers_lock:
         compiler = _compilers.get(tokenizer)
         if compiler is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from app.errors import invalid_request
 from app.serving.prompts import chat_prompt_ids
@@ -24,6 +25,11 @@ from app.serving.structured.tools import (
 )
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from app.serving.schemas import ChatCompletionRequest, ChatMessage
+
 
 @dataclass(frozen=True)
 class StructuredPlan:
@@ -36,7 +42,7 @@ class StructuredPlan:
     def parses_calls(self) -> bool:
         return bool(self.shown_tools)
 
-    def prompt_ids(self, tokenizer, messages) -> list[int]:
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> list[int]:
         if not (self.shown_tools or self.tool_history):
             return chat_prompt_ids(tokenizer, messages)
         turns = conversation(messages, self.shown_tools, self.native_tools)
@@ -54,7 +60,7 @@ class StructuredPlan:
             return params
         return dataclasses.replace(params, guide_factory=self.guide_factory)
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         if not self.parses_calls:
             return {"role": "assistant", "content": text, "refusal": None}, finish_reason
         return parse_message(text, finish_reason)
@@ -71,7 +77,7 @@ class ChoiceStreams:
 
     def pieces(
         self, index: int, text: str, finish_reason: str | None, has_logprobs: bool
-    ) -> list[tuple[dict, str | None]]:
+    ) -> list[tuple[dict[str, Any], str | None]]:
         """(delta, finish_reason) pairs; the finish reason rides on the last one."""
         if self._parsers is None:
             deltas = [{"content": text}] if text else []
@@ -87,13 +93,13 @@ class ChoiceStreams:
         return [(delta, None) for delta in deltas[:-1]] + [(deltas[-1], finish_reason)]
 
 
-def prepare_chat(tokenizer, body) -> tuple[StructuredPlan, list[int]]:
+def prepare_chat(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> tuple[StructuredPlan, list[int]]:
     """The plan and the prompt's token ids. Blocking: run it off the event loop."""
     plan = plan_request(tokenizer, body)
     return plan, plan.prompt_ids(tokenizer, body.messages)
 
 
-def plan_request(tokenizer, body) -> StructuredPlan:
+def plan_request(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest) -> StructuredPlan:
     """Reads `response_format`, `tools`, `tool_choice` and `parallel_tool_calls`, and compiles the grammar
     (cached per grammar). Blocking (the first compile builds the tokenizer's tables): run it off the loop."""
     schema = response_schema(body.response_format)
@@ -116,7 +122,7 @@ def plan_request(tokenizer, body) -> StructuredPlan:
     )
 
 
-def _compile(tokenizer, grammar: Callable[[], str], param: str):
+def _compile(tokenizer: PreTrainedTokenizerBase, grammar: Callable[[], str], param: str):
     try:
         return compiler_for(tokenizer).compile(grammar())
     except GrammarError as error:

@@ -9,10 +9,10 @@ from app.errors import invalid_request
 
 PARAM = "response_format"
 SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-ANY_OBJECT: dict = {"type": "object"}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def response_schema(response_format: dict[str, Any] | None) -> dict | None:
+def response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
     """`json_object`: any JSON object; `json_schema`: the given schema, enforced whether or not `strict`
     is set (a schema we cannot enforce is refused, never loosened)."""
     if response_format is None:

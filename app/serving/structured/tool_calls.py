@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.serving.structured.tools import CALL_OPEN
 
@@ -61,21 +62,21 @@ class ToolCallParser:
     def announced_calls(self) -> bool:
         return any(call.announced for call in self.calls)
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str) -> list[dict[str, Any]]:
         if not self._in_calls:
             return self._feed_text(text)
         self._text += text
         self._scan()
         return self._call_deltas()
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[dict[str, Any]]:
         if self._in_calls or not self._held:
             return []
         held, self._held = self._held, ""
         self.content += held
         return [{"content": held}]
 
-    def _feed_text(self, text: str) -> list[dict]:
+    def _feed_text(self, text: str) -> list[dict[str, Any]]:
         pending = self._held + text
         tag_at = pending.find(CALL_OPEN)
         if tag_at >= 0:
@@ -150,7 +151,7 @@ class ToolCallParser:
         if self._key == "arguments" and call.arguments_start is not None and call.arguments_end is None:
             call.arguments_end = len(self._text[:index].rstrip())
 
-    def _call_deltas(self) -> list[dict]:
+    def _call_deltas(self) -> list[dict[str, Any]]:
         pieces = []
         for index, call in enumerate(self.calls):
             if call.name is None:
@@ -188,7 +189,7 @@ def _tag_prefix_length(text: str) -> int:
     return 0
 
 
-def parse_message(text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+def parse_message(text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
     """A whole choice: (message, finish_reason). Text that is not well-formed calls stays content."""
     parser = ToolCallParser()
     parser.feed(text)
@@ -196,7 +197,7 @@ def parse_message(text: str, finish_reason: str | None) -> tuple[dict, str | Non
     calls = parser.complete_calls
     if not parser.well_formed and not calls:
         return {"role": "assistant", "content": text, "refusal": None}, finish_reason
-    message: dict = {
+    message: dict[str, Any] = {
         "role": "assistant",
         "content": parser.content if parser.content.strip() or not calls else None,
         "refusal": None,

@@ -15,14 +15,21 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.errors import invalid_request
 from app.serving.structured.guides import GrammarError, check_json_schema, json_schema_lark
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from transformers import PreTrainedTokenizerBase
+
+    from app.serving.schemas import ChatMessage
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-NO_PARAMETERS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 TOOLS_PROMPT = """You are an expert in composing functions. You are given a question and a set of possible functions.
 Based on the question, you will need to make one or more function/tool calls to achieve the purpose.
@@ -42,10 +49,10 @@ The example format is as follows. Please make sure the parameter type is correct
 class Tool:
     name: str
     description: str | None
-    parameters: dict
+    parameters: dict[str, Any]
     strict: bool
 
-    def openai(self) -> dict:
+    def openai(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
@@ -113,7 +120,7 @@ def parse_tool_choice(tool_choice: str | dict[str, Any] | None, tools: list[Tool
     )
 
 
-def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict:
+def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict[str, Any]:
     offered = [tool for tool in tools if choice.mode != "function" or tool.name == choice.name]
     variants = [
         {
@@ -132,7 +139,7 @@ def calls_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict:
     return schema
 
 
-def tools_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool, answer_schema: dict | None) -> str:
+def tools_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool, answer_schema: dict[str, Any] | None) -> str:
     """The Lark grammar for a request with tools (choice is not 'none'). `answer_schema`: what a reply
     that is not a call must be (response_format), else free text."""
     schema = calls_schema(tools, choice, parallel)
@@ -152,7 +159,7 @@ def tools_grammar(tools: list[Tool], choice: ToolChoice, parallel: bool, answer_
     )
 
 
-def template_knows_tools(tokenizer) -> bool:
+def template_knows_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
@@ -160,7 +167,7 @@ def _text(content: str | None) -> str:
     return content or ""
 
 
-def _calls_text(tool_calls: list[dict]) -> str:
+def _calls_text(tool_calls: list[dict[str, Any]]) -> str:
     calls = [
         {"name": call["function"]["name"], "arguments": _parsed_arguments(call["function"].get("arguments"))}
         for call in tool_calls
@@ -168,7 +175,7 @@ def _calls_text(tool_calls: list[dict]) -> str:
     return f"{CALL_OPEN}{json.dumps(calls, ensure_ascii=False)}{CALL_CLOSE}"
 
 
-def check_tool_calls(messages) -> None:
+def check_tool_calls(messages: Sequence[ChatMessage]) -> None:
     """Assistant turns' `tool_calls` and tool turns' `tool_call_id`, in OpenAI's shape."""
     for index, message in enumerate(messages):
         if message.role == "tool" and not message.tool_call_id:
@@ -192,12 +199,12 @@ def check_tool_calls(messages) -> None:
             )
 
 
-def conversation(messages, tools: list[Tool], native: bool) -> list[dict]:
+def conversation(messages: Sequence[ChatMessage], tools: list[Tool], native: bool) -> list[dict[str, Any]]:
     """The messages as the chat template gets them. `tools`: the tools the prompt shows (none when the
     choice is 'none'). `native`: the template renders tools, tool turns and calls itself."""
     if native:
         return [_native_message(message) for message in messages]
-    turns: list[dict] = []
+    turns: list[dict[str, Any]] = []
     for message in messages:
         role = "system" if message.role == "developer" else message.role
         if role == "tool":
@@ -217,7 +224,7 @@ def conversation(messages, tools: list[Tool], native: bool) -> list[dict]:
     return turns
 
 
-def _native_message(message) -> dict:
+def _native_message(message: ChatMessage) -> dict[str, Any]:
     turn: dict[str, Any] = {
         "role": "system" if message.role == "developer" else message.role,
         "content": _text(message.content),
