@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -12,6 +13,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
+from engine.lora import AdapterManifest, AdapterPool, LoraDims
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -75,6 +77,14 @@ class LLMEngine:
             config, self.max_model_len, loaded.model.has_fused_decode(config, self.runner.kv_dtype)
         )
         self.groups: dict[str, RequestGroup] = {}
+        self.adapters = AdapterPool(
+            LoraDims.of_model(loaded.model), loaded.model.dtype, config.max_loras, config.max_lora_rank
+        )
+        self.runner.adapters = self.adapters
+        # Requests whose adapter waits for a resident slot (every slot held by running requests), in arrival
+        # order; and the requests that hold their adapter resident until they finish.
+        self.waiting_for_adapter: deque[Request] = deque()
+        self.holding_adapter: set[str] = set()
         self.stats = EngineStats(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -111,18 +121,62 @@ class LLMEngine:
         if capacity and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineRejected("queue_full", "the server is at capacity; retry shortly")
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def register_adapter(self, name: str, path: str) -> AdapterManifest:
+        """Checks the PEFT folder against this base model and makes `name` usable (loaded on first use).
+        Raises AdapterError naming the mismatch."""
+        manifest = self.adapters.check(path)
+        self.adapters.register(name, manifest)
+        return manifest
+
+    def unregister_adapter(self, name: str) -> None:
+        self.adapters.unregister(name)
+
+    def _admit_waiting_for_adapter(self) -> None:
+        while self.waiting_for_adapter:
+            parent = self.waiting_for_adapter[0]
+            assert parent.adapter is not None
+            if not self.adapters.try_acquire(parent.adapter.name):
+                return
+            self.waiting_for_adapter.popleft()
+            self.holding_adapter.add(parent.request_id)
+            self.scheduler.add(parent)
+
+    def _release_adapter(self, group: RequestGroup) -> None:
+        parent = group.sequences[0]
+        if parent.adapter is None:
+            return
+        if group.request_id in self.holding_adapter:
+            self.holding_adapter.discard(group.request_id)
+            self.adapters.release(parent.adapter.name)
+        elif parent in self.waiting_for_adapter:
+            self.waiting_for_adapter.remove(parent)
+
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tenancy: Tenancy = DEFAULT_TENANCY
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenancy: Tenancy = DEFAULT_TENANCY,
+        adapter: str | None = None,
     ) -> None:
+        """`adapter`: the name of a registered LoRA adapter to run the request under (None: the base model)."""
         if request_id in self.groups:
             raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
+        adapter_ref = None
+        if adapter is not None:
+            try:
+                adapter_ref = self.adapters.ref(adapter)
+            except KeyError:
+                raise EngineRejected("model_not_found", f"adapter {adapter!r} is not registered", "model") from None
         # Capacity was checked where the request came in: one already accepted there is not turned
         # away here, after its caller may have started answering.
         self.check_request(prompt_token_ids, params, capacity=False)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         sequences = [
-            Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy) for index in range(params.n)
+            Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy, adapter=adapter_ref)
+            for index in range(params.n)
         ]
         parent = sequences[0]
         parent.siblings = sequences[1:]
@@ -134,7 +188,11 @@ class LLMEngine:
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in sequences],
             len(prompt_token_ids),
         )
-        self.scheduler.add(parent)
+        if adapter_ref is not None:
+            self.waiting_for_adapter.append(parent)
+            self._admit_waiting_for_adapter()
+        else:
+            self.scheduler.add(parent)
         self.stats.prompt_tokens_total += len(prompt_token_ids)
         self.stats.refresh(self.scheduler, self.blocks)
 
@@ -142,11 +200,14 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        # still waiting for its adapter: it never reached the scheduler
+        unscheduled = group.sequences[0] in self.waiting_for_adapter
+        self._release_adapter(group)
         deltas = []
         for seq, detok in zip(group.sequences, group.detokenizers):
             if seq.is_finished:
                 continue
-            if seq.fork_parent is not None:  # never joined the batch
+            if seq.fork_parent is not None or unscheduled:  # never joined the batch
                 seq.fork_parent = None
                 seq.status = RequestStatus.FINISHED_ABORTED
             else:
@@ -167,6 +228,7 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self._admit_waiting_for_adapter()
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty():
@@ -352,6 +414,7 @@ class LLMEngine:
             group = self.groups[request_id]
             output = self._output(group, deltas, errors.get(request_id))
             if output.finished:
+                self._release_adapter(group)
                 del self.groups[request_id]
             outputs.append(output)
         return outputs
