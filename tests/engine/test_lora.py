@@ -102,11 +102,13 @@ def lora_engine(loaded, adapter_dirs, **settings) -> LLMEngine:
     return engine
 
 
-def run_mixed(engine: LLMEngine, jobs: list[tuple[str | None, list[int]]]) -> list[list[int]]:
+def run_mixed(
+    engine: LLMEngine, jobs: list[tuple[str | None, list[int]]], params: SamplingParams = GREEDY
+) -> list[list[int]]:
     """All jobs (adapter, prompt) submitted at once, stepped to the end; each job's output tokens."""
     results: list[list[int]] = [[] for _ in jobs]
     for number, (adapter, prompt) in enumerate(jobs):
-        engine.add_request(f"r{number}", prompt, GREEDY, adapter=adapter)
+        engine.add_request(f"r{number}", prompt, params, adapter=adapter)
     for _ in range(10_000):
         if not engine.has_unfinished:
             break
