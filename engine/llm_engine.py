@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
 from engine.lora import AdapterManifest, AdapterPool, LoraDims
+from engine.lora_stats import AdapterUsage
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -85,6 +86,7 @@ class LLMEngine:
         # order; and the requests that hold their adapter resident until they finish.
         self.waiting_for_adapter: deque[Request] = deque()
         self.holding_adapter: set[str] = set()
+        self.adapter_usage = AdapterUsage()
         self.stats = EngineStats(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -131,6 +133,21 @@ class LLMEngine:
 
     def unregister_adapter(self, name: str) -> None:
         self.adapters.unregister(name)
+
+    def _refresh_adapter_stats(self) -> None:
+        if not self.adapters.registered and not self.stats.adapters:
+            return
+        scheduler = self.scheduler
+        pool = self.adapters
+        self.stats.adapters = self.adapter_usage.snapshot(
+            [*scheduler.running, *scheduler.swapped],
+            [*scheduler.waiting, *self.waiting_for_adapter],
+            list(pool.resident),
+        )
+        self.stats.lora_loads_total = pool.stats.loads
+        self.stats.lora_evictions_total = pool.stats.evictions
+        self.stats.lora_load_seconds_total = pool.stats.load_seconds_total
+        self.stats.lora_resident_bytes = pool.resident_nbytes
 
     def _admit_waiting_for_adapter(self) -> None:
         while self.waiting_for_adapter:
@@ -191,10 +208,12 @@ class LLMEngine:
         if adapter_ref is not None:
             self.waiting_for_adapter.append(parent)
             self._admit_waiting_for_adapter()
+            self.adapter_usage.charge(adapter_ref.name, tenancy.team, prompt_tokens=len(prompt_token_ids))
         else:
             self.scheduler.add(parent)
         self.stats.prompt_tokens_total += len(prompt_token_ids)
         self.stats.refresh(self.scheduler, self.blocks)
+        self._refresh_adapter_stats()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.pop(request_id, None)
@@ -214,6 +233,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
             deltas.append(SequenceDelta(seq.index, detok.flush(), [], None, "abort"))
         self.stats.refresh(self.scheduler, self.blocks)
+        self._refresh_adapter_stats()
         return self._output(group, deltas)
 
     def cached_prefix_digest(self) -> frozenset[bytes]:
@@ -260,6 +280,7 @@ class LLMEngine:
                 self._sample(logits, samplers, pending)
         outputs = self._collect(pending, failed)
         self.stats.record_step(batch, time.perf_counter() - started, self.scheduler, self.blocks)
+        self._refresh_adapter_stats()
         return outputs
 
     def _sample(self, logits: torch.Tensor, samplers: list[Request], pending: dict[Request, _Pending]) -> None:
@@ -389,6 +410,8 @@ class LLMEngine:
             self.stats.generation_tokens_total += len(entry.token_ids)
             # the fair-share charge for what each team was actually served, before a finish lets it go
             self.scheduler.ledger.charge(seq.team, output_tokens=len(entry.token_ids))
+            if seq.adapter is not None:
+                self.adapter_usage.charge(seq.adapter.name, seq.team, output_tokens=len(entry.token_ids))
             if status is not None:
                 self.scheduler.finish(seq, status)
             by_group.setdefault(seq.request_id, []).append(

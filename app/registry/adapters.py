@@ -7,6 +7,7 @@ its ServedModel's engine is an `AdapterEngine`, the base's engine with every req
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
@@ -15,8 +16,10 @@ from app.registry.spec import ModelSpec, RegistryError, check_name
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.lora import AdapterError, AdapterManifest
+from engine.lora_stats import AdapterStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
 ARCHITECTURE = "lora"
@@ -43,6 +46,24 @@ class AdapterEngine:
     ) -> AsyncIterator[RequestOutput]:
         async for output in self.base.generate(request_id, prompt_token_ids, params, tenancy, adapter=self.adapter):
             yield output
+
+    def stats(self) -> EngineStats:
+        """The engine's stats with the adapter's own sequences, tokens and team shares in place of the whole
+        engine's (the KV pool and batch occupancy stay the engine's: the adapter shares them)."""
+        stats = self.base.stats()
+        own = stats.adapters.get(self.adapter) or AdapterStats()
+        return dataclasses.replace(
+            stats,
+            num_running=own.running,
+            num_waiting=own.waiting,
+            num_swapped=0,
+            num_running_background=0,
+            prompt_tokens_total=own.prompt_tokens_total,
+            generation_tokens_total=own.generation_tokens_total,
+            generation_tokens_background_total=0,
+            teams=own.teams,
+            adapters={},
+        )
 
     def shutdown(self) -> None:
         """Unloading an adapter forgets it on the base's engine (which keeps serving its base model)."""

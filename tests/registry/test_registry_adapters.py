@@ -108,6 +108,14 @@ def test_an_adapter_is_a_model_of_its_own_served_in_the_base_batches(server, ada
         rows = wait_for_usage(server, "ft-a", 2)
         assert all(row.completion_tokens == 8 for row in rows)
         assert rows[0].cost_nano_usd == round((rows[0].prompt_tokens * 2.0 + 8 * 10.0) / 1e6 * 1e9) > 0
+        # the dashboard's overview has the adapter as a model, with its own tokens and the team's share of it
+        sampler = server.app.state.dashboard.sampler
+        sampler.sample()  # now, not at its next tick
+        live = {m["current"]["name"]: m["current"] for m in sampler.live()["models"]}
+        adapter_now, base_now = live["ft-a"], live[base]
+        [share] = adapter_now["teams"]
+        assert share["tokens_last_minute"] == 2 * (rows[0].prompt_tokens + 8)
+        assert base_now["teams"][0]["tokens_last_minute"] > share["tokens_last_minute"]  # the engine's whole share
         # a team may be given the adapter and not the base
         adapter_only = server.key(allowed_models=["ft-b"])
         assert [card.id for card in server.client(adapter_only).models.list()] == ["ft-b"]
