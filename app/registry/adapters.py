@@ -118,8 +118,15 @@ def new_adapter_spec(
 
 def adapter_changes_refused(spec: ModelSpec, changes: Mapping[str, Any]) -> None:
     """An adapter's weights and engine are fixed at registration: remove and register it again to change them."""
+    current: dict[str, Any] = {
+        "path": spec.source,
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+        "engine_settings": {},
+    }
     for field in ("path", *BASE_ONLY_FIELDS):
-        if changes.get(field) is not None:
+        value = changes.get(field)
+        if value is not None and value != current[field] and str(value) != str(current[field]):
             raise RegistryError(
                 f"{field} of adapter {spec.name!r} cannot change; remove it and register it again.", param=field
             )

@@ -198,3 +198,27 @@ def test_the_cli_registers_an_adapter(server, adapters, capsys):
         )
     finally:
         httpx.delete(f"{server.url}/admin/api/models/cli-ft", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+
+
+def test_the_models_page_registers_an_adapter_and_shows_its_base(server, adapters):
+    from tests.support.dashboard import DashboardClient
+
+    base = base_name(server)
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        page = DashboardClient(client=http, gateway=server.gateway, app=server.app)  # type: ignore[arg-type]
+        page.log_in()
+
+        def submit(**fields: str) -> httpx.Response:  # a form field is named `path`: no page.post(path, ...)
+            return http.post("/admin/models", data={"csrf_token": page.csrf, "kind": "chat", **fields})
+
+        response = submit(name="page-ft", path=str(adapters["ft-b"]), adapter_of=base, load="on")
+        assert response.status_code == 303, response.text
+        try:
+            html = http.get("/admin/models").text
+            card = html[html.index('data-model="page-ft"') :]
+            assert f'LoRA adapter of <a href="#{base}" data-field="adapter_of">{base}</a>' in card[:2000]
+            assert server.state("page-ft") == "loaded"
+            wrong = submit(name="page-bad", path="/no/such", adapter_of=base)
+            assert wrong.status_code == 400 and "not a folder" in wrong.text
+        finally:
+            server.admin("DELETE", "/models/page-ft")
