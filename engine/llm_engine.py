@@ -13,7 +13,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
-from engine.lora import AdapterManifest, AdapterPool, LoraDims
+from engine.lora import AdapterError, AdapterManifest, AdapterPool, LoraDims
 from engine.lora_stats import AdapterUsage
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.request import Request, RequestStatus
@@ -128,11 +128,20 @@ class LLMEngine:
         """Checks the PEFT folder against this base model and makes `name` usable (loaded on first use).
         Raises AdapterError naming the mismatch."""
         manifest = self.adapters.check(path)
+        old = self.adapters.registered.get(name)
+        if old is not None and old.fingerprint != manifest.fingerprint:
+            self._refuse_while_waiting(name)
         self.adapters.register(name, manifest)
         return manifest
 
     def unregister_adapter(self, name: str) -> None:
+        self._refuse_while_waiting(name)
         self.adapters.unregister(name)
+
+    def _refuse_while_waiting(self, name: str) -> None:
+        """Requests waiting for a slot hold their adapter as much as running ones do (the pool refuses those)."""
+        if any(r.adapter is not None and r.adapter.name == name for r in list(self.waiting_for_adapter)):
+            raise AdapterError(f"adapter {name!r} is in use by waiting requests")
 
     def _refresh_adapter_stats(self) -> None:
         if not self.adapters.registered and not self.stats.adapters:

@@ -234,3 +234,23 @@ def test_unknown_adapter_and_wrong_base_are_refused(tiny, tiny_llama_dir, tmp_pa
     get_peft_model(hf, LoraConfig(r=128, target_modules=["v_proj"], init_lora_weights=False)).save_pretrained(wide)
     with pytest.raises(AdapterError, match="rank 128"):
         engine.register_adapter("wide", str(wide))
+
+
+def test_an_adapter_in_use_cannot_be_removed_or_replaced(tiny, adapter_dirs):
+    engine = lora_engine(tiny, adapter_dirs, num_kv_blocks=64, max_loras=1)
+    prompt = chat_prompt(tiny.tokenizer, QUESTIONS[0])
+    engine.add_request("a", prompt, GREEDY, adapter="team-a")  # holds the one slot
+    engine.add_request("b", prompt, GREEDY, adapter="team-b")  # waits for it
+    assert [r.request_id for r in engine.waiting_for_adapter] == ["b"]
+    for name in ("team-a", "team-b"):
+        with pytest.raises(AdapterError, match="in use"):
+            engine.unregister_adapter(name)
+        with pytest.raises(AdapterError, match="in use"):
+            engine.register_adapter(name, str(adapter_dirs["team-c"]))
+    engine.abort("b")
+    assert not engine.waiting_for_adapter
+    engine.unregister_adapter("team-b")
+    while engine.has_unfinished:  # "a" to its end
+        engine.step()
+    assert engine.adapters.users == {}
+    engine.unregister_adapter("team-a")
