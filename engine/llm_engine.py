@@ -79,7 +79,11 @@ class LLMEngine:
         )
         self.groups: dict[str, RequestGroup] = {}
         self.adapters = AdapterPool(
-            LoraDims.of_model(loaded.model), loaded.model.dtype, config.max_loras, config.max_lora_rank
+            LoraDims.of_model(loaded.model),
+            loaded.model.dtype,
+            config.max_loras,
+            config.max_lora_rank,
+            self.runner.device,
         )
         self.runner.adapters = self.adapters
         # Requests whose adapter waits for a resident slot (every slot held by running requests), in arrival

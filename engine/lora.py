@@ -224,7 +224,14 @@ class LoraWeights:
     nbytes: int
 
 
-def load_weights(name: str, manifest: AdapterManifest, dims: LoraDims, dtype: torch.dtype) -> LoraWeights:
+def load_weights(
+    name: str,
+    manifest: AdapterManifest,
+    dims: LoraDims,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> LoraWeights:
+    """The adapter's matrices, laid out for LoraLinear, in the activations' dtype on the model's device."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(Path(manifest.path) / WEIGHTS_FILE))
@@ -251,12 +258,12 @@ def load_weights(name: str, manifest: AdapterManifest, dims: LoraDims, dtype: to
                     a, b = pair["A"].float(), pair["B"].float()
                     rank = a.shape[0]
                     a_parts.append(a)
-                    b_t = (b * manifest.scaling).t().contiguous().to(dtype)
+                    b_t = (b * manifest.scaling).t().contiguous().to(device=device, dtype=dtype)
                     pieces.append((rank_start, rank_start + rank, col_start, col_start + out, b_t))
                     rank_start += rank
                 col_start += out
             if a_parts:
-                a_t = torch.cat(a_parts).t().contiguous().to(dtype)
+                a_t = torch.cat(a_parts).t().contiguous().to(device=device, dtype=dtype)
                 fused[attribute] = FusedLora(a_t, tuple(pieces))
                 nbytes += a_t.nbytes + sum(piece[4].nbytes for piece in pieces)
         layers.append(fused)
@@ -355,11 +362,19 @@ class PoolStats:
 class AdapterPool:
     """Registered adapters (manifests only) and at most `max_resident` of them loaded, in LRU order."""
 
-    def __init__(self, dims: LoraDims, dtype: torch.dtype, max_resident: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        dims: LoraDims,
+        dtype: torch.dtype,
+        max_resident: int,
+        max_rank: int,
+        device: torch.device | None = None,
+    ) -> None:
         if max_resident < 1:
             raise ValueError("max_loras must be at least 1")
         self.dims = dims
         self.dtype = dtype
+        self.device = device
         self.max_resident = max_resident
         self.max_rank = max_rank
         self.registered: dict[str, AdapterManifest] = {}
@@ -409,7 +424,7 @@ class AdapterPool:
                     del self.resident[idle]
                     self.stats.evictions += 1
                 started = time.perf_counter()
-                self.resident[name] = load_weights(name, self.registered[name], self.dims, self.dtype)
+                self.resident[name] = load_weights(name, self.registered[name], self.dims, self.dtype, self.device)
                 self.stats.loads += 1
                 self.stats.load_seconds_total += time.perf_counter() - started
             self.resident.move_to_end(name)
