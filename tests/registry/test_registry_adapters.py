@@ -222,3 +222,24 @@ def test_the_models_page_registers_an_adapter_and_shows_its_base(server, adapter
             assert wrong.status_code == 400 and "not a folder" in wrong.text
         finally:
             server.admin("DELETE", "/models/page-ft")
+
+
+def test_vllm_load_and_unload_lora_adapter_endpoints(server, adapters):
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"lora_name": "vllm-ft", "lora_path": str(adapters["ft-a"])}
+    loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=headers, timeout=120)
+    assert loaded.status_code == 200 and "vllm-ft" in loaded.text, loaded.text
+    try:
+        key = server.key()
+        assert server.client(key).models.retrieve("vllm-ft").model_extra["parent"] == base_name(server)
+        assert answer(server, key, "vllm-ft")
+        team_key = httpx.post(
+            f"{server.url}/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert team_key.status_code in (401, 403)  # the admin key only
+    finally:
+        removed = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "vllm-ft"}, headers=headers)
+    assert removed.status_code == 200, removed.text
+    assert server.admin("GET", "/models/vllm-ft").status_code == 404
+    again = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "vllm-ft"}, headers=headers)
+    assert (again.status_code, again.json()["error"]["param"]) == (400, "lora_name")
