@@ -21,6 +21,7 @@ from app.api import (
     completions,
     embeddings,
     files,
+    lora_adapters,
     models,
     operations,
     responses,
@@ -92,7 +93,7 @@ def create_app(
         app.state.gateway = gateway
         app.add_exception_handler(OverflowError, out_of_range)
         app.add_exception_handler(DataError, out_of_range)
-        for module in (admin, audit, usage, admin_models, files, batches):
+        for module in (admin, audit, usage, admin_models, lora_adapters, files, batches):
             app.include_router(module.router)
         pruner = AuditPruner(gateway.sessions, retention_days=settings.audit_retention_days)
         parts.append((pruner.astart, pruner.astop))

@@ -171,6 +171,7 @@ class RegisteredModel(Base):
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(DateTime)
     updated_at: Mapped[datetime] = mapped_column(DateTime)
+    adapter_of: Mapped[str | None] = mapped_column(String(128))  # a LoRA adapter's base model; None: a model
 
 
 class StoredResponse(Base):

@@ -18,6 +18,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import EngineRejected, LLMEngine
 from engine.loader import LoadedModel, load_model
+from engine.lora import AdapterManifest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
@@ -68,7 +69,9 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenancy: Tenancy = DEFAULT_TENANCY,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """`adapter`: a registered LoRA adapter's name (register_adapter); None runs the base model."""
         if self._stopping.is_set():
             raise EngineRejected("shutting_down", "the engine is shutting down")
         self.check_request(prompt_token_ids, params)
@@ -77,7 +80,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, tenancy))
+        self._commands.put(("add", request_id, list(prompt_token_ids), params, tenancy, adapter))
         finished = False
         try:
             while not finished:
@@ -94,6 +97,14 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def register_adapter(self, name: str, path: str) -> AdapterManifest:
+        """Blocking (reads the folder): checks a PEFT LoRA folder against this model and makes `name` usable.
+        Raises engine.lora.AdapterError naming the mismatch."""
+        return self.core.register_adapter(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.core.unregister_adapter(name)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -124,9 +135,9 @@ class AsyncEngine:
         if kind == "stop":
             return False
         if kind == "add":
-            _, request_id, prompt_token_ids, params, tenancy = command
+            _, request_id, prompt_token_ids, params, tenancy, adapter = command
             try:
-                self.core.add_request(request_id, prompt_token_ids, params, tenancy)
+                self.core.add_request(request_id, prompt_token_ids, params, tenancy, adapter)
             except Exception as error:  # refused to its caller; the loop must live on
                 if not isinstance(error, EngineRejected):
                     log.exception("could not add request %s", request_id)

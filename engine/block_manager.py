@@ -65,7 +65,7 @@ class BlockManager:
     def _update_block_hashes(self, request: Request) -> None:
         token_ids = request.all_token_ids
         for index in range(len(request.block_hashes), len(token_ids) // self.block_size):
-            parent = request.block_hashes[-1] if request.block_hashes else request.tenancy.cache_root
+            parent = request.block_hashes[-1] if request.block_hashes else request.cache_root
             start = index * self.block_size
             request.block_hashes.append(hash_block(parent, token_ids[start : start + self.block_size]))
 

@@ -77,6 +77,10 @@ class EngineConfig:
     # replay CUDA graphs (engine/speculation.py says why); "off".
     speculation: Literal["auto", "ngram", "off"] = "auto"
     num_speculative_tokens: int = 4  # drafts per sequence and step (k; the step verifies k + 1 rows)
+    # LoRA adapters (engine/lora.py): at most this many resident at once (loaded on first use, the least
+    # recently used idle one evicted), and the largest rank registration accepts.
+    max_loras: int = 4
+    max_lora_rank: int = 64
     speculation_max_batch: int = 4  # drafts only while at most this many sequences run: at larger
     # batches the linears are no longer bound by reading the weights, and extra rows stop being free
 
@@ -119,6 +123,10 @@ class EngineConfig:
             raise ValueError(f"speculation must be one of {SPECULATIONS}, got {self.speculation!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError("max_lora_rank must be between 1 and 256")
         if self.speculation_max_batch < 1:
             raise ValueError("speculation_max_batch must be at least 1")
         if self.torch_device.type == "cuda" and self.kv_layout == "heads_major":

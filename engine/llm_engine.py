@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -12,6 +13,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import LoadedModel
+from engine.lora import AdapterError, AdapterManifest, AdapterPool, LoraDims
+from engine.lora_stats import AdapterUsage
 from engine.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -75,6 +78,19 @@ class LLMEngine:
             config, self.max_model_len, loaded.model.has_fused_decode(config, self.runner.kv_dtype)
         )
         self.groups: dict[str, RequestGroup] = {}
+        self.adapters = AdapterPool(
+            LoraDims.of_model(loaded.model),
+            loaded.model.dtype,
+            config.max_loras,
+            config.max_lora_rank,
+            self.runner.device,
+        )
+        self.runner.adapters = self.adapters
+        # Requests whose adapter waits for a resident slot (every slot held by running requests), in arrival
+        # order; and the requests that hold their adapter resident until they finish.
+        self.waiting_for_adapter: deque[Request] = deque()
+        self.holding_adapter: set[str] = set()
+        self.adapter_usage = AdapterUsage()
         self.stats = EngineStats(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -111,18 +127,86 @@ class LLMEngine:
         if capacity and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineRejected("queue_full", "the server is at capacity; retry shortly")
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def register_adapter(self, name: str, path: str) -> AdapterManifest:
+        """Checks the PEFT folder against this base model and makes `name` usable (loaded on first use).
+        Raises AdapterError naming the mismatch."""
+        manifest = self.adapters.check(path)
+        old = self.adapters.registered.get(name)
+        if old is not None and old.fingerprint != manifest.fingerprint:
+            self._refuse_while_waiting(name)
+        self.adapters.register(name, manifest)
+        return manifest
+
+    def unregister_adapter(self, name: str) -> None:
+        self._refuse_while_waiting(name)
+        self.adapters.unregister(name)
+
+    def _refuse_while_waiting(self, name: str) -> None:
+        """Requests waiting for a slot hold their adapter as much as running ones do (the pool refuses those)."""
+        if any(r.adapter is not None and r.adapter.name == name for r in list(self.waiting_for_adapter)):
+            raise AdapterError(f"adapter {name!r} is in use by waiting requests")
+
+    def _refresh_adapter_stats(self) -> None:
+        if not self.adapters.registered and not self.stats.adapters:
+            return
+        scheduler = self.scheduler
+        pool = self.adapters
+        self.stats.adapters = self.adapter_usage.snapshot(
+            [*scheduler.running, *scheduler.swapped],
+            [*scheduler.waiting, *self.waiting_for_adapter],
+            list(pool.resident),
+        )
+        self.stats.lora_loads_total = pool.stats.loads
+        self.stats.lora_evictions_total = pool.stats.evictions
+        self.stats.lora_load_seconds_total = pool.stats.load_seconds_total
+        self.stats.lora_resident_bytes = pool.resident_nbytes
+
+    def _admit_waiting_for_adapter(self) -> None:
+        while self.waiting_for_adapter:
+            parent = self.waiting_for_adapter[0]
+            assert parent.adapter is not None
+            if not self.adapters.try_acquire(parent.adapter.name):
+                return
+            self.waiting_for_adapter.popleft()
+            self.holding_adapter.add(parent.request_id)
+            self.scheduler.add(parent)
+
+    def _release_adapter(self, group: RequestGroup) -> None:
+        parent = group.sequences[0]
+        if parent.adapter is None:
+            return
+        if group.request_id in self.holding_adapter:
+            self.holding_adapter.discard(group.request_id)
+            self.adapters.release(parent.adapter.name)
+        elif parent in self.waiting_for_adapter:
+            self.waiting_for_adapter.remove(parent)
+
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tenancy: Tenancy = DEFAULT_TENANCY
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tenancy: Tenancy = DEFAULT_TENANCY,
+        adapter: str | None = None,
     ) -> None:
+        """`adapter`: the name of a registered LoRA adapter to run the request under (None: the base model)."""
         if request_id in self.groups:
             raise EngineRejected("duplicate_request", f"request id {request_id!r} is already in use")
+        adapter_ref = None
+        if adapter is not None:
+            try:
+                adapter_ref = self.adapters.ref(adapter)
+            except KeyError:
+                raise EngineRejected("model_not_found", f"adapter {adapter!r} is not registered", "model") from None
         # Capacity was checked where the request came in: one already accepted there is not turned
         # away here, after its caller may have started answering.
         self.check_request(prompt_token_ids, params, capacity=False)
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         sequences = [
-            Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy) for index in range(params.n)
+            Request(request_id, index, list(prompt_token_ids), params, tenancy=tenancy, adapter=adapter_ref)
+            for index in range(params.n)
         ]
         parent = sequences[0]
         parent.siblings = sequences[1:]
@@ -134,25 +218,35 @@ class LLMEngine:
             [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in sequences],
             len(prompt_token_ids),
         )
-        self.scheduler.add(parent)
+        if adapter_ref is not None:
+            self.waiting_for_adapter.append(parent)
+            self._admit_waiting_for_adapter()
+            self.adapter_usage.charge(adapter_ref.name, tenancy.team, prompt_tokens=len(prompt_token_ids))
+        else:
+            self.scheduler.add(parent)
         self.stats.prompt_tokens_total += len(prompt_token_ids)
         self.stats.refresh(self.scheduler, self.blocks)
+        self._refresh_adapter_stats()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        # still waiting for its adapter: it never reached the scheduler
+        unscheduled = group.sequences[0] in self.waiting_for_adapter
+        self._release_adapter(group)
         deltas = []
         for seq, detok in zip(group.sequences, group.detokenizers):
             if seq.is_finished:
                 continue
-            if seq.fork_parent is not None:  # never joined the batch
+            if seq.fork_parent is not None or unscheduled:  # never joined the batch
                 seq.fork_parent = None
                 seq.status = RequestStatus.FINISHED_ABORTED
             else:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
             deltas.append(SequenceDelta(seq.index, detok.flush(), [], None, "abort"))
         self.stats.refresh(self.scheduler, self.blocks)
+        self._refresh_adapter_stats()
         return self._output(group, deltas)
 
     def cached_prefix_digest(self) -> frozenset[bytes]:
@@ -167,6 +261,7 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self._admit_waiting_for_adapter()
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty():
@@ -198,6 +293,7 @@ class LLMEngine:
                 self._sample(logits, samplers, pending)
         outputs = self._collect(pending, failed)
         self.stats.record_step(batch, time.perf_counter() - started, self.scheduler, self.blocks)
+        self._refresh_adapter_stats()
         return outputs
 
     def _sample(self, logits: torch.Tensor, samplers: list[Request], pending: dict[Request, _Pending]) -> None:
@@ -327,6 +423,8 @@ class LLMEngine:
             self.stats.generation_tokens_total += len(entry.token_ids)
             # the fair-share charge for what each team was actually served, before a finish lets it go
             self.scheduler.ledger.charge(seq.team, output_tokens=len(entry.token_ids))
+            if seq.adapter is not None:
+                self.adapter_usage.charge(seq.adapter.name, seq.team, output_tokens=len(entry.token_ids))
             if status is not None:
                 self.scheduler.finish(seq, status)
             by_group.setdefault(seq.request_id, []).append(
@@ -352,6 +450,7 @@ class LLMEngine:
             group = self.groups[request_id]
             output = self._output(group, deltas, errors.get(request_id))
             if output.finished:
+                self._release_adapter(group)
                 del self.groups[request_id]
             outputs.append(output)
         return outputs

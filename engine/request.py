@@ -7,9 +7,11 @@ hits and recompute after preemption are all the same move: catch it up with `num
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
+from engine.lora import AdapterRef
 from engine.sampling_params import SamplingParams
 from engine.tenancy import DEFAULT_TENANCY, Tenancy
 
@@ -51,6 +53,7 @@ class Request:
     fork_parent: Request | None = None
     siblings: list[Request] = field(default_factory=list)
     tenancy: Tenancy = DEFAULT_TENANCY
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under (engine/lora.py); None: the base model
     # Scheduler bookkeeping: arrival order (kept across preemption), the step it last started running,
     # and whether its prompt has been charged to its team (once, however often it is recomputed).
     arrival_seq: int = 0
@@ -74,6 +77,16 @@ class Request:
     @property
     def team(self) -> str:
         return self.tenancy.team
+
+    @property
+    def cache_root(self) -> bytes | None:
+        """The parent hash of its first block: the team's cache salt (Tenancy.cache_root), and under an adapter
+        the adapter's name and weights too, since the same tokens leave other KV under other weights."""
+        root = self.tenancy.cache_root
+        if self.adapter is None:
+            return root
+        adapter = f"{self.adapter.name}\0{self.adapter.fingerprint}".encode()
+        return hashlib.blake2b(b"tokenmill-lora\0" + adapter + b"\0" + (root or b""), digest_size=16).digest()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig, resolve_device
 from engine.cuda_graphs import DecodeGraphs, DecodeInputs
 from engine.loader import LoadedModel
+from engine.lora import AdapterPool, LoraSegment, LoraWeights, lora_step, segments_of
 from engine.models.llama import AttentionMetadata
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
@@ -49,6 +50,7 @@ def uses_decode_graphs(config: EngineConfig, device: torch.device) -> bool:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
+        self.adapters: AdapterPool | None = None  # the engine's LoRA adapters (engine/lora.py), when it has any
         self.device = resolve_device(str(loaded.device))  # "cuda" and "cuda:0" are one device
         if config.torch_device != self.device:
             raise ValueError(
@@ -138,7 +140,8 @@ class ModelRunner:
             return count == 1 or (self.drafts_as_decode_rows and drafts > 0 and count == drafts + 1)
 
         decode_like = [as_decode_rows(request, count) for request, count in zip(requests, num_new_tokens)]
-        order = sorted(range(len(requests)), key=lambda i: not decode_like[i])
+        # decode rows first; within each part, rows grouped by LoRA adapter (one shrink / expand per group)
+        order = sorted(range(len(requests)), key=lambda i: (not decode_like[i], self._adapter_key(requests[i])))
         decode_like = [decode_like[i] for i in order]
         requests = [requests[i] for i in order]
         num_new_tokens = [num_new_tokens[i] for i in order]
@@ -153,10 +156,12 @@ class ModelRunner:
         attention_counts: list[int] = []
         last_token_rows: list[int] = []
         samplers: list[Request] = []
+        row_adapters: list[LoraWeights | None] = []
         for request, count, one_row_per_token in zip(requests, num_new_tokens, decode_like):
             start = request.num_computed_tokens
             end = start + count
             token_ids.extend(request.token_ids_with_drafts(start, end))
+            row_adapters.extend([self._adapter_weights(request)] * (end - start))
             span = range(start, end)
             positions.extend(span)
             table = request.block_ids
@@ -183,14 +188,17 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions_cpu = torch.tensor(positions, dtype=torch.long)
         slot_mapping = torch.tensor(slots, dtype=torch.long)
+        lora_segments: list[LoraSegment] = segments_of(row_adapters) if self.adapters is not None else []
         with self._on_device():
             hidden = None
-            if self.graphs is not None and num_decodes == len(attention_counts):
+            # a captured graph replays the base linears only: a step with adapter rows runs eagerly
+            if self.graphs is not None and num_decodes == len(attention_counts) and not lora_segments:
                 hidden = self.graphs.run(DecodeInputs(ids, positions_cpu, slot_mapping, tables, lens))
             if hidden is None:
-                hidden = self._forward_eager(
-                    ids, positions_cpu, slot_mapping, tables, lens, attention_counts, num_decodes
-                )
+                with lora_step(self.model, lora_segments):
+                    hidden = self._forward_eager(
+                        ids, positions_cpu, slot_mapping, tables, lens, attention_counts, num_decodes
+                    )
             if not samplers:
                 return torch.empty(0), []
             if len(last_token_rows) < len(token_ids):  # else every row samples, in order (decode steps)
@@ -198,6 +206,16 @@ class ModelRunner:
                 hidden = hidden[rows]
             logits = self.model.compute_logits(hidden)
         return logits.to("cpu"), samplers
+
+    @staticmethod
+    def _adapter_key(request: Request) -> str:
+        return "" if request.adapter is None else request.adapter.name
+
+    def _adapter_weights(self, request: Request) -> LoraWeights | None:
+        if request.adapter is None:
+            return None
+        assert self.adapters is not None  # the engine holds the adapter resident while the request runs
+        return self.adapters.weights(request.adapter.name)
 
     def _forward_eager(self, ids, positions, slot_mapping, tables, lens, num_new_tokens, num_decodes) -> torch.Tensor:
         def to_device(tensor: torch.Tensor) -> torch.Tensor:  # a no-op on the CPU

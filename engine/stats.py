@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from engine.fair_share import WINDOW_S
 
@@ -61,6 +62,13 @@ class EngineStats:
     spec_accepted_tokens_total: int = 0
     # Per team; rebuilt (not mutated) on every refresh, so a snapshot's dict stays as it was.
     teams: dict[str, TeamStats] = field(default_factory=dict)
+    # LoRA adapters (engine/lora_stats.py), per adapter name, rebuilt likewise; and the resident pool's
+    # loads, evictions, load time and bytes.
+    adapters: dict[str, Any] = field(default_factory=dict)
+    lora_loads_total: int = 0
+    lora_evictions_total: int = 0
+    lora_load_seconds_total: float = 0.0
+    lora_resident_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:

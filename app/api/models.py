@@ -42,6 +42,8 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settin
     }
     if model_id != spec.name:
         card["root"] = spec.name  # what the alias points at
+    if spec.adapter_of is not None:
+        card["parent"] = spec.adapter_of  # a LoRA adapter's base model, as vLLM lists adapters
     served = pool.served.get(spec.name)
     context_length = (
         served.engine.max_model_len if served is not None and served.engine is not None else spec.max_model_len

@@ -105,6 +105,7 @@ def models_add(args: argparse.Namespace) -> int:
         ("price_output_per_1m", args.price_out),
         ("dtype", args.dtype),
         ("max_model_len", args.max_model_len),
+        ("adapter_of", args.adapter_of),
     ):
         if value is not None:
             fields[field] = value
@@ -170,6 +171,12 @@ def _models_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("name")
     add.add_argument("--path", required=True, help="a safetensors folder, a .gguf file, or 'default'")
     add.add_argument("--kind", choices=("chat", "embedding"), default="chat")
+    add.add_argument(
+        "--adapter-of",
+        default=None,
+        metavar="BASE",
+        help="--path is a PEFT LoRA adapter folder for this loaded chat model (served in its batches)",
+    )
     add.add_argument("--alias", action="append", help="another name clients may use (repeat for more)")
     add.add_argument("--price-in", type=float, default=None, help="USD per 1M input tokens")
     add.add_argument("--price-cached-in", type=float, default=None, help="USD per 1M cached input tokens")

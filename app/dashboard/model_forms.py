@@ -91,6 +91,8 @@ def register_body(form: dict[str, str]) -> dict[str, Any]:
         body["max_model_len"] = form["max_model_len"].strip()
     if _optional(form, "dtype"):
         body["dtype"] = form["dtype"].strip()
+    if _optional(form, "adapter_of"):  # the path is a PEFT LoRA folder for this loaded model
+        body["adapter_of"] = form["adapter_of"].strip()
     body.update({field: value for field, value in _costs_from(form).items() if value is not None})
     settings = engine_settings_from(form)
     if settings:

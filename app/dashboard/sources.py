@@ -76,6 +76,7 @@ def model_cards(app: FastAPI) -> list[dict[str, Any]]:
             "aliases": list(spec.aliases),
             "source": spec.source,
             "architecture": spec.architecture,
+            "adapter_of": spec.adapter_of,
             "enabled": spec.enabled,
             "in_flight": served.in_flight if served is not None else 0,
             "max_model_len": spec.max_model_len,

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from app.errors import OpenAIError, model_not_found
 from app.gateway.audit import SYSTEM, Actor
 from app.observability.costs import HardwareCostMeter
+from app.registry.adapters import AdapterEngine, adapter_changes_refused, check_adapter, new_adapter_spec
 from app.registry.inspection import SourceFacts, inspect_source
 from app.registry.loading import preloaded_spec, return_memory_to_os, start_serving
 from app.registry.memory import check_memory_fits
@@ -31,6 +32,7 @@ from app.registry.served import DRAINING, LOADED, ServedModel
 from app.registry.spec import KINDS, ModelSpec, RegistryError
 from app.registry.store import RegistryStore
 from engine.config import EngineConfig
+from engine.lora import AdapterError
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -214,6 +216,8 @@ class ModelPool:
                 log.warning("could not re-read the model registry: %s", error)
 
     async def register(self, fields: Mapping[str, Any], *, load: bool = False, actor: Actor = SYSTEM) -> ModelSpec:
+        if fields.get("adapter_of") is not None:
+            return await self._register_adapter(fields, load=load, actor=actor)
         facts = await self._inspect(fields.get("kind") or "chat", str(fields.get("path")))
         async with self._changes:
             await self.refresh()
@@ -233,8 +237,54 @@ class ModelPool:
             await self.load(spec.name, actor=actor)
         return spec
 
+    async def _register_adapter(self, fields: Mapping[str, Any], *, load: bool, actor: Actor) -> ModelSpec:
+        """A LoRA adapter on a loaded chat model: checked against that model's weights (shapes, target modules,
+        rank) before anything is stored."""
+        base_spec = self._base_of_adapter(str(fields["adapter_of"]))
+        base_served = self.served.get(base_spec.name)
+        if base_served is None or base_served.state != LOADED or base_served.engine is None:
+            raise RegistryError(
+                f"base model {base_spec.name!r} is not loaded; load it first (an adapter is checked against it).",
+                param="adapter_of",
+                code="model_not_loaded",
+            )
+        manifest = await run_in_threadpool(check_adapter, base_served.engine, str(fields.get("path")))
+        async with self._changes:
+            await self.refresh()
+            spec = new_adapter_spec(
+                fields, base_spec=base_spec, manifest=manifest, config=self.base, others=list(self.specs.values())
+            )
+            if self.store is not None:
+                try:
+                    spec = await run_in_threadpool(partial(self.store.insert, spec=spec, actor=actor))
+                except IntegrityError:
+                    raise RegistryError(
+                        f"{spec.name!r} is already a registered model.", param="name", code="conflict"
+                    ) from None
+            self.specs[spec.name] = spec
+            self._tell_costs()
+        if load:
+            await self.load(spec.name, actor=actor)
+        return spec
+
+    def _base_of_adapter(self, requested: str) -> ModelSpec:
+        base_spec = self.spec(requested)
+        if base_spec is None:
+            raise RegistryError(f"base model {requested!r} is not registered.", param="adapter_of")
+        if base_spec.adapter_of is not None or base_spec.kind != "chat":
+            raise RegistryError(
+                f"{base_spec.name!r} cannot carry an adapter: the base must be a chat model, not an adapter.",
+                param="adapter_of",
+            )
+        return base_spec
+
+    def adapters_of(self, name: str) -> list[str]:
+        return [spec.name for spec in self.specs.values() if spec.adapter_of == name]
+
     async def update(self, name: str, changes: Mapping[str, Any], *, actor: Actor = SYSTEM) -> ModelSpec:
         facts = None
+        if self._known(name).adapter_of is not None:
+            adapter_changes_refused(self._known(name), changes)
         if changes.get("path") is not None:
             facts = await self._inspect(self._known(name).kind, str(changes["path"]))
         async with self._changes:
@@ -293,6 +343,11 @@ class ModelPool:
     async def remove(self, name: str, *, actor: Actor = SYSTEM) -> None:
         """Unload (drain, waiting for it) and delete the registry row."""
         self._known(name)
+        adapters = self.adapters_of(name)
+        if adapters:
+            raise OpenAIError(
+                409, f"model {name!r} carries adapters {adapters}; remove them first.", param="model", code="conflict"
+            )
         await self.unload(name, wait=True)
         async with self._changes:
             if self.store is not None:
@@ -332,6 +387,8 @@ class ModelPool:
         """Stop taking requests for `name` now; stop its engine once those in flight are done. An
         admin's unload (`actor`) is audited when it changes anything."""
         state = self.state(name)
+        for adapter in self.adapters_of(name):  # they run on its engine: they stop taking requests first
+            await self.unload(adapter, wait=wait, actor=actor)
         if actor is not None and state in (LOADED, LOADING):
             await self._audit(actor, "model.unload", name, state, DRAINING)
         loading = self._loading.get(name)
@@ -395,6 +452,8 @@ class ModelPool:
 
     async def _load(self, spec: ModelSpec) -> ServedModel:
         started = time.monotonic()
+        if spec.adapter_of is not None:
+            return await self._load_adapter(spec)
         await run_in_threadpool(check_memory_fits, spec, self.base)  # refused before a byte is loaded
         try:
             loaded = await run_in_threadpool(start_serving, spec, self.base)
@@ -407,9 +466,30 @@ class ModelPool:
         log.info("loaded %s in %.1fs", spec.name, time.monotonic() - started)
         return served
 
+    async def _load_adapter(self, spec: ModelSpec) -> ServedModel:
+        """Loads the base model if it is not (its engine serves the adapter), then registers the adapter on
+        that engine; its weights load on the first request that uses it."""
+        assert spec.adapter_of is not None
+        base_served = await self.load(spec.adapter_of)
+        try:
+            await run_in_threadpool(base_served.engine.register_adapter, spec.name, spec.source)
+        except AdapterError as error:
+            raise RegistryError(
+                f"could not load adapter {spec.name!r}: {error}", param="path", code="model_load_failed"
+            ) from None
+        served = ServedModel(self.specs.get(spec.name, spec), engine=AdapterEngine(base_served.engine, spec.name))
+        self.served[spec.name] = served
+        log.info("loaded adapter %s on %s", spec.name, spec.adapter_of)
+        return served
+
+    def _in_flight_on_engine(self, served: ServedModel) -> int:
+        """Requests on this model's engine: its own and its adapters'."""
+        adapters = [self.served.get(name) for name in self.adapters_of(served.name)]
+        return served.in_flight + sum(adapter.in_flight for adapter in adapters if adapter is not None)
+
     async def _drain(self, served: ServedModel) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
-        while served.in_flight > 0 and time.monotonic() < deadline:
+        while self._in_flight_on_engine(served) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if served.in_flight > 0:
             log.warning(

@@ -53,6 +53,12 @@ class ModelCreate(ModelChanges):
     name: str = Field(min_length=1, max_length=128)
     path: str = Field(min_length=1, max_length=1024)
     kind: Literal["chat", "embedding"] = "chat"
+    adapter_of: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="register a PEFT LoRA adapter folder (path) on this loaded chat model; it is checked against it",
+    )
     load: bool = Field(False, description="load it now (the response waits for it)")
 
 
@@ -90,6 +96,7 @@ class ModelView(BaseModel):
     in_flight: int = Field(description="requests using it now")
     created_at: str | None
     updated_at: str | None
+    adapter_of: str | None = Field(None, description="a LoRA adapter's base model (None: a model of its own)")
 
     @classmethod
     def of(cls, spec: ModelSpec, state: str, served: ServedModel | None) -> ModelView:
@@ -111,6 +118,7 @@ class ModelView(BaseModel):
             price=None if price is None else PriceView(**vars(price)),
             created_at=_utc(spec.created_at),
             updated_at=_utc(spec.updated_at),
+            adapter_of=spec.adapter_of,
         )
 
 

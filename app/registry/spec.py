@@ -59,6 +59,9 @@ class ModelSpec:
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    # A LoRA adapter (engine/lora.py): the chat model it runs on; `source` is then the PEFT folder. It is a
+    # model of its own to clients (names, access, prices, usage) and shares its base's engine.
+    adapter_of: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

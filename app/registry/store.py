@@ -38,6 +38,7 @@ def spec_of(row: RegisteredModel) -> ModelSpec:
         sampling_defaults=dict(row.sampling_defaults or {}),
         created_at=row.created_at,
         updated_at=row.updated_at,
+        adapter_of=row.adapter_of,
     )
 
 
@@ -60,6 +61,7 @@ def columns_of(spec: ModelSpec) -> dict[str, Any]:
         "price_output_per_1m": None if price is None else price.output_per_1m,
         "price_batch_input_per_1m": None if price is None else price.batch_input_per_1m,
         "price_batch_output_per_1m": None if price is None else price.batch_output_per_1m,
+        "adapter_of": spec.adapter_of,
     }
 
 
