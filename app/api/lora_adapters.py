@@ -34,7 +34,8 @@ class UnloadLoraAdapter(BaseModel):
 
 
 def _pool(request: Request) -> ModelPool:
-    return request.app.state.context.models
+    pool: ModelPool = request.app.state.context.models
+    return pool
 
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
@@ -471,13 +471,20 @@ class ModelPool:
         that engine; its weights load on the first request that uses it."""
         assert spec.adapter_of is not None
         base_served = await self.load(spec.adapter_of)
+        base_engine = base_served.engine
+        if base_engine is None:
+            raise RegistryError(
+                f"{spec.adapter_of!r} is not a chat model: a LoRA adapter needs a chat base", param="adapter_of"
+            )
         try:
-            await run_in_threadpool(base_served.engine.register_adapter, spec.name, spec.source)
+            await run_in_threadpool(base_engine.register_adapter, spec.name, spec.source)
         except AdapterError as error:
             raise RegistryError(
                 f"could not load adapter {spec.name!r}: {error}", param="path", code="model_load_failed"
             ) from None
-        served = ServedModel(self.specs.get(spec.name, spec), engine=AdapterEngine(base_served.engine, spec.name))
+        # AdapterEngine stands in for the base's AsyncEngine: the same interface, each request under the adapter
+        adapter_engine = cast("AsyncEngine", AdapterEngine(base_engine, spec.name))
+        served = ServedModel(self.specs.get(spec.name, spec), engine=adapter_engine)
         self.served[spec.name] = served
         log.info("loaded adapter %s on %s", spec.name, spec.adapter_of)
         return served
