@@ -89,6 +89,8 @@ def engine_share(request: Request, team_id: int) -> dict[str, int]:
     models loaded in this process (the engine knows the team as 'team:<id>')."""
     share = {"running": 0, "waiting": 0, "tokens_last_minute": 0}
     for served in list(request.app.state.context.models.served.values()):
+        if served.engine is None:  # an embedding model (an encoder, no engine) or one being unloaded
+            continue
         stats = served.engine.stats().teams.get(f"team:{team_id}")
         if stats is not None:
             share["running"] += stats.running
