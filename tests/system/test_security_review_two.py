@@ -6,8 +6,13 @@ storage quota, stored conversations that grow linearly, and fair batch seats acr
 
 from __future__ import annotations
 
-from tests.support.batches import download, line, serving, submit, team_client, wait_for
-from tests.support.gateway import FAKE_MODEL, bearer, create_key, create_team
+import json
+import time
+
+import openai
+
+from tests.support.batches import download, jsonl, line, serving, submit, team_client, wait_for
+from tests.support.gateway import FAKE_MODEL, bearer, chat_body, create_key, create_team
 
 DEEP = "[" * 3000 + "]" * 3000  # deeper than Python's recursion limit, 6 KB
 
@@ -19,6 +24,25 @@ def deep_call_messages() -> list[dict]:
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
     ]
+
+
+def openai_client(http, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{http.base_url}/v1", api_key=key, http_client=http, max_retries=0)
+
+
+def batch_row(gateway, batch_id: str, timeout: float = 20):
+    """The batch as the database has it, once it is final (its key may no longer read it)."""
+    from app.tables import BatchJob
+    from tests.support.batches import FINAL
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with gateway.sessions() as session:
+            row = session.get(BatchJob, batch_id)
+        if row.status in FINAL:
+            return row
+        assert time.monotonic() < deadline, f"batch stuck: {row.status}"
+        time.sleep(0.02)
 
 
 def team_key(http, name: str = "alpha", **limits) -> str:
@@ -66,3 +90,133 @@ def test_a_deeply_nested_batch_line_is_that_lines_error(make_gateway, tmp_path):
         errors = download(client, batch.error_file_id)
         assert [e["custom_id"] for e in errors] == ["deep"]
         assert errors[0]["response"]["status_code"] == 400
+
+
+# ---- 2: one bad line or one failing batch never stops the others; cancelling always works ----
+
+
+def deep_body_line(custom_id: str) -> bytes:
+    head = json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions"})[:-1]
+    return (head + f', "body": {{"model": "{FAKE_MODEL}", "x": ' + DEEP + "}}").encode()
+
+
+def test_a_line_nested_too_deep_fails_alone_and_other_teams_batches_run(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path) as http:
+        alpha, beta = team_client(http, "alpha"), team_client(http, "beta")
+        first = submit(alpha, [line("ok"), deep_body_line("deep")])
+        second = submit(beta, [line("b1")])
+        done_first, done_second = wait_for(alpha, first.id), wait_for(beta, second.id)
+        assert done_first.status == "completed", done_first
+        assert (done_first.request_counts.completed, done_first.request_counts.failed) == (1, 1)
+        assert done_second.status == "completed" and done_second.request_counts.completed == 1
+        errors = download(alpha, done_first.error_file_id)
+        assert errors[0]["error"]["code"] == "invalid_request" and "JSON" in errors[0]["error"]["message"]
+
+
+def failing_pass(monkeypatch, batch_ids: set[str]) -> None:
+    """Every pass over a batch in `batch_ids` raises, as a bug or a corrupt row would make it."""
+    from app.batches.jobs import BatchStore
+
+    real = BatchStore.finished_lines
+
+    def finished_lines(self, batch_id: str) -> set[int]:
+        if batch_id in batch_ids or "*" in batch_ids:
+            raise RuntimeError("injected: this batch's pass fails")
+        return real(self, batch_id)
+
+    monkeypatch.setattr(BatchStore, "finished_lines", finished_lines)
+
+
+def test_a_batch_whose_pass_keeps_failing_fails_with_a_reason_and_the_next_runs(make_gateway, tmp_path, monkeypatch):
+    with serving(make_gateway(), tmp_path) as http:
+        alpha, beta = team_client(http, "alpha"), team_client(http, "beta")
+        doomed: set[str] = {"*"}
+        failing_pass(monkeypatch, doomed)
+        first = submit(alpha, [line("a1")])
+        ended = wait_for(alpha, first.id)
+        doomed.discard("*")
+        doomed.add(first.id)
+        second = wait_for(beta, submit(beta, [line("b1")]).id)
+    assert ended.status == "failed", ended
+    assert ended.errors.data[0].code == "batch_failed" and "server" in ended.errors.data[0].message
+    assert second.status == "completed"
+
+
+def test_cancelling_a_batch_whose_pass_fails_cancels_it(make_gateway, tmp_path, monkeypatch):
+    import app.batches.runner as runner
+
+    monkeypatch.setattr(runner, "MAX_FAILED_PASSES", 10_000)  # it would be retried until the cancel comes
+    with serving(make_gateway(), tmp_path) as http:
+        alpha = team_client(http, "alpha")
+        failing_pass(monkeypatch, {"*"})
+        batch = submit(alpha, [line("a1"), line("a2")])
+        time.sleep(0.3)
+        alpha.batches.cancel(batch.id)
+        ended = wait_for(alpha, batch.id)
+    assert ended.status == "cancelled", ended
+
+
+# ---- 3: a line over max_request_bytes is refused before it is parsed; lines are streamed ----
+
+
+def test_a_line_over_the_request_size_cap_is_refused_unparsed(make_gateway, tmp_path):
+    huge = {**line("huge"), "body": chat_body("hello " * 400_000)}  # 2.4 MB > the 2 MiB default cap
+    with serving(make_gateway(), tmp_path) as http:
+        client = team_client(http)
+        batch = wait_for(client, submit(client, [line("ok"), huge, line("after")]).id)
+        errors = download(client, batch.error_file_id)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert errors[0]["custom_id"] is None  # never parsed, so its custom_id is unknown
+    assert errors[0]["error"]["code"] == "line_too_large" and "2097152" in errors[0]["error"]["message"]
+
+
+def test_batch_lines_are_read_one_at_a_time(tmp_path):
+    from app.batches.lines import read_lines
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([line(f"l{n}") for n in range(3)]))
+    lines = read_lines(path, "/v1/chat/completions", max_line_bytes=4096)
+    assert not isinstance(lines, list)  # an iterator: a 50,000-line file is never held whole
+    assert [found.custom_id for found in lines] == ["l0", "l1", "l2"]
+
+
+# ---- 5: revoking the key (or blocking its team, lowering its budget) stops its running batch ----
+
+
+def test_revoking_the_key_stops_its_running_batch(make_gateway, tmp_path):
+    from tests.support.batches import StoppableEngine
+    from tests.support.gateway import admin_headers
+
+    engine = StoppableEngine(token_delay_s=0.02)
+    gateway = make_gateway()
+    with serving(gateway, tmp_path, engine=engine, batch_max_in_flight=2) as http:
+        team = create_team(http, "alpha")
+        key = create_key(http, team["id"])
+        client = openai_client(http, key["key"])
+        batch = submit(client, [line(f"l{n}", max_tokens=5) for n in range(30)])
+        wait_for(client, batch.id, until=lambda b: b.request_counts.completed >= 2)
+        revoked = http.delete(f"/admin/api/keys/{key['id']}", headers=admin_headers())
+        assert revoked.status_code == 200, revoked.text
+        started_at_revocation = len(engine.tenancies)
+        ended = batch_row(gateway, batch.id)
+    assert len(engine.tenancies) - started_at_revocation <= 2  # at most the lines already being started
+    assert ended.status == "failed" and ended.errors[0]["code"] == "invalid_api_key"
+
+
+def test_blocking_the_team_stops_its_running_batch(make_gateway, tmp_path):
+    from tests.support.batches import StoppableEngine
+    from tests.support.gateway import admin_headers
+
+    engine = StoppableEngine(token_delay_s=0.02)
+    gateway = make_gateway()
+    with serving(gateway, tmp_path, engine=engine, batch_max_in_flight=2) as http:
+        team = create_team(http, "alpha")
+        client = openai_client(http, create_key(http, team["id"])["key"])
+        batch = submit(client, [line(f"l{n}", max_tokens=5) for n in range(30)])
+        wait_for(client, batch.id, until=lambda b: b.request_counts.completed >= 2)
+        blocked = http.patch(f"/admin/api/teams/{team['id']}", json={"blocked": True}, headers=admin_headers())
+        assert blocked.status_code == 200, blocked.text
+        started_at_block = len(engine.tenancies)
+        ended = batch_row(gateway, batch.id)
+    assert len(engine.tenancies) - started_at_block <= 2
+    assert ended.status == "failed" and ended.errors[0]["code"] == "invalid_api_key"
