@@ -21,12 +21,16 @@ class BatchSeats:
         self.free = seats
         self.ledger = TeamLedger()
         self.waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        # Lines waiting or seated, per team. A team is active in the ledger while it has any: one whose
+        # line just ended but whose next line waits is backlogged, not idle, and keeps its counter.
+        self.backlog: dict[str, int] = {}
 
     async def acquire(self, team: str, weight: float) -> None:
         """Wait for a seat for one line of `team`; the caller must release() it."""
         self.ledger.set_weight(team, weight)
+        self._enter(team)
         if self.free > 0 and not self.waiting:
-            self._seat(team)
+            self.free -= 1
             return
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting.setdefault(team, deque()).append(granted)
@@ -38,38 +42,36 @@ class BatchSeats:
                 self.release(team)
             else:
                 self._forget(team, granted)
+                self._exit(team)
             raise
 
     def release(self, team: str, *, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         """A line of `team` left its seat, having been served these tokens."""
         self.ledger.charge(team, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
-        self.ledger.leave(team)
         self.free += 1
+        self._exit(team)
         self._hand_out()
 
-    def _seat(self, team: str) -> None:
-        self.free -= 1
-        self.ledger.join(team)
+    def _enter(self, team: str) -> None:
+        if self.backlog.get(team, 0) == 0:
+            self.ledger.join(team)  # lifted level with the least-served backlogged team: no credit for idling
+        self.backlog[team] = self.backlog.get(team, 0) + 1
+
+    def _exit(self, team: str) -> None:
+        self.backlog[team] -= 1
+        if self.backlog[team] == 0:
+            del self.backlog[team]
+            self.ledger.leave(team)
 
     def _hand_out(self) -> None:
         while self.free > 0 and self.waiting:
-            team = min(self.waiting, key=self._standing)
+            team = min(self.waiting, key=self.ledger.service)
             queue = self.waiting[team]
             granted = queue.popleft()
             if not queue:
                 del self.waiting[team]
-            self._seat(team)
+            self.free -= 1
             granted.set_result(None)
-
-    def _standing(self, team: str) -> float:
-        """The team's counter as it would be once seated: one with no line running joins level with the
-        least-served team that has one (TeamLedger.join), so idle time earns no credit."""
-        counts = self.ledger.teams.get(team)
-        service = counts.service if counts is not None else 0.0
-        if counts is not None and counts.active > 0:
-            return service
-        running = [c.service for c in self.ledger.teams.values() if c.active > 0]
-        return max(service, min(running)) if running else service
 
     def _forget(self, team: str, granted: asyncio.Future[None]) -> None:
         queue = self.waiting.get(team)

@@ -220,3 +220,47 @@ def test_blocking_the_team_stops_its_running_batch(make_gateway, tmp_path):
         ended = batch_row(gateway, batch.id)
     assert len(engine.tenancies) - started_at_block <= 2
     assert ended.status == "failed" and ended.errors[0]["code"] == "invalid_api_key"
+
+
+# ---- 4: batch lines of different teams share the batch seats fairly, weights included ----
+
+
+def test_a_short_batch_does_not_wait_behind_another_teams_long_one(make_gateway, tmp_path):
+    from tests.support.batches import StoppableEngine
+
+    engine = StoppableEngine(token_delay_s=0.02)
+    with serving(make_gateway(), tmp_path, engine=engine, batch_max_in_flight=2) as http:
+        alpha, beta = team_client(http, "alpha"), team_client(http, "beta")
+        long = submit(alpha, [line(f"a{n}", max_tokens=5) for n in range(24)])
+        wait_for(alpha, long.id, until=lambda b: b.request_counts.completed >= 1)
+        short = wait_for(beta, submit(beta, [line(f"b{n}", max_tokens=5) for n in range(2)]).id)
+        long_then = alpha.batches.retrieve(long.id)
+        wait_for(alpha, long.id)
+    assert short.status == "completed"
+    assert long_then.request_counts.completed <= 12, long_then  # FCFS: all 24 before beta's first line
+
+
+def test_batch_seats_follow_the_team_weights(make_gateway, tmp_path):
+    from tests.support.batches import StoppableEngine
+    from tests.support.gateway import admin_headers
+
+    engine = StoppableEngine(token_delay_s=0.01)
+    with serving(make_gateway(), tmp_path, engine=engine, batch_max_in_flight=1) as http:
+        clients = {}
+        for name, weight in (("heavy", 3.0), ("light", 1.0)):
+            team = create_team(http, name)
+            patched = http.patch(
+                f"/admin/api/teams/{team['id']}", json={"scheduling_weight": weight}, headers=admin_headers()
+            )
+            assert patched.status_code == 200, patched.text
+            clients[name] = (team["id"], openai_client(http, create_key(http, team["id"])["key"]))
+        batches = {
+            name: submit(client, [line(f"{name}{n}", max_tokens=4) for n in range(20)])
+            for name, (_, client) in clients.items()
+        }
+        for name, (_, client) in clients.items():
+            wait_for(client, batches[name].id, timeout=60)
+    order = [tenancy.team for tenancy in engine.tenancies]
+    heavy = f"team:{clients['heavy'][0]}"
+    first = order[4:20]  # once both batches are running
+    assert 10 <= first.count(heavy) <= 14, [(t.team, t.weight) for t in engine.tenancies]  # 3:1 of 16 is 12
