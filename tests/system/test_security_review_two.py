@@ -264,3 +264,18 @@ def test_batch_seats_follow_the_team_weights(make_gateway, tmp_path):
     heavy = f"team:{clients['heavy'][0]}"
     first = order[4:20]  # once both batches are running
     assert 10 <= first.count(heavy) <= 14, [(t.team, t.weight) for t in engine.tenancies]  # 3:1 of 16 is 12
+
+
+# ---- 8: a request bigger than the whole tpm limit is told it can never fit, not to retry ----
+
+
+def test_a_request_over_the_whole_tpm_limit_is_not_told_to_retry(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path) as http:
+        key = team_key(http, tpm_limit=50)
+        too_big = http.post("/v1/chat/completions", json=chat_body(max_tokens=100), headers=bearer(key))
+        fits = http.post("/v1/chat/completions", json=chat_body(max_tokens=5), headers=bearer(key))
+    assert too_big.status_code == 400, too_big.text
+    assert "retry-after" not in too_big.headers
+    error = too_big.json()["error"]
+    assert error["code"] == "request_too_large" and "tpm" in error["message"] and "50" in error["message"]
+    assert fits.status_code == 200
