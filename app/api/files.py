@@ -14,6 +14,7 @@ from app.api.deps import BatchesDep, PrincipalDep
 from app.api.pages import list_page
 from app.batches.files import UPLOAD_PURPOSES, expiry_after, file_view
 from app.errors import invalid_request
+from app.gateway.names import without_unsafe_characters
 
 router = APIRouter()
 
@@ -32,7 +33,7 @@ async def upload_file(request: Request, principal: PrincipalDep, batches: Batche
             batches.files.save,
             team_id=principal.team_id,
             purpose=str(purpose),
-            filename=upload.filename or "upload",
+            filename=without_unsafe_characters(upload.filename or "").strip() or "upload",
             source=upload.file,
             expires_after=upload_expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]")),
         )

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Generic, Literal, TypeVar
+from typing import Annotated, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from app.gateway.crud import MAX_GRACE_PERIOD_S
+from app.gateway.names import check_name
 from app.tables import ApiKey, Team
 
 Period = Literal["day", "month"]
+Name = Annotated[str, AfterValidator(check_name)]  # no control or bidi-control characters
 
 
 class Limits(BaseModel):
@@ -46,13 +48,13 @@ class TeamShare(Limits):
 
 
 class TeamCreate(TeamShare):
-    name: str = Field(min_length=1, max_length=128)
+    name: Name = Field(min_length=1, max_length=128)
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "scheduling_weight"))
 
 
 class TeamUpdate(TeamShare):
-    name: str | None = Field(None, min_length=1, max_length=128)
+    name: Name | None = Field(None, min_length=1, max_length=128)
     blocked: bool | None = None
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name", "blocked", "scheduling_weight"))
@@ -60,7 +62,7 @@ class TeamUpdate(TeamShare):
 
 class KeyCreate(Limits):
     team_id: int
-    name: str = Field("", max_length=128)
+    name: Name = Field("", max_length=128)
     priority_floor: int | None = Field(
         None, ge=-1000, le=1000, description="the most urgent priority its requests may ask for; default 0"
     )
@@ -70,7 +72,7 @@ class KeyCreate(Limits):
 
 
 class KeyUpdate(Limits):
-    name: str | None = Field(None, max_length=128)
+    name: Name | None = Field(None, max_length=128)
     priority_floor: int | None = Field(None, ge=-1000, le=1000)
     max_in_flight: int | None = Field(None, ge=1, le=100_000)
 

@@ -279,3 +279,67 @@ def test_a_request_over_the_whole_tpm_limit_is_not_told_to_retry(make_gateway, t
     error = too_big.json()["error"]
     assert error["code"] == "request_too_large" and "tpm" in error["message"] and "50" in error["message"]
     assert fits.status_code == 200
+
+
+# ---- 7: no control characters in names; a CR in a CSV cell is quoted, so the formula guard holds ----
+
+
+def test_names_with_control_or_bidi_characters_are_refused(make_gateway, tmp_path):
+    from tests.support.gateway import admin_headers
+
+    with serving(make_gateway(), tmp_path) as http:
+        team = create_team(http, "alpha")
+        statuses = [
+            http.post("/admin/api/teams", json={"name": "\r=1+1"}, headers=admin_headers()).status_code,
+            http.post("/admin/api/teams", json={"name": "evil\u202etxt.exe"}, headers=admin_headers()).status_code,
+            http.patch(f"/admin/api/teams/{team['id']}", json={"name": "a\nb"}, headers=admin_headers()).status_code,
+            http.post(
+                "/admin/api/keys", json={"team_id": team["id"], "name": "k\x00"}, headers=admin_headers()
+            ).status_code,
+        ]
+        fine = http.post("/admin/api/teams", json={"name": "Équipe ünïcode 東京"}, headers=admin_headers())
+    assert statuses == [400, 400, 400, 400] or statuses == [422] * 4, statuses
+    assert fine.status_code == 201
+
+
+def test_a_carriage_return_in_a_name_is_quoted_in_the_usage_csv(make_gateway, tmp_path):
+    import csv
+    import io
+
+    from app.tables import Team
+    from tests.support.gateway import admin_headers
+
+    gateway = make_gateway()
+    with serving(gateway, tmp_path) as http:
+        team = create_team(http, "alpha")
+        key = create_key(http, team["id"])["key"]
+        with gateway.sessions() as session, session.begin():  # a name stored before names were checked
+            session.get(Team, team["id"]).name = "\r=1+1"
+        assert http.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)).status_code == 200
+        assert gateway.writer.flush(10)
+        text = http.get("/admin/api/usage.csv?group_by=team", headers=admin_headers()).text
+    assert "\"'\r=1+1\"" in text  # quoted: a spreadsheet keeps the CR inside the cell
+    cells = [cell for row in csv.reader(io.StringIO(text, newline="")) for cell in row]
+    assert "'\r=1+1" in cells and not any(cell.startswith("=") for cell in cells)
+
+
+def test_an_uploaded_files_name_loses_its_control_and_bidi_characters(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path) as http:
+        client = team_client(http)
+        uploaded = client.files.create(file=("invoice\u202egpj\u2066.exe", b"hello"), purpose="user_data")
+        listed = client.files.retrieve(uploaded.id)
+    assert uploaded.filename == listed.filename == "invoicegpj.exe"
+
+
+# ---- smaller: best_of is refused, not silently ignored ----
+
+
+def test_best_of_is_refused_with_a_clear_error(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path) as http:
+        key = team_key(http)
+        body = {"model": FAKE_MODEL, "prompt": "say hello", "max_tokens": 3, "best_of": 3}
+        refused = http.post("/v1/completions", json=body, headers=bearer(key))
+        one = http.post("/v1/completions", json={**body, "best_of": 1}, headers=bearer(key))
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "best_of" and "best_of" in refused.json()["error"]["message"]
+    assert one.status_code == 200  # best_of 1 is what runs anyway
