@@ -37,6 +37,11 @@ def expiry_after(seconds: object, param: str) -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def private_file(path: Path) -> BinaryIO:
+    """A new file only the server's user can read, whatever the umask (a team's data)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
 def live(row: StoredFile | None, now: datetime) -> bool:
     return row is not None and (row.expires_at is None or row.expires_at > now)
 
@@ -80,11 +85,11 @@ class FileStore:
     ) -> StoredFile:
         """Copy `source` in under a new id; refused (400) past max_bytes, with nothing left behind."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = self.folder / f".{file_id}.part"
         size = 0
         try:
-            with open(partial, "wb") as out:
+            with private_file(partial) as out:
                 while chunk := source.read(COPY_CHUNK):
                     size += len(chunk)
                     if size > self.max_bytes:
@@ -117,9 +122,9 @@ class FileStore:
     ) -> StoredFile:
         """A file we make ourselves (a batch's output or errors); no cap."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = self.folder / f".{file_id}.part"
-        with open(partial, "wb") as out:
+        with private_file(partial) as out:
             out.writelines(lines)
         os.replace(partial, self.path_of(file_id))
         return self.record(

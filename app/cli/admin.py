@@ -23,9 +23,11 @@ from app.gateway.reports import parse_duration, parse_group_by, parse_when, repo
 
 
 def _open(args: argparse.Namespace):
+    from app.data_dir import make_private
     from app.settings import settings_from
 
     settings = settings_from({"database_url": args.database_url, "data_dir": args.data_dir}, os.environ)
+    make_private(settings.data_dir)  # the first command may create the SQLite database there
     engine = make_engine(settings.database_url)
     migrate(engine)
     return engine, session_factory(engine)

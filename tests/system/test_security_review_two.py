@@ -343,3 +343,68 @@ def test_best_of_is_refused_with_a_clear_error(make_gateway, tmp_path):
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "best_of" and "best_of" in refused.json()["error"]["message"]
     assert one.status_code == 200  # best_of 1 is what runs anyway
+
+
+# ---- 11: the data folder and everything in it is private to the server's user, later files too ----
+
+
+def test_the_data_folder_is_private_also_for_files_made_later(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    import httpx
+    import uvicorn
+
+    from app.cli.main import main
+    from app.gateway.wiring import gateway_from_settings
+    from app.main import create_app
+    from tests.support.gateway import ADMIN_KEY, FakeEngine, admin_headers, serve_in_thread
+
+    class StoppableFakeEngine(FakeEngine):
+        def shutdown(self) -> None:
+            pass
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir(mode=0o755)
+    (data_dir / "old.log").write_text("from an older version")
+    (data_dir / "old.log").chmod(0o644)
+    monkeypatch.setenv("TOKENMILL_ADMIN_KEY", ADMIN_KEY)
+    monkeypatch.delenv("TOKENMILL_DATABASE_URL", raising=False)
+    monkeypatch.setattr(
+        "app.scaleout.replica_app.build_server",
+        lambda settings, migrated=False: (
+            create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)),
+            engine,
+        ),
+    )
+
+    def probe(url: str) -> None:
+        team = httpx.post(url + "/admin/api/teams", json={"name": "t"}, headers=admin_headers()).json()
+        key = httpx.post(url + "/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()
+        uploaded = httpx.post(
+            url + "/v1/files",
+            files={"file": ("in.jsonl", b"{}\n")},
+            data={"purpose": "user_data"},
+            headers=bearer(key["key"]),
+        )
+        assert uploaded.status_code == 200, uploaded.text
+
+    def run(app, **options) -> None:
+        options = {name: value for name, value in options.items() if name not in ("host", "port")}
+        with serve_in_thread(app, **options) as url:
+            probe(url)
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    umask = os.umask(0o022)
+    try:
+        assert main(["serve", "--data-dir", str(data_dir), "--log-level", "warning"]) == 0
+    finally:
+        os.umask(umask)  # serve set the process's umask; the other tests expect the usual one
+    modes = {
+        str(path.relative_to(data_dir)): stat.S_IMODE(path.lstat().st_mode)
+        for path in [data_dir, *data_dir.rglob("*")]
+        if not path.is_symlink()
+    }
+    assert "tokenmill.db" in modes and any(name.startswith("files/file-") for name in modes), modes
+    loose = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}
+    assert not loose, loose
