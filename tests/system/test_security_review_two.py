@@ -408,3 +408,50 @@ def test_the_data_folder_is_private_also_for_files_made_later(tmp_path, monkeypa
     assert "tokenmill.db" in modes and any(name.startswith("files/file-") for name in modes), modes
     loose = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}
     assert not loose, loose
+
+
+# ---- 1: /v1/responses truncation "auto": cheap checks first, one pass over the turns ----
+
+
+def counting_renders(monkeypatch) -> list[int]:
+    """How many times the whole conversation is rendered through the chat template, one entry each."""
+    import app.api.responses as responses
+
+    calls: list[int] = []
+    real = responses.prepare_chat
+
+    def prepare_chat(tokenizer, body):
+        calls.append(len(body.messages))
+        return real(tokenizer, body)
+
+    monkeypatch.setattr(responses, "prepare_chat", prepare_chat)
+    return calls
+
+
+def many_turns(count: int) -> list[dict]:
+    return [{"role": "user", "content": "say hello world one two three"} for _ in range(count)]
+
+
+def test_auto_truncation_renders_the_conversation_a_few_times_not_once_per_dropped_turn(
+    make_gateway, tmp_path, monkeypatch
+):
+    renders = counting_renders(monkeypatch)
+    with serving(make_gateway(), tmp_path) as http:
+        key = team_key(http)
+        body = {"model": FAKE_MODEL, "input": many_turns(2000), "truncation": "auto", "max_output_tokens": 5}
+        response = http.post("/v1/responses", json=body, headers=bearer(key))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["input_tokens"] <= 4096 - 5
+    assert len(renders) <= 4, len(renders)  # before: one render per dropped turn, ~1,400 of them
+
+
+def test_hopeless_responses_requests_are_refused_before_any_rendering(make_gateway, tmp_path, monkeypatch):
+    renders = counting_renders(monkeypatch)
+    with serving(make_gateway(), tmp_path) as http:
+        key = team_key(http)
+        no_room = {"model": FAKE_MODEL, "input": many_turns(2000), "truncation": "auto", "max_output_tokens": 4096}
+        too_many = {"model": FAKE_MODEL, "input": [{"role": "user", "content": "hi"}] * 10_001, "truncation": "auto"}
+        refused = [http.post("/v1/responses", json=body, headers=bearer(key)) for body in (no_room, too_many)]
+    assert [r.status_code for r in refused] == [400, 400], [r.text for r in refused]
+    assert [r.json()["error"]["param"] for r in refused] == ["max_output_tokens", "input"]
+    assert renders == []
