@@ -45,6 +45,7 @@ class Team(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime)
     scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share of the engine vs other teams
     cache_group: Mapped[str | None] = mapped_column(String(64))  # teams in one group reuse each other's prefixes
+    file_quota_bytes: Mapped[int | None] = mapped_column(BigInteger)  # Files API storage; None: the server's default
 
     __table_args__ = (
         Index(

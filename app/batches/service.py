@@ -32,7 +32,9 @@ class BatchService:
     def create(
         cls, app: ASGIApp, sessions: sessionmaker[Session], settings: Settings, keys: KeyCache | None = None
     ) -> BatchService:
-        files = FileStore(sessions, Path(settings.files_dir), settings.max_file_bytes)
+        files = FileStore(
+            sessions, Path(settings.files_dir), settings.max_file_bytes, settings.default_file_quota_bytes
+        )
         jobs = BatchStore(sessions)
         runner = BatchRunner(
             app,

@@ -99,6 +99,19 @@ def engine_share(request: Request, team_id: int) -> dict[str, int]:
     return share
 
 
+def file_storage(request: Request, team_id: int) -> dict[str, int]:
+    """The team's Files API storage: bytes stored, its quota, and the server's default quota."""
+    batches = getattr(request.app.state, "batches", None)
+    if batches is None:
+        return {"stored": 0, "quota": 0, "default_quota": 0}
+    files = batches.files
+    return {
+        "stored": files.stored_bytes(team_id),
+        "quota": files.quota_of(team_id),
+        "default_quota": files.default_quota_bytes,
+    }
+
+
 def team_page(
     request: Request,
     session_,
@@ -124,6 +137,7 @@ def team_page(
         team=team,
         keys=keys[:PAGE_SIZE],
         engine_share=engine_share(request, team_id),
+        file_storage=file_storage(request, team_id),
         next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None,
         after=after,
         revoked=revoked,

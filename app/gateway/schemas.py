@@ -49,6 +49,9 @@ class TeamShare(Limits):
 
 class TeamCreate(TeamShare):
     name: Name = Field(min_length=1, max_length=128)
+    file_quota_bytes: int | None = Field(
+        None, ge=0, le=2**62, description="bytes its files may take in the Files API; null: the server's default"
+    )
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "scheduling_weight"))
 
@@ -56,6 +59,7 @@ class TeamCreate(TeamShare):
 class TeamUpdate(TeamShare):
     name: Name | None = Field(None, min_length=1, max_length=128)
     blocked: bool | None = None
+    file_quota_bytes: int | None = Field(None, ge=0, le=2**62, description="null: the server's default")
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name", "blocked", "scheduling_weight"))
 
@@ -109,6 +113,7 @@ class TeamView(_View):
     blocked: bool
     scheduling_weight: float
     cache_group: str | None
+    file_quota_bytes: int | None
     expires_at: datetime | None
     created_at: datetime
     last_used_at: datetime | None

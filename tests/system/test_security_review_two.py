@@ -10,6 +10,7 @@ import json
 import time
 
 import openai
+import pytest
 
 from tests.support.batches import download, jsonl, line, serving, submit, team_client, wait_for
 from tests.support.gateway import FAKE_MODEL, bearer, chat_body, create_key, create_team
@@ -455,3 +456,70 @@ def test_hopeless_responses_requests_are_refused_before_any_rendering(make_gatew
     assert [r.status_code for r in refused] == [400, 400], [r.text for r in refused]
     assert [r.json()["error"]["param"] for r in refused] == ["max_output_tokens", "input"]
     assert renders == []
+
+
+# ---- 10: files have a per-team storage quota, and uploads count against rpm ----
+
+
+def test_a_team_over_its_file_quota_gets_a_clear_error(make_gateway, tmp_path):
+    from tests.support.gateway import admin_headers
+
+    with serving(make_gateway(), tmp_path) as http:
+        team = create_team(http, "alpha")
+        set_quota = http.patch(
+            f"/admin/api/teams/{team['id']}", json={"file_quota_bytes": 1000}, headers=admin_headers()
+        )
+        assert set_quota.status_code == 200 and set_quota.json()["file_quota_bytes"] == 1000, set_quota.text
+        client = openai_client(http, create_key(http, team["id"])["key"])
+        client.files.create(file=("a.txt", b"x" * 600), purpose="user_data")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.files.create(file=("b.txt", b"x" * 600), purpose="user_data")
+        error = refused.value.body
+        assert error["code"] == "storage_quota_exceeded" and "1000" in error["message"]
+        assert len(client.files.list().data) == 1  # nothing of the refused upload is kept
+        page = http.get(f"/admin/api/teams/{team['id']}", headers=admin_headers()).json()
+    assert page["file_quota_bytes"] == 1000
+
+
+def test_a_team_has_a_default_file_quota(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path, default_file_quota_bytes=1000) as http:
+        client = team_client(http)
+        client.files.create(file=("a.txt", b"x" * 900), purpose="user_data")
+        with pytest.raises(openai.BadRequestError):
+            client.files.create(file=("b.txt", b"x" * 200), purpose="user_data")
+
+
+def test_uploads_count_against_the_keys_rpm(make_gateway, tmp_path):
+    with serving(make_gateway(), tmp_path) as http:
+        client = openai_client(http, team_key(http, rpm_limit=1))
+        client.files.create(file=("a.txt", b"x"), purpose="user_data")
+        with pytest.raises(openai.RateLimitError):
+            client.files.create(file=("b.txt", b"x"), purpose="user_data")
+
+
+def test_the_team_page_shows_and_sets_the_file_quota(make_gateway, tmp_path):
+    from tests.support.dashboard import DashboardClient
+
+    gateway = make_gateway()
+    with serving(gateway, tmp_path) as http:
+        admin = DashboardClient(http, gateway, http.app)
+        admin.log_in()
+        team_id = admin.create_team("alpha")
+        saved = admin.post(f"/admin/teams/{team_id}", name="alpha", budget_period="month", file_quota_bytes="5000")
+        assert saved.status_code == 303, saved.text
+        page = http.get(f"/admin/teams/{team_id}").text
+    assert 'name="file_quota_bytes" inputmode="numeric" value="5000"' in page
+    assert "Files stored: 0 of 5,000 bytes." in page
+
+
+def test_the_cli_creates_a_team_with_a_file_quota(tmp_path, capsys):
+    from sqlalchemy import create_engine, select
+
+    from app.cli.main import main
+    from app.tables import Team
+
+    database_url = f"sqlite:///{tmp_path / 'cli.db'}"
+    flags = ["--database-url", database_url, "--data-dir", str(tmp_path)]
+    assert main(["teams", "create", "alpha", "--file-quota-bytes", "12345", *flags]) == 0
+    with create_engine(database_url).connect() as connection:
+        assert connection.execute(select(Team.file_quota_bytes)).scalar_one() == 12345
