@@ -81,10 +81,11 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
             raise response_not_found(body.previous_response_id, param="previous_response_id")
         earlier = previous.conversation
     assert body.input is not None  # check_fields refused a request without one
-    conversation = [*earlier, *normalize_input(body.input, earlier)]
+    own_input = normalize_input(body.input, earlier)
+    conversation = [*earlier, *own_input]
     return await server.with_model(
         body.model,
-        lambda context: run_response(request, context, principal, body, conversation, server.responses),
+        lambda context: run_response(request, context, principal, body, conversation, own_input, server.responses),
         principal=principal,
         kind="chat",
     )
@@ -96,6 +97,7 @@ async def run_response(
     principal: Principal,
     body: ResponsesRequest,
     conversation: list[dict],
+    own_input: list[dict],
     store: ResponseStore,
 ):
     check_before_rendering(body, conversation, context.engine.max_model_len)
@@ -127,7 +129,8 @@ async def run_response(
     except Exception:
         tracker.finish("rejected")
         raise
-    save = functools.partial(store.save, principal.team_id, input_items=conversation) if body.stores else None
+    # Only this turn's items: the earlier ones are stored with their own responses (the chain rebuilds them).
+    save = functools.partial(store.save, principal.team_id, input_items=own_input) if body.stores else None
     if body.stream:
         obfuscate = bool((body.stream_options or {}).get("include_obfuscation"))
         context.streaming = True

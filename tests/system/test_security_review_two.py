@@ -523,3 +523,32 @@ def test_the_cli_creates_a_team_with_a_file_quota(tmp_path, capsys):
     assert main(["teams", "create", "alpha", "--file-quota-bytes", "12345", *flags]) == 0
     with create_engine(database_url).connect() as connection:
         assert connection.execute(select(Team.file_quota_bytes)).scalar_one() == 12345
+
+
+# ---- 9: a stored conversation keeps each turn's own input once; the chain is rebuilt on reading ----
+
+
+def test_stored_conversations_grow_linearly_and_list_the_whole_input(make_gateway, tmp_path):
+    from sqlalchemy import select
+
+    from app.tables import StoredResponseItem
+
+    gateway = make_gateway()
+    turn_text = "say hello " * 2000  # 20 KB a turn
+    with serving(gateway, tmp_path) as http:
+        key = team_key(http)
+        previous = None
+        for _ in range(12):
+            body = {"model": FAKE_MODEL, "input": turn_text, "max_output_tokens": 2, "store": True}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            answered = http.post("/v1/responses", json=body, headers=bearer(key))
+            assert answered.status_code == 200, answered.text
+            previous = answered.json()["id"]
+        items = http.get(f"/v1/responses/{previous}/input_items?limit=100&order=asc", headers=bearer(key)).json()
+    with gateway.sessions() as session:
+        stored = sum(len(json.dumps(item)) for item in session.scalars(select(StoredResponseItem.item)))
+    sent = 12 * len(turn_text)
+    assert stored < 1.2 * sent, (stored, sent)  # before: 1 + 2 + ... + 12 turns, 6.5x what was sent
+    roles = [item["role"] for item in items["data"]]
+    assert roles == ["user", "assistant"] * 11 + ["user"]  # the whole input, earlier outputs included
