@@ -101,7 +101,7 @@ def create_app(
         dashboard = install_dashboard(app, gateway)  # /admin pages
         parts.append((dashboard.sampler.astart, dashboard.sampler.stop))
         # Started once the models are, stopped before them: lines in flight end before the engine does.
-        app.state.batches = batch_service = BatchService.create(app, gateway.sessions, settings)
+        app.state.batches = batch_service = BatchService.create(app, gateway.sessions, settings, gateway.keys)
         path_caps["/v1/files"] = batch_service.upload_cap
         parts.append((batch_service.runner.start, batch_service.runner.stop))
         parts.append((batch_service.sweeper.start, batch_service.sweeper.stop))

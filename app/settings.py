@@ -67,6 +67,7 @@ class Settings:
     instance_id: str | None = None  # this replica's name on its usage rows (a Ray Serve replica id, a pod name)
     files_dir: str = ""  # bytes of the Files API; empty: "files" in data_dir
     max_file_bytes: int = 100 * 1024 * 1024  # largest upload to /v1/files
+    default_file_quota_bytes: int = 1024**3  # what a team's files may take in all, unless its own quota says
     max_batch_lines: int = 50_000  # most requests in one batch's input file
     batch_max_in_flight: int = 8  # batch lines in the engine at once (all batches together)
     # Single sign-on to the dashboard (OpenID Connect); empty issuer: the admin key is the only login.
@@ -121,6 +122,8 @@ class Settings:
                     raise SettingsError(f"forwarded_allow_ips: {entry!r} is not an IP address or network") from None
         if self.max_file_bytes < 1:
             raise SettingsError("max_file_bytes must be at least 1")
+        if self.default_file_quota_bytes < 0:
+            raise SettingsError("default_file_quota_bytes must not be negative")
         if self.max_batch_lines < 1:
             raise SettingsError("max_batch_lines must be at least 1")
         if self.batch_max_in_flight < 1:
@@ -307,6 +310,12 @@ OPTIONS: tuple[Option, ...] = (
         "folder for the bytes of uploaded and batch output files (default: files in the data folder)",
     ),
     Option("--max-file-bytes", "max_file_bytes", int, "largest file /v1/files accepts"),
+    Option(
+        "--default-file-quota-bytes",
+        "default_file_quota_bytes",
+        int,
+        "bytes a team's files may take in all (a team's own file_quota_bytes goes over it)",
+    ),
     Option("--max-batch-lines", "max_batch_lines", int, "most requests in one batch"),
     Option(
         "--batch-max-in-flight",

@@ -46,6 +46,7 @@ class Team(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(DateTime)
     scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0)  # its share of the engine vs other teams
     cache_group: Mapped[str | None] = mapped_column(String(64))  # teams in one group reuse each other's prefixes
+    file_quota_bytes: Mapped[int | None] = mapped_column(BigInteger)  # Files API storage; None: the server's default
 
     __table_args__ = (
         Index(
@@ -186,6 +187,9 @@ class StoredResponse(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     expires_at: Mapped[datetime] = mapped_column(DateTime)
     body: Mapped[dict[str, Any]] = mapped_column(JSON)  # the Response object
+    # True: its items are this turn's own input only, the earlier turns are read through the chain of
+    # body["previous_response_id"]; False (rows from before): its items are the whole conversation.
+    chained: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
 
     __table_args__ = (
         Index("ix_responses_team_created", "team_id", "created_at"),
@@ -194,8 +198,8 @@ class StoredResponse(Base):
 
 
 class StoredResponseItem(Base):
-    """One input item of a stored response, in order: the whole conversation it answered, so turn n+1
-    (previous_response_id) reads turn n's items and output without walking a chain."""
+    """One input item of a stored response, in order: the items its own request sent (earlier turns are
+    stored once, with their own responses, and read back through previous_response_id)."""
 
     __tablename__ = "response_input_items"
 

@@ -50,7 +50,7 @@ async def create_batch(request: Request, principal: PrincipalDep, batches: Batch
         raise invalid_request(
             f"The input file's purpose is {row.purpose!r}; upload it with purpose 'batch'.", param="input_file_id"
         )
-    total = await run_in_threadpool(count_lines, path)
+    total = await run_in_threadpool(count_lines, path, batches.max_line_bytes)
     if total == 0:
         raise invalid_request("The input file has no requests.", param="input_file_id", code="empty_file")
     if total > batches.max_batch_lines:

@@ -13,13 +13,17 @@ from starlette.datastructures import UploadFile
 from app.api.deps import BatchesDep, PrincipalDep
 from app.api.pages import list_page
 from app.batches.files import UPLOAD_PURPOSES, expiry_after, file_view
-from app.errors import invalid_request
+from app.errors import OpenAIError, invalid_request
+from app.gateway.auth import KeyPrincipal
+from app.gateway.contract import Principal
+from app.gateway.names import without_unsafe_characters
 
 router = APIRouter()
 
 
 @router.post("/v1/files")
 async def upload_file(request: Request, principal: PrincipalDep, batches: BatchesDep) -> Any:
+    await count_against_rate_limits(request, principal)
     form = await request.form(max_files=1, max_fields=8)
     try:
         upload = form.get("file")
@@ -32,13 +36,31 @@ async def upload_file(request: Request, principal: PrincipalDep, batches: Batche
             batches.files.save,
             team_id=principal.team_id,
             purpose=str(purpose),
-            filename=upload.filename or "upload",
+            filename=without_unsafe_characters(upload.filename or "").strip() or "upload",
             source=upload.file,
             expires_after=upload_expiry(form.get("expires_after[anchor]"), form.get("expires_after[seconds]")),
         )
     finally:
         await form.close()
     return JSONResponse(file_view(row))
+
+
+async def count_against_rate_limits(request: Request, principal: Principal) -> None:
+    """An upload is a request of the key and its team: it counts against their rpm (429 past it), before
+    any of its bytes are read."""
+    gateway = getattr(request.app.state, "gateway", None)
+    if gateway is None or not isinstance(principal, KeyPrincipal) or principal.batch:
+        return
+    decision = await gateway.limiter.acquire(principal.rate_scopes, 0)
+    if not decision.allowed:
+        headers = decision.headers()
+        raise OpenAIError(
+            429,
+            f"Rate limit reached for {decision.exceeded} per {gateway.limiter.window_s:g}s; uploads count as requests.",
+            type=decision.exceeded,
+            code="rate_limit_exceeded",
+            headers=headers,
+        )
 
 
 def upload_expiry(anchor: object, seconds: object) -> timedelta | None:

@@ -22,7 +22,7 @@ from app.errors import OpenAIError, invalid_request, server_error
 from app.gateway.contract import Principal
 from app.serving.body import read_body
 from app.serving.context import ModelContext
-from app.serving.responses.items import chat_messages, new_item_id, normalize_input, output_items
+from app.serving.responses.items import chat_messages, message_text, new_item_id, normalize_input, output_items
 from app.serving.responses.output import ResponseEvents, ResponseHeader, final_status, response_usage
 from app.serving.responses.request import ResponsesRequest, check_fields
 from app.serving.responses.store import ResponseStore
@@ -84,10 +84,11 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
             raise response_not_found(body.previous_response_id, param="previous_response_id")
         earlier = previous.conversation
     assert body.input is not None  # check_fields refused a request without one
-    conversation = [*earlier, *normalize_input(body.input, earlier)]
+    own_input = normalize_input(body.input, earlier)
+    conversation = [*earlier, *own_input]
     return await server.with_model(
         body.model,
-        lambda context: run_response(request, context, principal, body, conversation, server.responses),
+        lambda context: run_response(request, context, principal, body, conversation, own_input, server.responses),
         principal=principal,
         kind="chat",
     )
@@ -99,8 +100,10 @@ async def run_response(
     principal: Principal,
     body: ResponsesRequest,
     conversation: list[dict[str, Any]],
+    own_input: list[dict[str, Any]],
     store: ResponseStore,
 ) -> Any:
+    check_before_rendering(body, conversation, context.engine.max_model_len)
     chat_body, plan, prompt_ids = await run_in_threadpool(
         prepare, context.engine.tokenizer, body, conversation, context.engine.max_model_len
     )
@@ -129,7 +132,8 @@ async def run_response(
     except Exception:
         tracker.finish("rejected")
         raise
-    save = functools.partial(store.save, principal.team_id, input_items=conversation) if body.stores else None
+    # Only this turn's items: the earlier ones are stored with their own responses (the chain rebuilds them).
+    save = functools.partial(store.save, principal.team_id, input_items=own_input) if body.stores else None
     if body.stream:
         obfuscate = bool((body.stream_options or {}).get("include_obfuscation"))
         context.streaming = True
@@ -140,30 +144,90 @@ async def run_response(
     return JSONResponse(response, headers=headers)
 
 
+MAX_CONVERSATION_ITEMS = 10_000  # input items of one request, earlier turns included
+
+
+def check_before_rendering(body: ResponsesRequest, conversation: list[dict[str, Any]], max_model_len: int) -> None:
+    """What can be refused without rendering or tokenizing anything: a conversation of too many items, and
+    a max_output_tokens that leaves no room for any input (truncation would drop every turn to find out)."""
+    if len(conversation) > MAX_CONVERSATION_ITEMS:
+        raise invalid_request(
+            f"The conversation has {len(conversation)} items; at most {MAX_CONVERSATION_ITEMS} are supported.",
+            param="input",
+        )
+    if body.max_output_tokens is not None and body.max_output_tokens >= max_model_len:
+        raise invalid_request(
+            f"max_output_tokens ({body.max_output_tokens}) leaves no room for the input in this model's context "
+            f"of {max_model_len} tokens.",
+            param=MAX_TOKENS_PARAM,
+        )
+
+
 def prepare(
     tokenizer: PreTrainedTokenizerBase, body: ResponsesRequest, conversation: list[dict[str, Any]], max_model_len: int
 ) -> tuple[ChatCompletionRequest, StructuredPlan, list[int]]:
-    """The request in chat's shape, the plan and the prompt's token ids. With truncation 'auto', the oldest turns
-    are left out of the prompt (never out of what is stored) until it fits. Blocking."""
-    while True:
-        chat_body = renamed_errors(lambda: chat_request(body, chat_messages(body.instructions, conversation)))
+    """The request in chat's shape, the plan and the prompt's token ids. With truncation 'auto', the oldest
+    turns are left out of the prompt (never out of what is stored) until it fits: each turn's size is
+    counted once and as many turns as the overflow needs are dropped at a time, so the conversation is
+    rendered a few times, not once per dropped turn (2,000 items took 76 s that way). Blocking."""
+
+    def render(items: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, StructuredPlan, list[int]]:
+        chat_body = renamed_errors(lambda: chat_request(body, chat_messages(body.instructions, items)))
         plan, prompt_ids = renamed_errors(lambda: prepare_chat(tokenizer, chat_body))
-        room = max_model_len - (body.max_output_tokens or 1)
-        shorter = oldest_turn_dropped(conversation) if body.truncation == "auto" and len(prompt_ids) > room else None
-        if shorter is None:
-            return chat_body, plan, prompt_ids
-        conversation = shorter
+        return chat_body, plan, prompt_ids
+
+    prepared = render(conversation)
+    room = max_model_len - (body.max_output_tokens or 1)
+    if body.truncation != "auto" or len(prepared[2]) <= room:
+        return prepared
+    kept, turns = split_turns(conversation)
+    sizes = turn_sizes(tokenizer, turns, len(prepared[2]), len(conversation))
+    dropped = 0
+    while len(prepared[2]) > room and dropped < len(turns) - 1:
+        overflow, freed = len(prepared[2]) - room, 0
+        while dropped < len(turns) - 1 and freed < overflow:  # drop from the front by counting
+            freed += sizes[dropped]
+            dropped += 1
+        prepared = render(kept + [item for turn in turns[dropped:] for item in turn])
+    return prepared
 
 
-def oldest_turn_dropped(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The conversation without its first user turn and what answered it (system and developer messages
-    stay); None when no earlier turn is left to drop."""
+def split_turns(conversation: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
+    """The system and developer messages (always kept), and the rest as turns: each user message with what
+    follows it up to the next one (anything before the first user message belongs to the first turn)."""
     kept = [item for item in conversation if item.get("role") in ("system", "developer")]
-    rest = [item for item in conversation if item.get("role") not in ("system", "developer")]
-    user_turns = [index for index, item in enumerate(rest) if item.get("role") == "user"]
-    if len(user_turns) < 2:
-        return None
-    return kept + rest[user_turns[1] :]
+    turns: list[list[dict[str, Any]]] = []
+    for item in conversation:
+        if item.get("role") in ("system", "developer"):
+            continue
+        if item.get("role") == "user" and turns and any(i.get("role") == "user" for i in turns[-1]):
+            turns.append([item])
+        elif turns:
+            turns[-1].append(item)
+        else:
+            turns.append([item])
+    return kept, turns
+
+
+def turn_sizes(tokenizer: Any, turns: list[list[dict[str, Any]]], rendered_tokens: int, item_count: int) -> list[int]:
+    """Each turn's tokens, estimated in one pass: its texts tokenized once (in one batch), plus each item's
+    share of what the template adds around them."""
+    texts = [item_text(item) for turn in turns for item in turn]
+    counts = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    overhead = max(0, rendered_tokens - sum(counts)) // max(1, item_count)
+    sizes, position = [], 0
+    for turn in turns:
+        sizes.append(sum(counts[position : position + len(turn)]) + overhead * len(turn))
+        position += len(turn)
+    return sizes
+
+
+def item_text(item: dict[str, Any]) -> str:
+    if item["type"] == "message":
+        return message_text(item)
+    if item["type"] == "function_call":
+        return f"{item['name']} {item['arguments']}"
+    return str(item.get("output", ""))
 
 
 async def whole_response(

@@ -12,12 +12,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sqlalchemy import or_, select, tuple_
+from sqlalchemy import func, or_, select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.errors import OpenAIError, invalid_request
 from app.gateway.crud import utcnow
-from app.tables import StoredFile
+from app.tables import StoredFile, Team
 
 UPLOAD_PURPOSES = ("batch", "user_data")  # what a client may upload; batch_output is ours
 COPY_CHUNK = 1024 * 1024
@@ -35,6 +35,11 @@ def expiry_after(seconds: object, param: str) -> timedelta:
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not low <= seconds <= high:
         raise invalid_request(f"{param}.seconds must be a whole number from {low} to {high}.", param=f"{param}.seconds")
     return timedelta(seconds=seconds)
+
+
+def private_file(path: Path) -> BinaryIO:
+    """A new file only the server's user can read, whatever the umask (a team's data)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
 
 def live(row: StoredFile | None, now: datetime) -> bool:
@@ -65,6 +70,21 @@ class FileStore:
     sessions: sessionmaker[Session]
     folder: Path
     max_bytes: int
+    default_quota_bytes: int = 1024**3  # a team's files in all, unless the team's file_quota_bytes says
+
+    def quota_of(self, team_id: int | None) -> int:
+        if team_id is None:
+            return self.default_quota_bytes
+        with self.sessions() as session:
+            own = session.scalar(select(Team.file_quota_bytes).where(Team.id == team_id))
+        return self.default_quota_bytes if own is None else own
+
+    def stored_bytes(self, team_id: int | None) -> int:
+        """What the team's live files take (uploads and batch results alike)."""
+        unexpired = or_(StoredFile.expires_at.is_(None), StoredFile.expires_at > utcnow())
+        query = select(func.coalesce(func.sum(StoredFile.bytes), 0)).where(StoredFile.team_id == team_id, unexpired)
+        with self.sessions() as session:
+            return int(session.scalar(query) or 0)
 
     def path_of(self, file_id: str) -> Path:
         return self.folder / file_id
@@ -78,15 +98,27 @@ class FileStore:
         source: BinaryIO,
         expires_after: timedelta | None = None,
     ) -> StoredFile:
-        """Copy `source` in under a new id; refused (400) past max_bytes, with nothing left behind."""
+        """Copy `source` in under a new id; refused (400) past max_bytes or past what is left of the team's
+        storage quota, with nothing left behind. (Two uploads at once may each fit what is left: the quota
+        can be passed by at most one file's size.)"""
+        quota = self.quota_of(team_id)
+        room = quota - self.stored_bytes(team_id)
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = self.folder / f".{file_id}.part"
         size = 0
         try:
-            with open(partial, "wb") as out:
+            with private_file(partial) as out:
                 while chunk := source.read(COPY_CHUNK):
                     size += len(chunk)
+                    if size > room and room < self.max_bytes:
+                        raise OpenAIError(
+                            400,
+                            f"This upload would pass the team's file storage quota of {quota} bytes "
+                            f"({max(0, room)} left); delete files or ask an admin for a larger quota.",
+                            param="file",
+                            code="storage_quota_exceeded",
+                        )
                     if size > self.max_bytes:
                         raise invalid_request(
                             f"The file is larger than the {self.max_bytes} bytes a file may have.",
@@ -117,9 +149,9 @@ class FileStore:
     ) -> StoredFile:
         """A file we make ourselves (a batch's output or errors); no cap."""
         file_id = f"file-{uuid.uuid4().hex[:24]}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = self.folder / f".{file_id}.part"
-        with open(partial, "wb") as out:
+        with private_file(partial) as out:
             out.writelines(lines)
         os.replace(partial, self.path_of(file_id))
         return self.record(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
@@ -155,16 +156,16 @@ class BatchStore:
 
     # the runner's side
 
-    def claim_next(self, runner_id: str, lease: timedelta) -> BatchJob | None:
-        """The oldest batch with work left that no other runner holds, now held by `runner_id` for
-        `lease`: batches run one after another, in the order they came, each by one runner at a time."""
+    def claim_next(self, runner_id: str, lease: timedelta, skip: Collection[str] = ()) -> BatchJob | None:
+        """The oldest batch with work left that no other runner holds (and not in `skip`: those this runner
+        runs already or waits to retry), now held by `runner_id` for `lease`: each by one runner at a time."""
         now = utcnow()
         free = or_(BatchJob.runner_id.is_(None), BatchJob.runner_id == runner_id, BatchJob.lease_expires_at < now)
         with self.sessions() as session:
             candidates = list(
                 session.scalars(
                     select(BatchJob.id)
-                    .where(BatchJob.status.in_(ACTIVE), free)
+                    .where(BatchJob.status.in_(ACTIVE), free, BatchJob.id.not_in(list(skip)))
                     .order_by(BatchJob.created_at, BatchJob.id)
                     .limit(8)
                 )

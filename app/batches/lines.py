@@ -2,15 +2,22 @@
 
 An input line is `{"custom_id": ..., "method": "POST", "url": <the batch's endpoint>, "body": {...}}`.
 One that is not goes to the error file with its custom_id (when it has one) and an error saying why; the
-body itself is judged later, by the endpoint's own route."""
+body itself is judged later, by the endpoint's own route.
+
+Lines are read one at a time, never the whole file: a line longer than the request size cap is refused
+unread (a 48 MB line parsed whole cost 1 GB of memory), and any failure to parse a line (a line nested
+too deep for the parser included) is that line's error alone."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+SKIP_CHUNK = 1024 * 1024  # how much of an over-long line is read (and dropped) at a time
 
 
 @dataclass(frozen=True)
@@ -19,27 +26,55 @@ class InputLine:
     custom_id: str | None
     body: bytes | None  # the request body to send; None when the line is malformed
     problem: str | None = None  # why it is malformed
+    code: str = "invalid_request"  # the error file's code for a malformed line
 
 
-def count_lines(path: Path) -> int:
+def raw_lines(source: BinaryIO, max_line_bytes: int) -> Iterator[bytes | None]:
+    """The file's non-blank lines, one at a time; None for a line longer than `max_line_bytes`, which is
+    skipped in chunks without being held."""
+    while line := source.readline(max_line_bytes + 2):  # room for the line, its newline and one byte more
+        if len(line) > max_line_bytes + 1 or (len(line) == max_line_bytes + 1 and not line.endswith(b"\n")):
+            while line and not line.endswith(b"\n"):
+                line = source.readline(SKIP_CHUNK)
+            yield None
+        elif line.strip():
+            yield line
+
+
+def count_lines(path: Path, max_line_bytes: int) -> int:
     with open(path, "rb") as source:
-        return sum(1 for line in source if line.strip())
+        return sum(1 for _ in raw_lines(source, max_line_bytes))
 
 
-def read_lines(path: Path, endpoint: str) -> list[InputLine]:
-    lines: list[InputLine] = []
+def read_lines(path: Path, endpoint: str, max_line_bytes: int) -> Iterator[InputLine]:
+    """The batch's lines in order, parsed as they are read. A custom_id seen before is refused; only the
+    ids are kept (at most 512 characters each)."""
     seen: set[str] = set()
     with open(path, "rb") as source:
-        for raw in source:
-            if raw.strip():
-                line = parse_line(len(lines), raw, endpoint, seen)
-                if line.custom_id is not None and line.problem is None:
-                    seen.add(line.custom_id)
-                lines.append(line)
-    return lines
+        for number, raw in enumerate(raw_lines(source, max_line_bytes)):
+            if raw is None:
+                yield InputLine(
+                    number,
+                    None,
+                    None,
+                    f"Line {number + 1} is longer than the {max_line_bytes} bytes a request may have.",
+                    code="line_too_large",
+                )
+                continue
+            line = parse_line(number, raw, endpoint, seen)
+            if line.custom_id is not None and line.problem is None:
+                seen.add(line.custom_id)
+            yield line
 
 
 def parse_line(number: int, raw: bytes, endpoint: str, seen: set[str]) -> InputLine:
+    try:
+        return _parse_line(number, raw, endpoint, seen)
+    except Exception:  # RecursionError (nested too deep), MemoryError, ...: this line's error, never the batch's
+        return InputLine(number, None, None, f"Line {number + 1} is not valid JSON the server can read.")
+
+
+def _parse_line(number: int, raw: bytes, endpoint: str, seen: set[str]) -> InputLine:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, ValueError):

@@ -13,6 +13,7 @@ from app.batches.files import FileStore
 from app.batches.jobs import BatchStore
 from app.batches.runner import BatchRunner
 from app.batches.sweeper import FileSweeper
+from app.gateway.auth import KeyCache
 from app.settings import Settings
 
 MULTIPART_OVERHEAD = 64 * 1024  # the form around the file: boundaries, headers, the purpose field
@@ -25,15 +26,28 @@ class BatchService:
     runner: BatchRunner
     sweeper: FileSweeper
     max_batch_lines: int
+    max_line_bytes: int  # a line longer than a request may be is refused unparsed
 
     @classmethod
-    def create(cls, app: ASGIApp, sessions: sessionmaker[Session], settings: Settings) -> BatchService:
-        files = FileStore(sessions, Path(settings.files_dir), settings.max_file_bytes)
+    def create(
+        cls, app: ASGIApp, sessions: sessionmaker[Session], settings: Settings, keys: KeyCache | None = None
+    ) -> BatchService:
+        files = FileStore(
+            sessions, Path(settings.files_dir), settings.max_file_bytes, settings.default_file_quota_bytes
+        )
         jobs = BatchStore(sessions)
         runner = BatchRunner(
-            app, jobs=jobs, files=files, max_in_flight=settings.batch_max_in_flight, lease_s=settings.batch_lease_s
+            app,
+            jobs=jobs,
+            files=files,
+            max_in_flight=settings.batch_max_in_flight,
+            max_line_bytes=settings.max_request_bytes,
+            key_changes=(lambda: keys.generation) if keys is not None else lambda: 0,
+            key_ttl_s=keys.ttl_s if keys is not None else 5.0,
+            lease_s=settings.batch_lease_s,
         )
-        return cls(files, jobs, runner, FileSweeper(files, settings.files_sweep_interval_s), settings.max_batch_lines)
+        sweeper = FileSweeper(files, settings.files_sweep_interval_s)
+        return cls(files, jobs, runner, sweeper, settings.max_batch_lines, settings.max_request_bytes)
 
     @property
     def upload_cap(self) -> int:

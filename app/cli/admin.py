@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 
 
 def _open(args: argparse.Namespace) -> tuple[Engine, sessionmaker[Session]]:
+    from app.data_dir import make_private
     from app.settings import settings_from
 
     settings = settings_from({"database_url": args.database_url, "data_dir": args.data_dir}, os.environ)
+    make_private(settings.data_dir)  # the first command may create the SQLite database there
     engine = make_engine(settings.database_url)
     migrate(engine)
     return engine, session_factory(engine)
@@ -116,7 +118,11 @@ def teams_create(args: argparse.Namespace) -> int:
     _, sessions = _open(args)
     with sessions() as session:
         try:
-            share = {"scheduling_weight": args.weight, "cache_group": args.cache_group}
+            share = {
+                "scheduling_weight": args.weight,
+                "cache_group": args.cache_group,
+                "file_quota_bytes": args.file_quota_bytes,
+            }
             team = crud.create_team(
                 session,
                 actor=cli_actor(),
@@ -290,6 +296,9 @@ def _teams_arguments(parser: argparse.ArgumentParser) -> None:
         "--weight", type=float, default=None, help="share of the engine against other teams (default 1)"
     )
     create.add_argument("--cache-group", default=None, help="teams in one group reuse each other's cached prompts")
+    create.add_argument(
+        "--file-quota-bytes", type=int, default=None, help="bytes its files may take (default: the server's)"
+    )
     _limit_arguments(create)
     _store_arguments(create)
     create.set_defaults(run=teams_create)

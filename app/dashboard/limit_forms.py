@@ -37,6 +37,8 @@ def share_from(form: dict[str, str]) -> dict[str, Any]:
         values["scheduling_weight"] = form["scheduling_weight"].strip()
     if "cache_group" in form:
         values["cache_group"] = form["cache_group"].strip() or None
+    if "file_quota_bytes" in form:  # empty: the server's default
+        values["file_quota_bytes"] = form["file_quota_bytes"].strip() or None
     return values
 
 

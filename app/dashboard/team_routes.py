@@ -97,7 +97,8 @@ def engine_share(request: Request, team_id: int) -> dict[str, int]:
     models loaded in this process (the engine knows the team as 'team:<id>')."""
     share = {"running": 0, "waiting": 0, "tokens_last_minute": 0}
     for served in list(request.app.state.context.models.served.values()):
-        if served.spec.adapter_of is not None:  # its requests are counted in its base engine's already
+        # an embedding model (an encoder, no engine), one being unloaded, or an adapter (its base counts it)
+        if served.engine is None or served.spec.adapter_of is not None:
             continue
         stats = served.engine.stats().teams.get(f"team:{team_id}")
         if stats is not None:
@@ -105,6 +106,19 @@ def engine_share(request: Request, team_id: int) -> dict[str, int]:
             share["waiting"] += stats.waiting
             share["tokens_last_minute"] += stats.tokens_last_minute()
     return share
+
+
+def file_storage(request: Request, team_id: int) -> dict[str, int]:
+    """The team's Files API storage: bytes stored, its quota, and the server's default quota."""
+    batches = getattr(request.app.state, "batches", None)
+    if batches is None:
+        return {"stored": 0, "quota": 0, "default_quota": 0}
+    files = batches.files
+    return {
+        "stored": files.stored_bytes(team_id),
+        "quota": files.quota_of(team_id),
+        "default_quota": files.default_quota_bytes,
+    }
 
 
 def team_page(
@@ -132,6 +146,7 @@ def team_page(
         team=team,
         keys=keys[:PAGE_SIZE],
         engine_share=engine_share(request, team_id),
+        file_storage=file_storage(request, team_id),
         next_after=keys[PAGE_SIZE - 1].id if len(keys) > PAGE_SIZE else None,
         after=after,
         revoked=revoked,

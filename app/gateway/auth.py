@@ -145,6 +145,12 @@ class KeyCache:
         self.refreshes = RefreshRounds(self.refresh_due, "key")
         self.by_key_id: dict[int, KeyPrincipal] = {}  # the latest principal loaded per key, for tpm accounting
 
+    @property
+    def generation(self) -> int:
+        """How many times the cache was invalidated (an admin change here): the batch runner reloads a
+        running batch's key when it moves."""
+        return self._generation
+
     def cached(self, key: str) -> tuple[bool, KeyPrincipal | None]:
         """(hit, principal). On the event loop, a hit that is due starts a background refresh."""
         entry = self._entries.get(hash_key(key))

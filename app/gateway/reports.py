@@ -204,7 +204,9 @@ def spreadsheet_safe(value: Any) -> Any:
 
 def to_csv(rows: Iterable[dict[str, Any]], group_by: Sequence[str]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=report_columns(group_by), extrasaction="ignore", lineterminator="\n")
+    # CRLF rows (RFC 4180): the writer then quotes any cell holding a CR or LF, which a spreadsheet would
+    # otherwise read as a row break, starting a new row with whatever follows ("\r=1+1" ran as =1+1).
+    writer = csv.DictWriter(buffer, fieldnames=report_columns(group_by), extrasaction="ignore", lineterminator="\r\n")
     writer.writeheader()
     for row in rows:
         cells = {name: spreadsheet_safe(value) for name, value in row.items()}

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from app.gateway.crud import MAX_GRACE_PERIOD_S
+from app.gateway.names import check_name
 from app.tables import ApiKey, Team
 
 Period = Literal["day", "month"]
+Name = Annotated[str, AfterValidator(check_name)]  # no control or bidi-control characters
 
 
 class Limits(BaseModel):
@@ -46,21 +48,25 @@ class TeamShare(Limits):
 
 
 class TeamCreate(TeamShare):
-    name: str = Field(min_length=1, max_length=128)
+    name: Name = Field(min_length=1, max_length=128)
+    file_quota_bytes: int | None = Field(
+        None, ge=0, le=2**62, description="bytes its files may take in the Files API; null: the server's default"
+    )
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "scheduling_weight"))
 
 
 class TeamUpdate(TeamShare):
-    name: str | None = Field(None, min_length=1, max_length=128)
+    name: Name | None = Field(None, min_length=1, max_length=128)
     blocked: bool | None = None
+    file_quota_bytes: int | None = Field(None, ge=0, le=2**62, description="null: the server's default")
 
     _not_null = model_validator(mode="after")(lambda self: _refuse_null(self, "name", "blocked", "scheduling_weight"))
 
 
 class KeyCreate(Limits):
     team_id: int
-    name: str = Field("", max_length=128)
+    name: Name = Field("", max_length=128)
     priority_floor: int | None = Field(
         None, ge=-1000, le=1000, description="the most urgent priority its requests may ask for; default 0"
     )
@@ -70,7 +76,7 @@ class KeyCreate(Limits):
 
 
 class KeyUpdate(Limits):
-    name: str | None = Field(None, max_length=128)
+    name: Name | None = Field(None, max_length=128)
     priority_floor: int | None = Field(None, ge=-1000, le=1000)
     max_in_flight: int | None = Field(None, ge=1, le=100_000)
 
@@ -107,6 +113,7 @@ class TeamView(_View):
     blocked: bool
     scheduling_weight: float
     cache_group: str | None
+    file_quota_bytes: int | None
     expires_at: datetime | None
     created_at: datetime
     last_used_at: datetime | None

@@ -210,6 +210,8 @@ class TeamGateway:
         if principal.batch:
             price = price.for_batch()
         estimate = price.cost_nano_usd(prompt_tokens, 0, (max_tokens or 0) * sequences) if honest else 0
+        if honest:
+            self._refuse_if_never_fits(principal, model, worst_tokens)
         held = await self._hold(principal, model, estimate if honest else None)
         decision = await self.limiter.acquire(principal.rate_scopes, worst_tokens)
         headers = decision.headers()
@@ -231,6 +233,22 @@ class TeamGateway:
             self._reservations[request_id] = Reservation(principal.rate_scopes, decision.window, worst_tokens, held)
         self.admitted += 1
         return headers
+
+    def _refuse_if_never_fits(self, principal: KeyPrincipal, model: str, worst_tokens: int) -> None:
+        """A request that may need more tokens than a whole tpm window allows can never be admitted:
+        400 saying so (a 429 with retry-after would send clients into retrying it forever)."""
+        for scope in principal.rate_scopes:
+            if scope.tpm is not None and worst_tokens > scope.tpm:
+                self._refused(principal, model, RATE_LIMITED)
+                owner = "key" if scope.name.startswith("key:") else "team"
+                raise OpenAIError(
+                    400,
+                    f"This request may need {worst_tokens} tokens (its prompt plus max_tokens for each choice), "
+                    f"more than the {owner}'s whole tpm limit of {scope.tpm} per {self.limiter.window_s:g}s: it "
+                    "can never be admitted. Lower max_tokens or shorten the prompt.",
+                    param="max_tokens",
+                    code="request_too_large",
+                )
 
     async def _hold(self, principal: KeyPrincipal, model: str, estimate: int | None) -> tuple[HoldItem, ...]:
         """Take a seat of the key's in-flight cap and `estimate` nano USD of each budget, all or none,

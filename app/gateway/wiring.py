@@ -4,8 +4,8 @@ Serve replicas) starts: migrations, the --api-key, the admin key on first start.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
+from app.data_dir import make_private
 from app.db import make_engine, migrate, session_factory
 from app.gateway.admin_identity import check_configured_key, ensure_admin_identity, ensure_configured_key
 from app.gateway.config import GatewayConfig
@@ -30,7 +30,7 @@ def prepare_store(settings: Settings) -> PreparedStore:
     anything is written."""
     if settings.api_key:
         check_configured_key(settings.api_key)
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)  # the SQLite default lives there
+    make_private(settings.data_dir)  # the SQLite default lives there: private before it is created
     engine = make_engine(settings.database_url)
     try:
         migrate(engine)

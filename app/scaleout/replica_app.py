@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from fastapi import FastAPI
 
 import app.offline  # Ray Serve replicas start here, not in app.cli.main
@@ -16,6 +14,7 @@ def build_server(settings: Settings, *, migrated: bool = False, replica: str | N
     """The app and its engine (an engine.async_engine.AsyncEngine the caller shuts down after the app's
     lifespan has ended). migrated: the caller ran app.gateway.wiring.prepare_store on this database, so
     the gateway doesn't migrate again. `replica` labels the app's /metrics series (the Ray Serve replica id)."""
+    from app.data_dir import make_private
     from app.gateway.wiring import gateway_from_settings
     from app.main import create_app
     from app.registry.loading import embedded_defaults
@@ -23,7 +22,7 @@ def build_server(settings: Settings, *, migrated: bool = False, replica: str | N
     from app.registry.store import RegistryStore
     from engine.async_engine import AsyncEngine
 
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    make_private(settings.data_dir)
     engine = AsyncEngine.start(settings.engine)
     try:
         gateway = gateway_from_settings(settings, migrated=migrated)

@@ -109,6 +109,14 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None  # refused above 1 (below): ignoring it would bill n answers as if best_of ran
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("best_of is not supported (only 1); ask for n choices and pick among them yourself")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -224,9 +224,9 @@ def test_limits_are_clear_400s(make_gateway, tmp_path):
 def test_batch_lines_are_metered_at_the_batch_price_outside_the_interactive_limits(make_gateway, tmp_path):
     gateway = make_gateway(prices=parse_prices({FAKE_MODEL: [1.0, 1.0, 2.0]}))
     with serving(gateway, tmp_path, FakeEngine(token_delay_s=0.01), batch_max_in_flight=3) as http:
-        client = team_client(http, rpm_limit=1, max_in_flight=1)
+        client = team_client(http, rpm_limit=2, max_in_flight=1)  # the upload is one request of the minute
         batch = wait_for(client, submit(client, [line(f"r{i}", max_tokens=4) for i in range(3)]).id)
-        # 3 lines at once on a key of 1 request per minute and 1 in flight: none refused
+        # 3 lines at once on a key of 2 requests per minute (one spent on the upload) and 1 in flight: none refused
         assert batch.status == "completed" and batch.request_counts.completed == 3
         client.chat.completions.create(**chat_body(max_tokens=4))  # the interactive minute is still free
         rows = usage_rows(gateway)

@@ -86,9 +86,10 @@ def test_one_huge_request_is_refused_before_any_token(make_gateway):
         key = team_and_key(url, tpm_limit=100)
         response = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=500), headers=bearer(key))
         small = httpx.post(f"{url}/v1/chat/completions", json=chat_body(max_tokens=10), headers=bearer(key))
-    assert response.status_code == 429 and response.json()["error"]["code"] == "rate_limit_exceeded"
+    # More than the whole tpm limit: it can never fit, so it is a 400 that no client retries (#44).
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large"
     assert "506" in response.json()["error"]["message"]  # what it could have cost
-    assert response.headers["x-ratelimit-remaining-tokens"] == "100"
+    assert "retry-after" not in response.headers
     assert small.status_code == 200 and len(engine.tenancies) == 1  # the huge one never reached the engine
 
 
@@ -100,7 +101,7 @@ def test_a_prompt_list_reserves_every_prompt_times_n(make_gateway):
         too_many = httpx.post(f"{url}/v1/completions", json=body, headers=bearer(key))  # 10x2 + 10x3x10 = 320
         fits = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, headers=bearer(key))  # 20 + 200
         huge_list = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["hi"] * 2049}, headers=bearer(key))
-    assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "rate_limit_exceeded"
+    assert too_many.status_code == 400 and too_many.json()["error"]["code"] == "request_too_large"
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 20
     assert huge_list.status_code == 400 and huge_list.json()["error"]["param"] == "prompt"
     assert len(engine.tenancies) == 10  # only the prompts of the request that fit ran

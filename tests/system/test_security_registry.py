@@ -166,3 +166,13 @@ def test_a_slow_source_holds_up_no_other_change_and_times_out(client, tmp_path, 
     finally:
         release.set()
         thread.join(10)
+
+
+def test_a_gguf_linked_to_another_file_does_not_echo_its_bytes(client, tmp_path):
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"rootpw:S3cr3tHash1234567890\n")
+    (tmp_path / "model.gguf").symlink_to(secret)
+    response = register(client, "linked", tmp_path / "model.gguf")
+    assert_refused(response, "GGUF")
+    message = response.json()["error"]["message"]
+    assert "b'root'" not in message and "1396340592" not in message, message  # the first 8 bytes

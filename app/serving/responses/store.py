@@ -2,6 +2,11 @@
 the retention period. The database when the gateway has one; a bounded memory store otherwise (a
 server with one shared key and no database).
 
+Each response keeps only its own request's input items; the whole input of turn n (what input_items
+lists, what turn n+1 continues) is rebuilt by walking previous_response_id back: turn 1's input, its
+output, turn 2's input, ... So storage grows with what was sent, not with its square (12 turns stored
+1.5 MB for 0.23 MB sent). A chain stops at a response that is gone (deleted or expired).
+
 Blocking: call from a thread (run_in_threadpool)."""
 
 from __future__ import annotations
@@ -25,15 +30,44 @@ log = logging.getLogger("tokenmill.responses")
 PRUNE_EVERY_S = 60.0  # expired rows are removed at most this often, by the next write
 
 
+MAX_CHAIN = 10_000  # turns walked back at most (each turn has at least one input item; requests cap those)
+
+
 @dataclass(frozen=True)
 class Stored:
     response: dict[str, Any]
-    input_items: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]  # the whole input, earlier turns included (rebuilt when read)
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
         """What a follow-up (previous_response_id) continues: the input, then the output."""
         return [*self.input_items, *self.response["output"]]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One stored response as kept: its own input items, or (not chained: stored before chaining) all."""
+
+    response: dict[str, Any]
+    items: list[dict[str, Any]]
+    chained: bool
+
+
+def rebuild(newest: Link, earlier: Callable[[str], Link | None]) -> Stored:
+    """The newest response with its whole input: the chain walked back through previous_response_id."""
+    links = [newest]
+    while links[-1].chained and len(links) < MAX_CHAIN:
+        previous_id = links[-1].response.get("previous_response_id")
+        found = earlier(previous_id) if isinstance(previous_id, str) else None
+        if found is None:
+            break
+        links.append(found)
+    whole: list[dict[str, Any]] = []
+    for link in reversed(links[1:]):
+        whole.extend(link.items)
+        whole.extend(link.response.get("output") or [])
+    whole.extend(newest.items)
+    return Stored(newest.response, whole)
 
 
 def _naive_utc(unix: float) -> datetime:
@@ -50,6 +84,7 @@ class SqlResponseStore:
         self._pruned_at = float("-inf")
 
     def save(self, team_id: int | None, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+        """`input_items`: what this request sent, not the earlier turns (previous_response_id has them)."""
         now = self.clock()
         with self.sessions.begin() as session:  # the response and all its items, or nothing
             session.add(
@@ -60,6 +95,7 @@ class SqlResponseStore:
                     created_at=_naive_utc(now),
                     expires_at=_naive_utc(now + self.retention_s),
                     body=response,
+                    chained=True,
                 )
             )
             session.flush()
@@ -75,15 +111,20 @@ class SqlResponseStore:
 
     def get(self, response_id: str, team_id: int | None) -> Stored | None:
         with self.sessions() as session:
-            row = session.scalar(self._owned(select(StoredResponse), response_id, team_id))
-            if row is None:
-                return None
-            items = session.scalars(
-                select(StoredResponseItem.item)
-                .where(StoredResponseItem.response_id == row.id)
-                .order_by(StoredResponseItem.position)
-            )
-            return Stored(row.body, list(items))
+
+            def link(wanted: str) -> Link | None:
+                row = session.scalar(self._owned(select(StoredResponse), wanted, team_id))
+                if row is None:
+                    return None
+                items = session.scalars(
+                    select(StoredResponseItem.item)
+                    .where(StoredResponseItem.response_id == row.id)
+                    .order_by(StoredResponseItem.position)
+                )
+                return Link(row.body, list(items), bool(row.chained))
+
+            newest = link(response_id)
+            return None if newest is None else rebuild(newest, link)
 
     def delete(self, response_id: str, team_id: int | None) -> bool:
         with self.sessions.begin() as session:
@@ -117,24 +158,29 @@ class MemoryResponseStore:
         self.capacity = capacity
         self.clock = clock
         self._lock = threading.RLock()  # delete() reads under the lock it holds
-        self._entries: OrderedDict[str, tuple[int | None, float, Stored]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[int | None, float, Link]] = OrderedDict()
 
     def save(self, team_id: int | None, response: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
         with self._lock:
-            self._entries[response["id"]] = (team_id, self.clock() + self.retention_s, Stored(response, input_items))
+            entry = (team_id, self.clock() + self.retention_s, Link(response, list(input_items), True))
+            self._entries[response["id"]] = entry
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
 
-    def get(self, response_id: str, team_id: int | None) -> Stored | None:
+    def _link(self, response_id: str, team_id: int | None) -> Link | None:
         with self._lock:
             entry = self._entries.get(response_id)
         if entry is None or entry[0] != team_id or entry[1] <= self.clock():
             return None
         return entry[2]
 
+    def get(self, response_id: str, team_id: int | None) -> Stored | None:
+        newest = self._link(response_id, team_id)
+        return None if newest is None else rebuild(newest, lambda wanted: self._link(wanted, team_id))
+
     def delete(self, response_id: str, team_id: int | None) -> bool:
         with self._lock:
-            if self.get(response_id, team_id) is None:
+            if self._link(response_id, team_id) is None:
                 return False
             del self._entries[response_id]
             return True

@@ -246,8 +246,39 @@ def _native_message(message: ChatMessage) -> dict[str, Any]:
     return turn
 
 
+MAX_ARGUMENTS_DEPTH = 64  # far beyond any real call; keeps json, Jinja and the prompt clear of recursion limits
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects in `text` nest (brackets inside strings do not count), in one pass
+    without recursion, so that a 3,000-deep argument is refused before a parser recurses into it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
 def _parsed_arguments(raw: str | None) -> Any:
+    text = raw or "{}"
+    if json_depth(text) > MAX_ARGUMENTS_DEPTH:
+        raise invalid_request(
+            f"Tool call arguments are nested more than {MAX_ARGUMENTS_DEPTH} levels deep.", param="tool_calls"
+        )
     try:
-        return json.loads(raw or "{}")
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
         return raw

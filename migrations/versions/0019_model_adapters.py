@@ -1,8 +1,8 @@
 """LoRA adapters in the model registry: a row with `adapter_of` is an adapter (its `source` a PEFT folder)
 served on that base model's engine.
 
-Revision ID: 0017_model_adapters
-Revises: 0016_shared_reservations
+Revision ID: 0019_model_adapters
+Revises: 0018_chained_responses
 Create Date: 2026-12-04
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0017_model_adapters"
-down_revision = "0016_shared_reservations"
+revision = "0019_model_adapters"
+down_revision = "0018_chained_responses"
 branch_labels = None
 depends_on = None
 
