@@ -172,6 +172,76 @@ def gguf_for(shape: ModelShape, kind: str = "Q4_K_M", models: Path = MODELS, kee
     return f16 if kind.upper() == "F16" else quantize(f16, out, kind, tools=tools)
 
 
+def header_only_gguf(template: Path, shape: ModelShape, out: Path) -> Path:
+    """A GGUF of `shape` with `template`'s metadata and its tensor types (layer i takes the types of the
+    template's layer at the same depth, so Q4_K_M's Q6_K layers recur), whose tensor data is a hole: a
+    sparse file of the right size that takes no disk and reads as zeros. For what reads only headers (the
+    registry's memory estimate), where making the real file (an 8B: 16 GB in bf16 on the way) is too much."""
+    if out.exists():
+        return out
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(template)
+    arch = str(reader.fields["general.architecture"].contents())
+
+    def number(key: str) -> int:
+        return int(reader.fields[f"{arch}.{key}"].contents())
+
+    head_dim = number("embedding_length") // number("attention.head_count")
+    overrides: dict[str, int] = {
+        f"{arch}.embedding_length": shape.hidden,
+        f"{arch}.block_count": shape.layers,
+        f"{arch}.feed_forward_length": shape.ffn,
+        f"{arch}.attention.head_count": shape.heads,
+        f"{arch}.attention.head_count_kv": shape.kv_heads,
+    }
+    # A tensor's dimensions in the template are one of these widths: each becomes the shape's.
+    widths = {
+        number("embedding_length"): shape.hidden,
+        number("attention.head_count_kv") * head_dim: shape.kv_heads * (shape.hidden // shape.heads),
+        number("feed_forward_length"): shape.ffn,
+        number("vocab_size") if f"{arch}.vocab_size" in reader.fields else shape.vocab: shape.vocab,
+    }
+    if len(widths) != 4:
+        raise ValueError(f"{template}: its widths are not distinct, a shape can't be mapped from them")
+    partial = out.with_name(out.name + ".partial")
+    writer = GGUFWriter(partial, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, overrides.get(field.name, field.contents()), field.types[0], sub_type)
+    layers = number("block_count")
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    names = [name for name in by_name if not name.startswith("blk.")]
+    names += [
+        f"blk.{layer}.{name.split('.', 2)[2]}"
+        for layer in range(shape.layers)
+        for name in by_name
+        if name.startswith(f"blk.{layer * layers // shape.layers}.")
+    ]
+    data_bytes = 0
+    for name in names:
+        parts = name.split(".")
+        source = by_name[
+            f"blk.{int(parts[1]) * layers // shape.layers}.{'.'.join(parts[2:])}" if parts[0] == "blk" else name
+        ]
+        dimensions = [widths[int(size)] for size in source.shape]  # GGUF order: innermost first
+        block, block_bytes = GGML_QUANT_SIZES[source.tensor_type]
+        nbytes = int(np.prod(dimensions)) // block * block_bytes
+        writer.add_tensor_info(name, dimensions[::-1], np.dtype(np.float32), nbytes, raw_dtype=source.tensor_type)
+        data_bytes += GGUFWriter.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    header = GGUFWriter.ggml_pad(partial.stat().st_size, writer.data_alignment)
+    os.truncate(partial, header + data_bytes)  # the data: a hole
+    partial.rename(out)
+    return out
+
+
 def _run(command: list[str], environment: dict[str, str] | None, what: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
