@@ -181,6 +181,8 @@ class GGUFTensor:
     type_name: str
     shape: tuple[int, ...]
     offset: float = 0.0  # added after dequantizing: -1 undoes gemma's norms stored as 1 + weight
+    source: MappedFile | None = None  # the mapping and byte range it was read from, to hand its pages back
+    span: tuple[int, int] = (0, 0)
 
     @property
     def stored_type(self) -> str:
@@ -204,12 +206,17 @@ class GGUFTensor:
         rows = self.raw[np.asarray(index.cpu().numpy(), dtype=np.int64)]
         return replace(self, raw=rows, shape=(len(rows), *self.shape[1:]))
 
+    def row_range(self, start: int, stop: int) -> GGUFTensor:
+        """Rows start..stop-1, a view (no copy)."""
+        return replace(self, raw=self.raw[start:stop], shape=(stop - start, *self.shape[1:]))
+
     def expert(self, number: int) -> GGUFTensor:
         return replace(self, raw=self.raw[number], shape=self.shape[1:])
 
-    def with_raw(self, raw: np.ndarray) -> GGUFTensor:
-        """The same tensor with its blocks replaced (the int repack reads codes by editing block headers)."""
-        return replace(self, raw=raw)
+    def release(self) -> None:
+        """Hands the file pages it was read from back (once packed, the model never reads them again)."""
+        if self.source is not None:
+            self.source.release(*self.span)
 
 
 def llama_rotary_rows(rows: int, heads: int) -> torch.Tensor:
@@ -255,7 +262,9 @@ def hf_named_tensors(
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     for entry in entries:
-        tensor = GGUFTensor(mapped.array(entry), entry.type_name, entry.shape)
+        tensor = GGUFTensor(
+            mapped.array(entry), entry.type_name, entry.shape, 0.0, mapped, (entry.offset, entry.nbytes)
+        )
         if match := _EXPERTS.match(entry.name):
             layer, which, suffix = match["layer"], match["which"], match["suffix"]
             for number in range(entry.shape[0]):

@@ -22,7 +22,7 @@ from gguf.quants import Q4_K
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.gguf_file import GGUFTensor
-from kernels.qlinear import Format, QuantizedRows, quantize_rows
+from kernels.qlinear import Format, QuantizedRows, concat_quantized_rows, quantize_rows
 
 GROUP = 32
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # 4-bit codes: int4 holds them
@@ -113,10 +113,22 @@ def _rows(
     )
 
 
+CHUNK_VALUES = 1 << 22  # values per chunk of rows: float32 intermediates of 16 MB, not of the whole tensor
+
+
 def stored_rows(tensor: GGUFTensor, fmt: Format) -> tuple[QuantizedRows, bool]:
     """The tensor as `fmt` rows in groups of 32, and whether they are the file's own values (else re-quantized
-    from its dequantized values)."""
-    exact = exact_rows(tensor, fmt)
-    if exact is not None:
-        return exact, True
-    return quantize_rows(tensor.dequantize(), fmt, GROUP), False
+    from its dequantized values). Done in chunks of rows, so a 49k-token embedding's float32 intermediates
+    never exist whole."""
+    rows = tensor.shape[0]
+    step = max(1, CHUNK_VALUES // max(1, tensor.shape[-1]))
+    parts = [tensor.row_range(start, min(rows, start + step)) for start in range(0, rows, step)]
+    exact: list[QuantizedRows] = []
+    for part in parts:
+        kept = exact_rows(part, fmt)
+        if kept is None:
+            break
+        exact.append(kept)
+    else:
+        return concat_quantized_rows(exact), True
+    return concat_quantized_rows([quantize_rows(part.dequantize(), fmt, GROUP) for part in parts]), False

@@ -25,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.gguf_file import (
     FLOAT_TYPES,
+    SUPPORTED_TYPES,
     MappedFile,
     TensorEntry,
     check_types,
@@ -185,6 +186,8 @@ def resolve_quantization(config: EngineConfig) -> str:
 def stored_quantization(entries: list[TensorEntry]) -> str:
     """int4, int8 or none for a GGUF, from the types of its layers' matrices (not the embedding or head)."""
     layer_types = {entry.type_name for entry in entries if entry.name.startswith("blk.") and len(entry.shape) >= 2}
+    if layer_types - SUPPORTED_TYPES:
+        return "int4"  # a type it can't run (IQ*, Q2_K, ...): the load stops naming it, before allocating
     if layer_types & INT4_TYPES:
         return "int4"
     if layer_types & WIDE_TYPES:

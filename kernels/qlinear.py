@@ -227,6 +227,33 @@ def place_together(weights: Sequence[PackedWeight]) -> list[PackedWeight]:
     return placed
 
 
+def move_together(linears: Sequence[PackedLinear]) -> None:
+    """`place_together` for the linears' own weights, each swapped for its copy as soon as it is made: the
+    original is freed then, so a load holds one copy of the packed model (plus one weight), not two."""
+    tensors = [t for linear in linears for t in (linear.weight.packed, linear.weight.scales, linear.weight.mins)]
+    total = sum(_aligned(t.numel() * t.element_size()) for t in tensors if t is not None)
+    buffer = huge_page_buffer(max(total, 1))
+    offset = 0
+
+    def copied(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal offset
+        if tensor is None:
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        offset += _aligned(nbytes)
+        return view
+
+    del tensors
+    for linear in linears:
+        weight = linear.weight
+        packed = copied(weight.packed)
+        assert packed is not None
+        linear.weight = replace(weight, packed=packed, scales=copied(weight.scales), mins=copied(weight.mins))
+        del weight
+
+
 def _dequantized_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """float32 [len(rows), in_features]: the given output rows (weight rows) from the packed form."""
     blocks, lanes = rows // LANES, rows % LANES

@@ -17,7 +17,7 @@ from engine.models.weights import LinearLayer, Weight, dense, make_embedding, ma
 from kernels.cpu_attention import heads_major_cache
 from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
-from kernels.qlinear import PackedLinear, PackedWeight, embedding_rows, place_together
+from kernels.qlinear import PackedLinear, PackedWeight, embedding_rows, move_together
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -213,8 +213,7 @@ class LlamaForCausalLM:
         """One buffer on huge pages for the packed weights, in the order a decode step reads them."""
         linears = [linear for layer in self.layers for linear in layer.linears]
         packed = [linear for linear in [*linears, self.lm_head] if isinstance(linear, PackedLinear)]
-        for linear, weight in zip(packed, place_together([linear.weight for linear in packed]), strict=True):
-            linear.weight = weight
+        move_together(packed)
 
     def weight_nbytes(self) -> int:
         """Bytes of the linears, logits head and embedding as held in memory (a tied embedding once)."""

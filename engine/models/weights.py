@@ -129,6 +129,7 @@ def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:
     for part in parts:
         if isinstance(part, GGUFTensor):
             rows.append(stored_rows(part, fmt)[0])
+            part.release()
         else:
             rows.append(quantize_rows(dense(part), fmt, GROUP))
     return pack_quantized(concat_quantized_rows(rows))
