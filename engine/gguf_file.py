@@ -10,6 +10,8 @@ permuted for its rotary layout, gemma's norms stored + 1, mixture-of-experts wei
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import mmap
 import re
@@ -280,3 +282,27 @@ def hf_named_tensors(
         if architecture in ("gemma2", "gemma3", "nemotron") and "norm.weight" in entry.name:
             tensor = replace(tensor, offset=-1.0)
         yield name, tensor
+
+
+_M_MMAP_THRESHOLD = -3  # <malloc.h> mallopt parameter
+
+
+@contextlib.contextmanager
+def freed_memory_returned() -> Iterator[None]:
+    """While a load packs tensor after tensor, glibc gives every allocation over 256 KB its own mapping, so a
+    freed intermediate goes back to the system at once instead of staying in the heap: the packed copies, the
+    float32 chunks and the huge-page copy otherwise piled up to ~2x the packed model (1B Q4_K_M: RSS 2.2 GB
+    for 0.76 GB of weights). Afterwards the threshold is glibc's dynamic ceiling (32 MB) and the heap is
+    trimmed. A no-op off glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, 256 << 10)
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        malloc_trim(0)

@@ -9,8 +9,9 @@ Which file values survive:
 - Q5_1, Q5_K and Q6_K have offsets or 16-input scales int8 can't hold: re-quantized to int8 in groups of 32
   (8 bits where the file has 5 or 6: the change is a fraction of the file's own rounding).
 
-The codes are read with gguf-py's own dequantizer on blocks whose headers are rewritten (d = 1, minimum 0,
-sub-scales 1): what it returns is then q itself, so no bit layout is re-implemented here.
+The codes of the plain layouts (Q4_0, Q4_1, Q4_K nibbles, Q8_0 bytes) are read straight from the bytes; Q5_0's,
+whose fifth bits lie apart, with gguf-py's own dequantizer on blocks rewritten to scale 1 (it then returns q).
+Scales and minimums come from the block headers (Q4_K's 6-bit ones through gguf-py's `get_scale_min`).
 """
 
 from __future__ import annotations
@@ -29,24 +30,43 @@ INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # 4-bit codes: int4 holds them
 WIDE_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})  # more than 4 bits: int8, never fewer bits
 EXACT_INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q4_0"})
 _ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
-_ZERO_F16 = np.zeros(2, dtype=np.uint8)
-# Q4_K's 12 bytes of 6-bit sub-scales and minimums with every scale 1 and every minimum 0
-_Q4_K_UNIT_SCALES = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
 
 
 def _blocks(tensor: GGUFTensor) -> tuple[np.ndarray, int]:
-    """[rows, blocks per row, block bytes] (a copy, so headers can be rewritten) and the inputs per block."""
+    """[rows, blocks per row, block bytes] (a view of the file) and the inputs per block."""
     from gguf import GGML_QUANT_SIZES
 
     block, block_bytes = GGML_QUANT_SIZES[tensor.qtype]
     rows = tensor.shape[0]
-    return np.array(tensor.raw.reshape(rows, -1, block_bytes), copy=True), block
+    return tensor.raw.reshape(rows, -1, block_bytes), block
 
 
 def _codes(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """gguf's dequantize of blocks whose headers now say scale 1, minimum 0: the integer codes, as float32."""
     rows = blocks.shape[0]
     return gguf_dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, -1)
+
+
+def _nibbles(packed: np.ndarray, run: int) -> np.ndarray:
+    """4-bit codes from bytes [rows, blocks, n]: each run of `run` bytes holds `run` low nibbles, then the
+    same bytes' `run` high nibbles (Q4_0/Q4_1: one run of 16 per block; Q4_K: four runs of 32)."""
+    rows, count, n = packed.shape
+    runs = packed.reshape(rows, count, n // run, 1, run)
+    return np.concatenate((runs & 0x0F, runs >> 4), axis=3).reshape(rows, -1)
+
+
+def _fast_codes(blocks: np.ndarray, kind: str) -> np.ndarray | None:
+    """The codes read straight from the bytes where the layout is a plain one (no float32 round trip: 5x
+    faster at 1B); None where gguf's dequantizer reads them (Q5_0's fifth bits)."""
+    if kind == "Q4_0":
+        return _nibbles(blocks[:, :, 2:], 16).astype(np.int16) - 8
+    if kind == "Q4_1":
+        return _nibbles(blocks[:, :, 4:], 16)
+    if kind == "Q4_K":
+        return _nibbles(blocks[:, :, 16:], 32)
+    if kind == "Q8_0":
+        return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+    return None
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -67,15 +87,8 @@ def exact_rows(tensor: GGUFTensor, fmt: Format) -> QuantizedRows | None:
     if fmt == "int4" and kind in ("Q4_0", "Q4_1"):
         blocks, _ = _blocks(tensor)
         scales = _f16(blocks, 0)
-        if kind == "Q4_0":
-            mins = (-8 * scales.astype(np.float32)).astype(np.float16)
-            _set(blocks, 0, _ONE_F16)
-            codes = _codes(blocks, tensor.qtype) + 8
-        else:
-            mins = _f16(blocks, 2)
-            _set(blocks, 0, _ONE_F16)
-            _set(blocks, 2, _ZERO_F16)
-            codes = _codes(blocks, tensor.qtype)
+        mins = (-8 * scales.astype(np.float32)).astype(np.float16) if kind == "Q4_0" else _f16(blocks, 2)
+        codes = _nibbles(blocks[:, :, 2 if kind == "Q4_0" else 4 :], 16)
         return _rows("int4", codes, scales, mins, in_features)
     if fmt == "int4" and kind == "Q4_K":
         blocks, _ = _blocks(tensor)
@@ -84,15 +97,15 @@ def exact_rows(tensor: GGUFTensor, fmt: Format) -> QuantizedRows | None:
         sub_scales, sub_mins = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, :, 4:16]).reshape(-1, 12))
         scales = (d[..., None] * sub_scales.reshape(rows, count, 8)).astype(np.float16).reshape(rows, -1)
         mins = (-dmin[..., None] * sub_mins.reshape(rows, count, 8)).astype(np.float16).reshape(rows, -1)
-        _set(blocks, 0, _ONE_F16)
-        _set(blocks, 2, _ZERO_F16)
-        _set(blocks, 4, _Q4_K_UNIT_SCALES)
-        return _rows("int4", _codes(blocks, tensor.qtype), scales, mins, in_features)
+        return _rows("int4", _nibbles(blocks[:, :, 16:], 32), scales, mins, in_features)
     if fmt == "int8" and kind in EXACT_INT8_TYPES:
         blocks, _ = _blocks(tensor)
         scales = _f16(blocks, 0)
-        _set(blocks, 0, _ONE_F16)
-        codes = _codes(blocks, tensor.qtype)
+        fast = _fast_codes(blocks, kind)
+        if fast is None:  # Q5_0: gguf's dequantizer reads the fifth bits, from blocks rewritten to scale 1
+            blocks = blocks.copy()
+            _set(blocks, 0, _ONE_F16)
+        codes = _codes(blocks, tensor.qtype) if fast is None else fast
         if kind == "Q8_0" and codes.min() < -127:  # int8 holds -127..127; llama.cpp's Q8_0 never writes -128
             return None
         return _rows("int8", codes, scales, None, in_features)

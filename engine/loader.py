@@ -29,6 +29,7 @@ from engine.gguf_file import (
     MappedFile,
     TensorEntry,
     check_types,
+    freed_memory_returned,
     gguf_architecture,
     hf_named_tensors,
     read_tensor_index,
@@ -244,11 +245,12 @@ def load_stored_gguf(config: EngineConfig, path: Path, name: str, quantization: 
     shape = LlamaShape.from_hf_config(hf_config)
     device = config.torch_device
     mapped = MappedFile(path)
-    weights: dict[str, Weight] = dict(hf_named_tensors(entries, mapped, hf_config, gguf_architecture(path)))
-    cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
-    model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
-    del weights
-    mapped.release_all()
+    with freed_memory_returned():
+        weights: dict[str, Weight] = dict(hf_named_tensors(entries, mapped, hf_config, gguf_architecture(path)))
+        cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
+        model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
+        del weights
+        mapped.release_all()
     weight_format = describe_format(path, entries, quantization)
     _say(f"loaded {name} ({config.dtype}, {weight_format}, {device}) in {time.monotonic() - started:.1f}s")
     return LoadedModel(
