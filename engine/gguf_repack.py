@@ -131,17 +131,12 @@ CHUNK_VALUES = 1 << 22  # values per chunk of rows: float32 intermediates of 16 
 
 def stored_rows(tensor: GGUFTensor, fmt: Format) -> tuple[QuantizedRows, bool]:
     """The tensor as `fmt` rows in groups of 32, and whether they are the file's own values (else re-quantized
-    from its dequantized values). Done in chunks of rows, so a 49k-token embedding's float32 intermediates
-    never exist whole."""
+    from its dequantized values). Re-quantizing goes in chunks of rows, so a 49k-token embedding's float32
+    intermediates never exist whole; the exact path reads bytes only, whole."""
+    kept = exact_rows(tensor, fmt)
+    if kept is not None:
+        return kept, True
     rows = tensor.shape[0]
     step = max(1, CHUNK_VALUES // max(1, tensor.shape[-1]))
     parts = [tensor.row_range(start, min(rows, start + step)) for start in range(0, rows, step)]
-    exact: list[QuantizedRows] = []
-    for part in parts:
-        kept = exact_rows(part, fmt)
-        if kept is None:
-            break
-        exact.append(kept)
-    else:
-        return concat_quantized_rows(exact), True
     return concat_quantized_rows([quantize_rows(part.dequantize(), fmt, GROUP) for part in parts]), False
