@@ -462,7 +462,8 @@ def bench_dtype(args, dtype: str, workload: Workload, flops: ModelFlops) -> dict
         profile = profile_decode(args, dtype, loaded, args.profile_steps)
 
     say(f"[{dtype}] HF transformers generate, static batches of {args.max_num_seqs}")
-    hf_model = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=torch_dtype).eval()
+    hf_folder, _ = checkpoint_folder(EngineConfig(data_dir=args.data_dir))  # a GGUF run as stored has no copy
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch_dtype).eval()
     warm_up_hf(hf_model, pad_id)
     hf = run_hf(hf_model, workload, args.max_num_seqs, pad_id, f"HF {dtype}")
     hf["gflops"] = flops.workload(workload) / hf["seconds"] / 1e9

@@ -8,6 +8,11 @@ import sys
 
 from app.settings import Settings, SettingsError, add_arguments, environment_only_help, settings_from
 
+# What loading a model that can't be run raises: a missing file, an unsupported architecture or tensor
+# type (engine.models.llama.UnsupportedModel, engine.gguf_file.UnsupportedTensorType: ValueErrors), a file
+# that isn't a checkpoint.
+MODEL_ERRORS = (ValueError, OSError)
+
 
 def load_settings(args: argparse.Namespace) -> Settings:
     try:
@@ -36,7 +41,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenmill: {store.configured_key}", flush=True)
     if args.ray:
         return serve_on_ray(settings, args, store)
-    app, engine = build_server(settings, migrated=True)
+    try:
+        app, engine = build_server(settings, migrated=True)
+    except MODEL_ERRORS as error:  # a model it can't run: one line saying why, not a traceback
+        print(f"tokenmill: can't serve {settings.engine.model}: {error}", file=sys.stderr)
+        return 2
     try:
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
         if store.created_admin_key:

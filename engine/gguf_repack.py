@@ -1,0 +1,142 @@
+"""GGUF blocks into the int kernels' formats (kernels/qlinear.py `QuantizedRows`), one tensor at a time.
+
+Which file values survive:
+- Q4_0 (d * (q - 8)) and Q4_1 (d * q + m) are int4's own form: kept exactly (scale d, minimum -8d or m).
+- Q4_K (d * sc * q - dmin * m per 32 inputs): int4 with scale d*sc and minimum -dmin*m rounded to float16,
+  a relative change of at most 2^-11 per group (the codes q are kept).
+- Q8_0 (d * q) and Q5_0 (d * (q - 16)) are int8 in groups of 32 with scale d: kept exactly. Q4_0 into int8
+  (a linear fused with a wider part) likewise.
+- Q5_1, Q5_K and Q6_K have offsets or 16-input scales int8 can't hold: re-quantized to int8 in groups of 32
+  (8 bits where the file has 5 or 6: the change is a fraction of the file's own rounding).
+
+The codes of the plain layouts (Q4_0, Q4_1, Q4_K nibbles, Q8_0 bytes) are read straight from the bytes; Q5_0's,
+whose fifth bits lie apart, with gguf-py's own dequantizer on blocks rewritten to scale 1 (it then returns q).
+Scales and minimums come from the block headers (Q4_K's 6-bit ones through gguf-py's `get_scale_min`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine.gguf_file import GGUFTensor
+from kernels.qlinear import Format, QuantizedRows, concat_quantized_rows, quantize_rows
+
+GROUP = 32
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # 4-bit codes: int4 holds them
+WIDE_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})  # more than 4 bits: int8, never fewer bits
+EXACT_INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q4_0"})
+_ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+
+
+def _blocks(tensor: GGUFTensor) -> tuple[np.ndarray, int]:
+    """[rows, blocks per row, block bytes] (a view of the file) and the inputs per block."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES[tensor.qtype]
+    rows = tensor.shape[0]
+    return tensor.raw.reshape(rows, -1, block_bytes), block
+
+
+def _codes(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """gguf's dequantize of blocks whose headers now say scale 1, minimum 0: the integer codes, as float32."""
+    rows = blocks.shape[0]
+    return gguf_dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, -1)
+
+
+def _nibbles(packed: np.ndarray, run: int) -> np.ndarray:
+    """4-bit codes from bytes [rows, blocks, n]: each run of `run` bytes holds `run` low nibbles, then the
+    same bytes' `run` high nibbles (Q4_0/Q4_1: one run of 16 per block; Q4_K: four runs of 32)."""
+    rows, count, n = packed.shape
+    runs = packed.reshape(rows, count, n // run, 1, run)
+    return np.concatenate((runs & 0x0F, runs >> 4), axis=3).reshape(rows, -1)
+
+
+def _fast_codes(blocks: np.ndarray, kind: str) -> np.ndarray | None:
+    """The codes read straight from the bytes where the layout is a plain one (no float32 round trip: 5x
+    faster at 1B); None where gguf's dequantizer reads them (Q5_0's fifth bits)."""
+    if kind == "Q4_0":
+        return _nibbles(blocks[:, :, 2:], 16).astype(np.int16) - 8
+    if kind == "Q4_1":
+        return _nibbles(blocks[:, :, 4:], 16)
+    if kind == "Q4_K":
+        return _nibbles(blocks[:, :, 16:], 32)
+    if kind == "Q8_0":
+        return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(blocks.shape[0], -1)
+    return None
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of every block, [rows, blocks]."""
+    return np.ascontiguousarray(blocks[:, :, start : start + 2]).view(np.float16)[..., 0]
+
+
+def _set(blocks: np.ndarray, start: int, value: np.ndarray) -> None:
+    blocks[:, :, start : start + len(value)] = value
+
+
+def exact_rows(tensor: GGUFTensor, fmt: Format) -> QuantizedRows | None:
+    """The tensor's own codes and scales as `fmt` rows in groups of 32, or None where `fmt` can't hold them."""
+    kind = tensor.type_name
+    if len(tensor.shape) != 2:
+        return None
+    in_features = tensor.shape[1]
+    if fmt == "int4" and kind in ("Q4_0", "Q4_1"):
+        blocks, _ = _blocks(tensor)
+        scales = _f16(blocks, 0)
+        mins = (-8 * scales.astype(np.float32)).astype(np.float16) if kind == "Q4_0" else _f16(blocks, 2)
+        codes = _nibbles(blocks[:, :, 2 if kind == "Q4_0" else 4 :], 16)
+        return _rows("int4", codes, scales, mins, in_features)
+    if fmt == "int4" and kind == "Q4_K":
+        blocks, _ = _blocks(tensor)
+        rows, count = blocks.shape[:2]
+        d, dmin = _f16(blocks, 0).astype(np.float32), _f16(blocks, 2).astype(np.float32)
+        sub_scales, sub_mins = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, :, 4:16]).reshape(-1, 12))
+        scales = (d[..., None] * sub_scales.reshape(rows, count, 8)).astype(np.float16).reshape(rows, -1)
+        mins = (-dmin[..., None] * sub_mins.reshape(rows, count, 8)).astype(np.float16).reshape(rows, -1)
+        return _rows("int4", _nibbles(blocks[:, :, 16:], 32), scales, mins, in_features)
+    if fmt == "int8" and kind in EXACT_INT8_TYPES:
+        blocks, _ = _blocks(tensor)
+        scales = _f16(blocks, 0)
+        fast = _fast_codes(blocks, kind)
+        if fast is None:  # Q5_0: gguf's dequantizer reads the fifth bits, from blocks rewritten to scale 1
+            blocks = blocks.copy()
+            _set(blocks, 0, _ONE_F16)
+        codes = _codes(blocks, tensor.qtype) if fast is None else fast
+        if kind == "Q8_0" and codes.min() < -127:  # int8 holds -127..127; llama.cpp's Q8_0 never writes -128
+            return None
+        return _rows("int8", codes, scales, None, in_features)
+    return None
+
+
+def _rows(
+    fmt: Format, codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, in_features: int
+) -> QuantizedRows:
+    values = torch.from_numpy(codes.astype(np.uint8 if fmt == "int4" else np.int8))  # whole numbers already
+    return QuantizedRows(
+        fmt,
+        values,
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
+        in_features,
+        GROUP,
+    )
+
+
+CHUNK_VALUES = 1 << 22  # values per chunk of rows: float32 intermediates of 16 MB, not of the whole tensor
+
+
+def stored_rows(tensor: GGUFTensor, fmt: Format) -> tuple[QuantizedRows, bool]:
+    """The tensor as `fmt` rows in groups of 32, and whether they are the file's own values (else re-quantized
+    from its dequantized values). Re-quantizing goes in chunks of rows, so a 49k-token embedding's float32
+    intermediates never exist whole; the exact path reads bytes only, whole."""
+    kept = exact_rows(tensor, fmt)
+    if kept is not None:
+        return kept, True
+    rows = tensor.shape[0]
+    step = max(1, CHUNK_VALUES // max(1, tensor.shape[-1]))
+    parts = [tensor.row_range(start, min(rows, start + step)) for start in range(0, rows, step)]
+    return concat_quantized_rows([quantize_rows(part.dequantize(), fmt, GROUP) for part in parts]), False
