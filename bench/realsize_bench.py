@@ -416,7 +416,8 @@ def plot(files: list[dict[str, Any]], path: Path) -> None:
 def estimate_8b(models: Path, data_dir: str, template: Path, kind: str) -> dict[str, Any]:
     """The registry's estimate for an 8B shape, from a header-only GGUF with `template`'s tensor types (the
     estimate reads only headers). Tied embeddings and SmolLM2's vocabulary: 7.2 B parameters, not 8.0."""
-    header = header_only_gguf(template, LLAMA_8B, models / f"{LLAMA_8B.name}-{kind}-header.gguf")
+    # Named by its template: its types per layer come from there (a 2-layer template makes every layer Q6_K-heavy).
+    header = header_only_gguf(template, LLAMA_8B, models / f"{LLAMA_8B.name}-{kind}-header-from-{template.stem}.gguf")
     return {"file": str(header), "parameters": LLAMA_8B.parameters, **registry_estimate(header, data_dir)}
 
 
