@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -116,15 +117,18 @@ def weight_bytes_per_token(gguf: Path) -> int:
     return sum(tensors.values())
 
 
-def registry_estimate(gguf: Path, data_dir: str) -> dict[str, Any]:
-    """app/registry/memory.py's estimate for serving `gguf` with the server's default settings."""
+def registry_estimate(gguf: Path, data_dir: str, tokenmill_flags: str = "") -> dict[str, Any]:
+    """app/registry/memory.py's estimate for serving `gguf` with `tokenmill serve`'s settings and these flags."""
     try:
         from app.registry.memory import available_bytes, estimate
         from app.registry.spec import ModelSpec
-        from app.settings import settings_from
+        from app.settings import add_arguments, settings_from
 
-        settings = settings_from({"model": str(gguf), "data_dir": data_dir}, {})
-        spec = ModelSpec(name=gguf.stem, kind="chat", source=str(gguf), architecture="llama")
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        argv = ["--model", str(gguf), "--data-dir", data_dir, *shlex.split(tokenmill_flags)]
+        settings = settings_from(vars(parser.parse_known_args(argv)[0]), {})
+        spec = ModelSpec(gguf.stem, "chat", str(gguf), "llama", dtype=settings.engine.dtype)
         found = estimate(spec, settings.engine)
     except Exception as error:  # the registry is under change (#42): report, don't stop the bench
         return {"error": f"{type(error).__name__}: {error}"}
@@ -243,7 +247,7 @@ def bench_file(
     work = Path(tempfile.mkdtemp(prefix="realsize-", dir=CACHE))
     data_dir = work / "data"
     data_dir.mkdir()
-    report["registry_estimate"] = registry_estimate(gguf, str(data_dir))
+    report["registry_estimate"] = registry_estimate(gguf, str(data_dir), args.tokenmill_flags)
     with ExitStack() as stack:
         stack.callback(_remove, work)
         if args.no_llama:
