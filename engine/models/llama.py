@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import EngineConfig
-from engine.models.weights import HEAD_FORMATS, LinearLayer, Weight, dense, make_linear
+from engine.models.weights import LinearLayer, Weight, dense, make_embedding, make_head, make_linear
 from kernels.cpu_attention import heads_major_cache
 from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
-from kernels.qlinear import PackedLinear, embedding_rows, place_together
+from kernels.qlinear import PackedLinear, PackedWeight, embedding_rows, place_together
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 
@@ -182,26 +182,29 @@ class LlamaForCausalLM:
         quantization: str = "none",
     ) -> None:
         self.shape = shape
-        embed = dense(weights["model.embed_tokens.weight"])
-        self.dtype = dtype or embed.dtype
+        stored_embed = weights["model.embed_tokens.weight"]
+        self.dtype = dtype or dense(weights["model.norm.weight"]).dtype
         self.quantization = quantization
         self.layers = [
             LlamaLayer(shape, weights, f"model.layers.{i}.", self.dtype, quantization) for i in range(shape.num_layers)
         ]
         self.final_norm = dense(weights["model.norm.weight"], self.dtype)
         stored_head = weights.get("lm_head.weight")
-        head = None if stored_head is None else dense(stored_head)
-        tied = shape.tie_word_embeddings or head is None
+        tied = shape.tie_word_embeddings or stored_head is None
         self.embed: torch.Tensor | None = None
+        self.packed_embed: PackedWeight | None = None  # an untied embedding kept quantized (a GGUF's blocks)
         self.lm_head: LinearLayer
         if quantization == "none":
-            self.embed = embed.to(self.dtype).contiguous()
-            self.lm_head = Linear(self.embed if tied else head.to(self.dtype))
+            self.embed = dense(stored_embed, self.dtype).contiguous()
+            self.lm_head = Linear(self.embed if tied else dense(stored_head, self.dtype))
         else:
-            head_format, head_group = HEAD_FORMATS[quantization]
-            self.lm_head = PackedLinear(embed if tied else head, head_format, group=head_group)
+            self.lm_head = make_head(stored_embed if tied or stored_head is None else stored_head, quantization)
             if not tied:
-                self.embed = embed.to(self.dtype).contiguous()
+                embedding = make_embedding(stored_embed, self.dtype, quantization)
+                if isinstance(embedding, torch.Tensor):
+                    self.embed = embedding
+                else:
+                    self.packed_embed = embedding
             self._place_packed_weights_together()
         self.cos_sin = cos_sin
         self._decode_stack: DecodeStack | None = None
@@ -228,11 +231,15 @@ class LlamaForCausalLM:
         head_is_embedding = self.shape.tie_word_embeddings and isinstance(self.lm_head, Linear)
         if self.embed is not None and not head_is_embedding:
             total += self.embed.numel() * self.embed.element_size()
+        if self.packed_embed is not None:
+            total += self.packed_embed.nbytes()
         return total
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return F.embedding(input_ids, self.embed)
+        if self.packed_embed is not None:
+            return embedding_rows(self.packed_embed, input_ids).to(self.dtype).view(*input_ids.shape, -1)
         assert isinstance(self.lm_head, PackedLinear)
         return embedding_rows(self.lm_head.weight, input_ids).to(self.dtype).view(*input_ids.shape, -1)
 
