@@ -283,7 +283,8 @@ def bench_file(
         for system in systems:
             assert system.process is not None
             medians = {
-                key: statistics.median(row[key] for row in rounds[system.name])
+                # no rounds (--rounds 0: load and warm up only): nothing measured
+                key: statistics.median([row[key] for row in rounds[system.name]] or [float("nan")])
                 for key in ("one_stream_tok_s", "streams_tok_s", "ttft_s")
             }
             read_rate = report["weight_bytes_per_token"] * medians["one_stream_tok_s"]
@@ -429,7 +430,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="llama-1b,llama-3b", help=f"of {list(SHAPES)}")
     parser.add_argument("--kinds", default="Q4_K_M", help="llama-quantize types, e.g. Q4_K_M,Q8_0,Q4_0")
-    parser.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 3; --quick 1)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternated rounds (default 3; --quick 1; 0: load, warm up, memory only)",
+    )
     parser.add_argument("--tokenmill-flags", default="", help="extra `tokenmill serve` flags (default: none)")
     parser.add_argument("--threads", type=int, default=2, help="llama-server -t / -tb")
     parser.add_argument(
@@ -451,7 +457,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     args = parser.parse_args()
     workload = QUICK if args.quick else FULL
-    if args.rounds:
+    if args.rounds is not None:
         workload = Workload(
             args.rounds, workload.output_tokens, workload.streams, workload.prompt_tokens, workload.bandwidth_bytes
         )
