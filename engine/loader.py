@@ -19,12 +19,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.models.llama import (
-    LlamaForCausalLM,
-    LlamaShape,
-    UnsupportedModel,
-    rope_cos_sin_cache,
-)
+from engine.models import DecoderForCausalLM, DecoderShape, UnsupportedModel, model_for
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,10 +28,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @dataclass
 class LoadedModel:
     name: str
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: object  # transformers PreTrainedTokenizerFast
     hf_config: object
-    shape: LlamaShape
+    shape: DecoderShape
     folder: Path  # the safetensors folder the weights came from (HF can load it too)
     dtype: torch.dtype
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -172,7 +167,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     quantization = resolve_quantization(config)
     folder, name = checkpoint_folder(config)
     hf_config = AutoConfig.from_pretrained(folder)
-    shape = LlamaShape.from_hf_config(hf_config)
+    shape = DecoderShape.from_hf_config(hf_config)
     device = config.torch_device
     # Quantized linears are packed from the weights as read (float32 for a converted GGUF), not from a
     # bf16 copy: int4 then gives back the GGUF's own Q4_1 values.
@@ -180,8 +175,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     weights = {
         key: tensor.to(device=device, dtype=read_dtype or tensor.dtype) for key, tensor in _read_weights(folder).items()
     }
-    cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
-    model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
+    model = model_for(hf_config, weights, dtype=config.torch_dtype, quantization=quantization, device=device)
     del weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
     quantized = "" if quantization == "none" else f", weights {quantization}"
