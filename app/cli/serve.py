@@ -36,7 +36,13 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenmill: {store.configured_key}", flush=True)
     if args.ray:
         return serve_on_ray(settings, args, store)
-    app, engine = build_server(settings, migrated=True)
+    from engine.models.shape import UnsupportedModel
+
+    try:
+        app, engine = build_server(settings, migrated=True)
+    except (UnsupportedModel, FileNotFoundError) as error:  # a model it can't run: say so in one line
+        print(f"tokenmill: {error}", file=sys.stderr)
+        return 2
     try:
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)
         if store.created_admin_key:

@@ -175,3 +175,33 @@ def _moe(config: Any, layers: int) -> tuple[MoEShape | None, tuple[bool, ...]]:
     dense_only = set(getattr(config, "mlp_only_layers", None) or [])
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return moe, tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
+
+
+ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "longrope"})  # engine/models/rope.py computes these
+# a GGUF's general.architecture -> the config model_type its weights load as (the rest are spelled alike)
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+
+
+def model_type_of_gguf(architecture: str) -> str:
+    return GGUF_ARCHITECTURES.get(architecture, architecture)
+
+
+def unsupported_reason(config: dict[str, Any]) -> str | None:
+    """Why a config.json (as a dict) describes a model the decoder can't run, or None: what the registry checks
+    before loading anything, the same facts `DecoderShape.from_hf_config` refuses."""
+    model_type = str(config.get("model_type"))
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        return f"architecture {model_type!r} is not supported for chat; tokenmill runs {supported_list()}"
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if activation != "silu" and activation not in GATED_GELU:
+        return f"activation {activation!r} is not supported (silu or tanh-approximate gelu)"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    entries = [entry for entry in rope.values() if isinstance(entry, dict)] or [rope]
+    for entry in entries:
+        rope_type = entry.get("rope_type", entry.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            return f"rope type {rope_type!r} is not supported ({', '.join(sorted(ROPE_TYPES))})"
+        partial = entry.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
+        if partial != 1.0:
+            return f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported"
+    return None
