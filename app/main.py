@@ -112,7 +112,7 @@ def model_readings(pool: ModelPool) -> list[ModelReading]:
     """What /metrics reports at this instant: each served engine's latest stats snapshot (draining ones
     too, until they are gone)."""
     return [
-        ModelReading(served.metrics, served.engine.stats())
+        ModelReading(served.metrics, served.engine.stats(), getattr(served.engine, "weight_format", ""))
         for served in list(pool.served.values())
         if served.engine is not None
     ]

@@ -80,6 +80,8 @@ class System:
     url: str
     headers: dict[str, str]
     model: str
+    process: subprocess.Popen[bytes] | None = None  # where this bench started it
+    start_s: float = 0.0  # from the process's start until /health answered
 
 
 async def one_request(http: httpx.AsyncClient, system: System, job: Job) -> Result:
@@ -217,6 +219,7 @@ def start_llama_server(
     # without spinning (OMP_WAIT_POLICY=PASSIVE, --poll 0): on a shared 2-core machine spinning threads
     # waited on a descheduled sibling and one stream fell from 27 to 1.4 tok/s. Otherwise its defaults.
     environment = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if passive else dict(os.environ)
+    started = time.perf_counter()
     process = subprocess.Popen(
         [
             str(binary),
@@ -244,7 +247,7 @@ def start_llama_server(
     stack.callback(_stop, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process, timeout=300)
-    return System(LLAMA, url, {}, "default")
+    return System(LLAMA, url, {}, "default", process, time.perf_counter() - started)
 
 
 # ---- report --------------------------------------------------------------------------------------

@@ -224,14 +224,32 @@ def tokenmill_cli(*argv: str) -> str:
     return done.stdout
 
 
+@dataclass
+class Launched:
+    """A server this bench started: where it answers, and the process (for its memory and its exit)."""
+
+    url: str
+    headers: dict[str, str]
+    process: subprocess.Popen[bytes]
+    start_s: float  # from the process's start until /health answered
+
+
 def start_tokenmill(stack: ExitStack, data_dir: str, extra_args: str) -> tuple[str, dict]:
     """`tokenmill serve` on a fresh database, with one team and key made through the CLI."""
+    launched = launch_tokenmill(stack, data_dir, extra_args)
+    return launched.url, launched.headers
+
+
+def launch_tokenmill(stack: ExitStack, data_dir: str, extra_args: str, timeout: float = 300.0) -> Launched:
+    """start_tokenmill, also giving the process and how long it took to come up (the CLI's team and key
+    are made before the clock starts)."""
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="serve-bench-")))
     database = ["--database-url", f"sqlite:///{workdir / 'bench.db'}"]
     tokenmill_cli("teams", "create", "bench", *database)
     key = tokenmill_cli("keys", "create", "--team", "bench", *database).strip().splitlines()[-1]
     port = free_port()
     log = open(workdir / "tokenmill.log", "w")
+    started = time.perf_counter()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -253,8 +271,13 @@ def start_tokenmill(stack: ExitStack, data_dir: str, extra_args: str) -> tuple[s
     )
     stack.callback(_stop, process)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process)
-    return url, {"authorization": f"Bearer {key}"}
+    try:
+        wait_healthy(url, process, timeout)
+    except RuntimeError as error:
+        log.flush()
+        tail = "\n".join((workdir / "tokenmill.log").read_text(errors="replace").strip().splitlines()[-5:])
+        raise RuntimeError(f"{error}; its log ends:\n{tail}") from error
+    return Launched(url, {"authorization": f"Bearer {key}"}, process, time.perf_counter() - started)
 
 
 def start_naive(stack: ExitStack, data_dir: str) -> tuple[str, dict]:

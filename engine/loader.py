@@ -1,7 +1,10 @@
 """Load a checkpoint once: a safetensors folder, a GGUF file, or the embedded SmolLM2.
 
-Parsing a GGUF is slow pure Python, so a GGUF is converted once to a safetensors folder in the data
-directory, and later starts read that.
+A GGUF run quantized (int4/int8, what `auto` picks for a quantized GGUF) is read as stored: its tensors from
+the mapped file, each turned into the kernels' packed format one at a time (engine/gguf_file.py,
+engine/gguf_repack.py), nothing written but its config and tokenizer (parsing those from the GGUF's metadata
+takes seconds of pure Python: kept in the data directory, a few MB). A GGUF run in float (--quantization none)
+is converted once to a safetensors folder through transformers, as before.
 """
 
 from __future__ import annotations
@@ -9,17 +12,30 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import re
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
+from engine.gguf_file import (
+    FLOAT_TYPES,
+    SUPPORTED_TYPES,
+    MappedFile,
+    TensorEntry,
+    check_types,
+    gguf_architecture,
+    hf_named_tensors,
+    read_tensor_index,
+)
+from engine.gguf_repack import INT4_TYPES, WIDE_TYPES
 from engine.models import DecoderForCausalLM, DecoderShape, UnsupportedModel, model_for
+from engine.models.weights import Weight
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -32,9 +48,11 @@ class LoadedModel:
     tokenizer: object  # transformers PreTrainedTokenizerFast
     hf_config: object
     shape: DecoderShape
-    folder: Path  # the safetensors folder the weights came from (HF can load it too)
+    folder: Path  # the safetensors folder the weights came from (HF can load it); for a GGUF read as stored,
+    # the folder of its config and tokenizer only
     dtype: torch.dtype
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    weight_format: str = ""  # what the weights run as, e.g. "gguf Q4_K_M -> int4/int8", "bf16"
 
 
 def _say(message: str) -> None:
@@ -138,16 +156,16 @@ def checkpoint_folder(config: EngineConfig) -> tuple[Path, str]:
     return folder, name
 
 
-LOSSLESS_INT4_GGUF = re.compile(r"q4_[01]", re.IGNORECASE)  # GGUF files named for Q4_0 / Q4_1 blocks
 INT4_VECTOR_UNITS = ("avx512-vnni", "avx512", "avx2")  # kernels/qlinear.py builds with integer dot products
 
 
 def resolve_quantization(config: EngineConfig) -> str:
-    """The quantization a load applies. "auto" is int4 for a GGUF file named as Q4_0/Q4_1 (the embedded
-    SmolLM2 is Q4_1): int4 in groups of 32 gives back the file's own weights, and the int4 kernel streams
-    them faster than the float paths at the rows decode steps have: 2.5x bf16 at batch 1 with AVX512-VNNI,
-    7x float32 at 1 row and 4x at 8 with AVX2's integer sums (bench/qlinear_bench.py). Otherwise (a GPU,
-    a CPU without AVX2, other checkpoints, whose weights int4 would change) it is none."""
+    """The quantization a load applies. "auto" decides by the GGUF's tensor types (engine/gguf_file.py): a
+    GGUF whose layers are stored quantized runs them as stored, int4 where they have 4-bit codes (Q4_0, Q4_1,
+    Q4_K, Q4_K_M's Q6_K tensors then in int8), int8 where they are all wider (Q5_*, Q6_K, Q8_0): the int
+    kernels stream them faster than the float paths at the rows decode steps have (bench/qlinear_bench.py),
+    and in a fraction of float32's memory. Otherwise (a GPU, a CPU without AVX2, safetensors, a float GGUF,
+    whose weights int4 would change) it is none."""
     if config.quantization != "auto":
         return config.quantization
     if config.torch_device.type != "cpu":
@@ -155,9 +173,89 @@ def resolve_quantization(config: EngineConfig) -> str:
     from kernels.qlinear import vector_unit
 
     path, _ = resolve_source(config.model)
-    if path.is_file() and LOSSLESS_INT4_GGUF.search(path.name) and vector_unit() in INT4_VECTOR_UNITS:
+    if not path.is_file() or vector_unit() not in INT4_VECTOR_UNITS:
+        return "none"
+    return stored_quantization(read_tensor_index(path))
+
+
+def stored_quantization(entries: list[TensorEntry]) -> str:
+    """int4, int8 or none for a GGUF, from the types of its layers' matrices (not the embedding or head)."""
+    layer_types = {entry.type_name for entry in entries if entry.name.startswith("blk.") and len(entry.shape) >= 2}
+    if layer_types - SUPPORTED_TYPES:
+        return "int4"  # a type it can't run (IQ*, Q2_K, ...): the load stops naming it, before allocating
+    if layer_types & INT4_TYPES:
         return "int4"
+    if layer_types & WIDE_TYPES:
+        return "int8"
     return "none"
+
+
+def describe_format(path: Path, entries: list[TensorEntry], quantization: str) -> str:
+    """What a GGUF's weights run as, e.g. "gguf Q4_K/Q6_K -> int4/int8"."""
+    counts = Counter(entry.type_name for entry in entries if len(entry.shape) >= 2)
+    stored = "/".join(name for name, _ in counts.most_common() if name not in FLOAT_TYPES or len(counts) == 1)
+    runs = {"int4": "int4/int8", "int8": "int8"}.get(quantization, "float")
+    return f"gguf {stored or 'F32'} -> {runs}"
+
+
+def _stored_types(path: Path) -> str:
+    counts = Counter(entry.type_name for entry in read_tensor_index(path) if len(entry.shape) >= 2)
+    return "/".join(name for name, _ in counts.most_common())
+
+
+def _metadata_folder(gguf: Path, data_dir: Path) -> Path:
+    return _gguf_cache_folder(gguf, data_dir).with_suffix(".meta")
+
+
+def gguf_metadata(gguf: Path, data_dir: Path) -> tuple[Any, Any, Path]:
+    """(HF config, tokenizer, the folder they are saved in) for a GGUF: from transformers' GGUF support the
+    first time (config, tokenizer and chat template from the file's metadata), from that folder later."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = _metadata_folder(gguf, data_dir)
+    if not (folder / "config.json").exists():
+        _say(f"reading {gguf.name}'s config and tokenizer (once; later starts read {folder.name})")
+        hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(hf_config, "quantization_config"):
+            del hf_config.quantization_config
+        staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        hf_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), folder
+
+
+def load_stored_gguf(config: EngineConfig, path: Path, name: str, quantization: str) -> LoadedModel:
+    """A GGUF run as stored: every tensor's type checked first (an unsupported one is an error naming it,
+    before anything is allocated), then each packed from the mapped file, its pages handed back once read."""
+    started = time.monotonic()
+    entries = read_tensor_index(path)
+    check_types(entries, path)
+    hf_config, tokenizer, folder = gguf_metadata(path, Path(config.data_dir))
+    shape = DecoderShape.from_hf_config(hf_config)
+    device = config.torch_device
+    mapped = MappedFile(path)
+    weights: dict[str, Weight] = dict(hf_named_tensors(entries, mapped, hf_config, gguf_architecture(path)))
+    model = model_for(hf_config, weights, dtype=config.torch_dtype, quantization=quantization, device=device)
+    del weights
+    mapped.release_all()
+    weight_format = describe_format(path, entries, quantization)
+    _say(f"loaded {name} ({config.dtype}, {weight_format}, {device}) in {time.monotonic() - started:.1f}s")
+    return LoadedModel(
+        name=config.served_model_name or name,
+        model=model,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        shape=shape,
+        folder=folder,
+        dtype=config.torch_dtype,
+        device=device,
+        weight_format=weight_format,
+    )
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -165,6 +263,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     started = time.monotonic()
     quantization = resolve_quantization(config)
+    path, name = resolve_source(config.model)
+    if path.is_file() and quantization != "none":
+        return load_stored_gguf(config, path, name, quantization)
     folder, name = checkpoint_folder(config)
     hf_config = AutoConfig.from_pretrained(folder)
     shape = DecoderShape.from_hf_config(hf_config)
@@ -172,13 +273,15 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # Quantized linears are packed from the weights as read (float32 for a converted GGUF), not from a
     # bf16 copy: int4 then gives back the GGUF's own Q4_1 values.
     read_dtype = config.torch_dtype if quantization == "none" else None
-    weights = {
+    weights: dict[str, Weight] = {
         key: tensor.to(device=device, dtype=read_dtype or tensor.dtype) for key, tensor in _read_weights(folder).items()
     }
     model = model_for(hf_config, weights, dtype=config.torch_dtype, quantization=quantization, device=device)
     del weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
     quantized = "" if quantization == "none" else f", weights {quantization}"
+    stored = f"gguf {_stored_types(path)} -> " if path.is_file() else ""
+    legacy_format = stored + (config.dtype if quantization == "none" else f"{quantization} (re-quantized)")
     _say(f"loaded {name} ({config.dtype}{quantized}, {device}) in {time.monotonic() - started:.1f}s")
     return LoadedModel(
         name=config.served_model_name or name,
@@ -189,4 +292,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
         folder=folder,
         dtype=config.torch_dtype,
         device=device,
+        weight_format=legacy_format,
     )

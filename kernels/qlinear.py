@@ -80,6 +80,105 @@ def _padded(weight: torch.Tensor, columns: int) -> torch.Tensor:
     return padded
 
 
+@dataclass(frozen=True)
+class QuantizedRows:
+    """A weight quantized row by row, before packing: the codes, scales and minimums the kernel multiplies with.
+
+    int8: `values` int8 in [-127, 127], value = scale * q; int4: `values` uint8 in 0..15, value = scale * q + min.
+    One float16 scale (and minimum) per row and `group` inputs. A GGUF tensor's blocks give these directly
+    (engine/gguf_repack.py), so packing them keeps the file's values; `quantize_rows` makes them from floats."""
+
+    format: Format
+    values: torch.Tensor  # [out_features, groups * group]
+    scales: torch.Tensor  # float16 [out_features, groups]
+    mins: torch.Tensor | None  # float16 [out_features, groups], int4 only
+    in_features: int
+    group: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.values.shape[0])
+
+
+def concat_quantized_rows(parts: Sequence[QuantizedRows]) -> QuantizedRows:
+    """Parts (of one format and group) stacked along the output rows: a fused q/k/v or gate/up weight."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if any(
+        (part.format, part.group, part.in_features) != (first.format, first.group, first.in_features) for part in parts
+    ):
+        raise ValueError("fused parts must share format, group and in_features")
+    mins = None if first.mins is None else torch.cat([cast(torch.Tensor, part.mins) for part in parts])
+    return replace(
+        first,
+        values=torch.cat([part.values for part in parts]),
+        scales=torch.cat([part.scales for part in parts]),
+        mins=mins,
+    )
+
+
+def quantize_rows(weight: torch.Tensor, fmt: Format, group: int | None = None) -> QuantizedRows:
+    """Quantizes a float [out_features, in_features] weight to int8 (symmetric) or int4 (scale and minimum).
+
+    `group`: inputs per scale, a multiple of 32; int8 defaults to the whole row (per-channel), int4 to 32.
+    """
+    out_features, in_features = weight.shape
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"unknown weight format {fmt!r}")
+    group = group or (-(-in_features // X_BLOCK) * X_BLOCK if fmt == "int8" else INT4_GROUP)
+    if group % X_BLOCK or (fmt == "int4" and group != INT4_GROUP):
+        raise ValueError(f"{fmt} groups must be a multiple of {X_BLOCK} inputs (int4: exactly {INT4_GROUP})")
+    groups = -(-in_features // group)
+    padded_in = groups * group
+    padded = torch.zeros(out_features, padded_in, dtype=torch.float32)
+    padded[:, :in_features] = weight.float()
+    grouped = padded.view(out_features, groups, group)
+    if fmt == "int8":
+        scales = (grouped.abs().amax(-1) / 127).half()
+        divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
+        quantized = torch.round(grouped / divisor).clamp_(-127, 127).to(torch.int8)
+        return QuantizedRows("int8", quantized.view(out_features, padded_in), scales, None, in_features, group)
+    minimums = grouped.amin(-1).half()
+    scales = ((grouped.amax(-1) - minimums.float()) / 15).half()
+    divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
+    quantized = torch.round((grouped - minimums.float().unsqueeze(-1)) / divisor).clamp_(0, 15).to(torch.uint8)
+    return QuantizedRows("int4", quantized.view(out_features, padded_in), scales, minimums, in_features, group)
+
+
+def _padded_rows(tensor: torch.Tensor) -> torch.Tensor:
+    rows = tensor.shape[0]
+    padded_rows = -(-rows // TILE_ROWS) * TILE_ROWS
+    if padded_rows == rows:
+        return tensor.contiguous()
+    padded = torch.zeros(padded_rows, *tensor.shape[1:], dtype=tensor.dtype)
+    padded[:rows] = tensor
+    return padded
+
+
+def pack_quantized(rows: QuantizedRows) -> PackedWeight:
+    """QuantizedRows in the kernel's layout (output rows padded to a tile with zero rows)."""
+    out_features, group = rows.out_features, rows.group
+    padded_in = rows.values.shape[1]
+    groups = padded_in // group
+    values = _padded_rows(rows.values)
+    padded_rows = values.shape[0]
+    scales = _blocked(_padded_rows(rows.scales))
+    if rows.format == "int8":
+        # q + 128 as a byte: flipping the sign bit of q's two's complement byte
+        offset = (values.view(torch.uint8) ^ 0x80).view(padded_rows // LANES, LANES, padded_in // 4, 4)
+        packed = offset.permute(0, 2, 1, 3).contiguous()
+        return PackedWeight("int8", out_features, rows.in_features, group, packed, scales, None)
+    assert rows.mins is not None
+    # input r of a group: nibble r // 16, chunk (r % 16) // 4, byte r % 4 of the lane's 4
+    halves = values.view(padded_rows, groups, 2, 4, 4)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(padded_rows // LANES, LANES, groups, 4, 4)
+    packed = nibbles.permute(0, 2, 3, 1, 4).contiguous()
+    return PackedWeight(
+        "int4", out_features, rows.in_features, group, packed, scales, _blocked(_padded_rows(rows.mins))
+    )
+
+
 def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> PackedWeight:
     """Packs (and for int8/int4 quantizes) a [out_features, in_features] weight.
 
@@ -89,39 +188,7 @@ def pack_weight(weight: torch.Tensor, fmt: Format, group: int | None = None) -> 
     if fmt == "bf16":
         packed = _blocked(_padded(weight, in_features).to(torch.bfloat16))
         return PackedWeight("bf16", out_features, in_features, in_features, packed, None, None)
-    if fmt not in ("int8", "int4"):
-        raise ValueError(f"unknown weight format {fmt!r}")
-    group = group or (-(-in_features // X_BLOCK) * X_BLOCK if fmt == "int8" else INT4_GROUP)
-    if group % X_BLOCK or (fmt == "int4" and group != INT4_GROUP):
-        raise ValueError(f"{fmt} groups must be a multiple of {X_BLOCK} inputs (int4: exactly {INT4_GROUP})")
-    groups = -(-in_features // group)
-    padded_in = groups * group
-    grouped = _padded(weight, padded_in).view(-1, groups, group)
-    rows = grouped.shape[0]
-    if fmt == "int8":
-        scales = (grouped.abs().amax(-1) / 127).half()
-        divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
-        quantized = torch.round(grouped / divisor).clamp_(-127, 127).to(torch.int16)
-        offset = (quantized + 128).to(torch.uint8).view(rows // LANES, LANES, padded_in // 4, 4)
-        return PackedWeight(
-            "int8", out_features, in_features, group, offset.permute(0, 2, 1, 3).contiguous(), _blocked(scales), None
-        )
-    minimums = grouped.amin(-1).half()
-    scales = ((grouped.amax(-1) - minimums.float()) / 15).half()
-    divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
-    quantized = torch.round((grouped - minimums.float().unsqueeze(-1)) / divisor).clamp_(0, 15).to(torch.uint8)
-    # input r of a group: nibble r // 16, chunk (r % 16) // 4, byte r % 4 of the lane's 4
-    halves = quantized.view(rows, groups, 2, 4, 4)
-    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(rows // LANES, LANES, groups, 4, 4)
-    return PackedWeight(
-        "int4",
-        out_features,
-        in_features,
-        group,
-        nibbles.permute(0, 2, 3, 1, 4).contiguous(),
-        _blocked(scales),
-        _blocked(minimums),
-    )
+    return pack_quantized(quantize_rows(weight, fmt, group))
 
 
 _ALIGN = 64
@@ -158,6 +225,33 @@ def place_together(weights: Sequence[PackedWeight]) -> list[PackedWeight]:
         mins = None if weight.mins is None else copied(weight.mins)
         placed.append(replace(weight, packed=packed, scales=scales, mins=mins))
     return placed
+
+
+def move_together(linears: Sequence[PackedLinear]) -> None:
+    """`place_together` for the linears' own weights, each swapped for its copy as soon as it is made: the
+    original is freed then, so a load holds one copy of the packed model (plus one weight), not two."""
+    tensors = [t for linear in linears for t in (linear.weight.packed, linear.weight.scales, linear.weight.mins)]
+    total = sum(_aligned(t.numel() * t.element_size()) for t in tensors if t is not None)
+    buffer = huge_page_buffer(max(total, 1))
+    offset = 0
+
+    def copied(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal offset
+        if tensor is None:
+            return None
+        nbytes = tensor.numel() * tensor.element_size()
+        view = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        offset += _aligned(nbytes)
+        return view
+
+    del tensors
+    for linear in linears:
+        weight = linear.weight
+        packed = copied(weight.packed)
+        assert packed is not None
+        linear.weight = replace(weight, packed=packed, scales=copied(weight.scales), mins=copied(weight.mins))
+        del weight
 
 
 def _dequantized_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
@@ -310,10 +404,15 @@ class PackedLinear:
     """y = x @ weight.T + bias through the native kernel (the reference where there is none)."""
 
     def __init__(
-        self, weight: torch.Tensor, fmt: Format, bias: torch.Tensor | None = None, group: int | None = None
+        self,
+        weight: torch.Tensor | PackedWeight,
+        fmt: Format = "int8",
+        bias: torch.Tensor | None = None,
+        group: int | None = None,
     ) -> None:
-        self.weight = pack_weight(weight, fmt, group)
-        self.out_features, self.in_features = weight.shape
+        """`weight`: a float weight, packed here as `fmt` (`group`), or one already packed (fmt is then its own)."""
+        self.weight = weight if isinstance(weight, PackedWeight) else pack_weight(weight, fmt, group)
+        self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
         self.bias = None if bias is None else bias.float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,9 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settin
     context_length = (
         served.engine.max_model_len if served is not None and served.engine is not None else spec.max_model_len
     )
+    weight_format = str(getattr(served.engine, "weight_format", None) or "") if served is not None else ""
+    if weight_format:  # an extension: what the loaded weights run as, e.g. "gguf Q4_K/Q6_K -> int4/int8"
+        card["weight_format"] = weight_format
     if context_length is not None:  # vLLM's name and the one OpenRouter-style clients (Codex, LiteLLM) read
         card["max_model_len"] = card["context_length"] = context_length
     if spec.kind == "chat":  # an extension, like max_model_len: what a request that sets none gets

@@ -8,6 +8,11 @@ import sys
 
 from app.settings import Settings, SettingsError, add_arguments, environment_only_help, settings_from
 
+# What loading a model that can't be run raises: a missing file, an unsupported architecture or tensor
+# type (engine.models.llama.UnsupportedModel, engine.gguf_file.UnsupportedTensorType: ValueErrors), a file
+# that isn't a checkpoint.
+MODEL_ERRORS = (ValueError, OSError)
+
 
 def load_settings(args: argparse.Namespace) -> Settings:
     try:
@@ -36,12 +41,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenmill: {store.configured_key}", flush=True)
     if args.ray:
         return serve_on_ray(settings, args, store)
-    from engine.models.shape import UnsupportedModel
-
     try:
         app, engine = build_server(settings, migrated=True)
-    except (UnsupportedModel, FileNotFoundError) as error:  # a model it can't run: say so in one line
-        print(f"tokenmill: {error}", file=sys.stderr)
+    except MODEL_ERRORS as error:  # a model it can't run: one line saying why, not a traceback
+        print(f"tokenmill: can't serve {settings.engine.model}: {error}", file=sys.stderr)
         return 2
     try:
         print(f"tokenmill: serving {engine.model_name} at {settings.base_url}", flush=True)

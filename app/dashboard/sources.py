@@ -95,6 +95,7 @@ def model_cards(app) -> list[dict]:
                 "kv_tokens_total": stats.kv_blocks_total * engine.config.block_size,
                 "max_num_seqs": stats.max_num_seqs,
                 "max_num_batched_tokens": stats.max_num_batched_tokens,
+                "weight_format": getattr(engine, "weight_format", ""),
             }
             card["settings"] = [
                 (name, value, ENGINE_SETTING_NOTES.get(name, "")) for name, value in asdict(engine.config).items()

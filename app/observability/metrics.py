@@ -141,6 +141,7 @@ class ModelReading:
 
     metrics: ModelMetrics
     stats: EngineStats
+    weight_format: str = ""
 
 
 _Read = Callable[[EngineStats], float]
@@ -232,6 +233,14 @@ class ServedModelsCollector(Collector):
             preemptions.add_metric([*labels, "recompute"], reading.stats.num_preemptions_recompute)
             preemptions.add_metric([*labels, "swap"], reading.stats.num_preemptions_swap)
         yield preemptions
+        formats = GaugeMetricFamily(
+            "tokenmill:model_weight_format",
+            "1 for the weight format each loaded model runs (e.g. 'gguf Q4_K/Q6_K -> int4/int8', 'bfloat16').",
+            labels=[*model_labels, "weight_format"],
+        )
+        for reading in readings:
+            formats.add_metric([reading.metrics.model_name, reading.weight_format or "unknown"], 1)
+        yield formats
         team_labels = [*model_labels, "team"]
         team_families: list[tuple[GaugeMetricFamily | CounterMetricFamily, _ReadTeam]] = [
             *((GaugeMetricFamily(name, help_text, labels=team_labels), read) for name, help_text, read in TEAM_GAUGES),

@@ -3,7 +3,10 @@ against what this machine, or the container's cgroup, has available. A load that
 refused before it starts: otherwise the kernel's OOM killer takes the whole server, and every team's
 traffic on it, down with the load.
 
-The estimate is the load's peak: the checkpoint as read from disk, beside the weights in the serving
+A GGUF run quantized is read as stored: its estimate is the packed weights' resident size (from each
+tensor's type: engine/gguf_repack.py's formats) plus the transient of packing its largest matrix, then the
+KV pool (the file's pages are handed back tensor by tensor). Otherwise the estimate is the load's peak: the
+checkpoint as read from disk, beside the weights in the serving
 dtype (fused and packed copies are made while the read ones are alive), then the KV pool (its block
 count or memory budget) and the CPU swap pool; or, the first time a GGUF is loaded, transformers'
 float32 model and the copies it saves, if that is more; plus a margin. Measured on SmolLM2 loaded
@@ -27,6 +30,8 @@ from app.registry.gguf_header import read_string, read_value
 from app.registry.inspection import default_source_path
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
+from engine.gguf_file import TensorEntry, read_tensor_index
+from engine.gguf_repack import CHUNK_VALUES, INT4_TYPES, WIDE_TYPES
 from engine.loader import converted_folder, resolve_quantization
 
 MARGIN = 1.1  # activations, the tokenizer, allocator slack
@@ -118,6 +123,34 @@ def gguf_footprint(path: Path) -> Footprint | None:
     return Footprint(parameters, layers, kv_width, parameters * FLOAT32_BYTES)  # as converted: float32
 
 
+INT4_BYTES_PER_VALUE = 0.5 + 4 / 32  # 4-bit codes, float16 scale and minimum per 32 (kernels/qlinear.py)
+INT8_BYTES_PER_VALUE = 1 + 2 / 32  # 8-bit codes, float16 scale per 32
+# the matrices a layer fuses into one linear: one of them stored wide makes the whole linear int8
+_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+
+
+def stored_gguf_bytes(entries: list[TensorEntry], quantization: str) -> tuple[int, int]:
+    """(resident bytes of the packed weights, the load's transient bytes) for a GGUF run as stored
+    (engine/gguf_repack.py): int4 for 4-bit types under int4, else int8 in groups of 32, per fused linear; float
+    tensors (norms) in float32. The transient: the largest matrix's codes twice (chunks, then their
+    concatenation) and one chunk's float32 intermediates; the file's pages are handed back tensor by tensor."""
+    groups: dict[str, list[TensorEntry]] = {}
+    resident = transient = 0
+    for entry in entries:
+        values = math.prod(entry.shape)
+        if entry.type_name not in INT4_TYPES | WIDE_TYPES or len(entry.shape) < 2:
+            resident += values * FLOAT32_BYTES
+            continue
+        transient = max(transient, 2 * values + 16 * CHUNK_VALUES)
+        block, _, role = entry.name.rpartition(".weight")[0].rpartition(".")
+        groups.setdefault(f"{block}.{_FUSED.get(role, role)}", []).append(entry)
+    for members in groups.values():
+        wide = quantization == "int8" or any(member.type_name in WIDE_TYPES for member in members)
+        per_value = INT8_BYTES_PER_VALUE if wide else INT4_BYTES_PER_VALUE
+        resident += math.ceil(sum(math.prod(member.shape) for member in members) * per_value)
+    return resident, transient
+
+
 def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     """What loading `spec` takes, or None where the weights' size can't be told from their headers."""
     if spec.kind == "embedding":
@@ -128,25 +161,37 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
         return Estimate(footprint.stored_bytes, footprint.parameters * DTYPES[spec.dtype].itemsize, 0)
 
     config = spec.engine_config(base)
-    folder = converted_folder(config)
-    conversion = 0
-    if folder is not None:
-        footprint = safetensors_footprint(folder)
-    else:  # a GGUF converted on this load: transformers holds it in float32 meanwhile
-        source = default_source_path("chat") if spec.source == DEFAULT_SOURCE else Path(spec.source)
+    quantization = resolve_quantization(config)
+    source = default_source_path("chat") if spec.source == DEFAULT_SOURCE else Path(spec.source)
+    stored: tuple[int, int] | None = None
+    if source.is_file() and quantization != "none":  # a GGUF run as stored: never converted
+        try:
+            entries = read_tensor_index(source)
+        except (OSError, ValueError, struct.error):
+            return None
+        stored = stored_gguf_bytes(entries, quantization)
         footprint = gguf_footprint(source)
-        if footprint is not None:
-            conversion = 2 * footprint.parameters * FLOAT32_BYTES
+    conversion = 0
+    if stored is None:
+        folder = converted_folder(config)
+        if folder is not None:
+            footprint = safetensors_footprint(folder)
+        else:  # a GGUF converted on this load: transformers holds it in float32 meanwhile
+            footprint = gguf_footprint(source)
+            if footprint is not None:
+                conversion = 2 * footprint.parameters * FLOAT32_BYTES
     if footprint is None:
         return None
     element = DTYPES[config.dtype].itemsize
-    kv_element = config.kv_torch_dtype(resolve_quantization(config)).itemsize
+    kv_element = config.kv_torch_dtype(quantization).itemsize
     bytes_per_block = 2 * footprint.layers * footprint.kv_width * config.block_size * kv_element
     # As engine/runner.py sizes them: a block count wins over the budget; swap mode adds a CPU pool.
     device_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gb * GIB // max(bytes_per_block, 1)))
     kv = device_blocks * bytes_per_block
     if config.preemption_mode == "swap":
         kv += (config.num_cpu_blocks or device_blocks) * bytes_per_block
+    if stored is not None:
+        return Estimate(stored[1], stored[0], kv)
     return Estimate(footprint.stored_bytes, footprint.parameters * element, kv, conversion)
 
 

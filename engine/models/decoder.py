@@ -19,11 +19,11 @@ import kernels
 from engine.config import EngineConfig
 from engine.models.moe import SparseMoE
 from engine.models.shape import DecoderShape
-from engine.models.weights import HEAD_FORMATS, LinearLayer, Weight, dense, make_linear
+from engine.models.weights import LinearLayer, Weight, dense, make_embedding, make_head, make_linear
 from kernels.cpu_attention import heads_major_cache
 from kernels.decode_stack import DecoderLayerWeights, DecodeStack, StackShape
 from kernels.linear import Linear
-from kernels.qlinear import PackedLinear, embedding_rows, place_together
+from kernels.qlinear import PackedLinear, PackedWeight, embedding_rows, move_together
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -197,8 +197,8 @@ class DecoderForCausalLM:
         quantization: str = "none",
     ) -> None:
         self.shape = shape
-        embed = dense(weights["model.embed_tokens.weight"])
-        self.dtype = dtype or embed.dtype
+        stored_embed = weights["model.embed_tokens.weight"]
+        self.dtype = dtype or dense(weights["model.norm.weight"]).dtype
         self.quantization = quantization
         self.layers = [
             DecoderLayer(shape, weights, f"model.layers.{i}.", self.dtype, quantization, index=i)
@@ -206,18 +206,21 @@ class DecoderForCausalLM:
         ]
         self.final_norm = (dense(weights["model.norm.weight"], torch.float32) + shape.norm_offset).to(self.dtype)
         stored_head = weights.get("lm_head.weight")
-        head = None if stored_head is None else dense(stored_head)
-        tied = shape.tie_word_embeddings or head is None
+        tied = shape.tie_word_embeddings or stored_head is None
         self.embed: torch.Tensor | None = None
+        self.packed_embed: PackedWeight | None = None  # an untied embedding kept quantized (a GGUF's blocks)
         self.lm_head: LinearLayer
         if quantization == "none":
-            self.embed = embed.to(self.dtype).contiguous()
-            self.lm_head = Linear(self.embed if tied or head is None else head.to(self.dtype))
+            self.embed = dense(stored_embed, self.dtype).contiguous()
+            self.lm_head = Linear(self.embed if tied or stored_head is None else dense(stored_head, self.dtype))
         else:
-            head_format, head_group = HEAD_FORMATS[quantization]
-            self.lm_head = PackedLinear(embed if tied or head is None else head, head_format, group=head_group)
+            self.lm_head = make_head(stored_embed if tied or stored_head is None else stored_head, quantization)
             if not tied:
-                self.embed = embed.to(self.dtype).contiguous()
+                embedding = make_embedding(stored_embed, self.dtype, quantization)
+                if isinstance(embedding, torch.Tensor):
+                    self.embed = embedding
+                else:
+                    self.packed_embed = embedding
             self._place_packed_weights_together()
         tables = {"default": cos_sin} if isinstance(cos_sin, torch.Tensor) else dict(cos_sin)
         self.rope_tables = tables
@@ -231,8 +234,7 @@ class DecoderForCausalLM:
         """One buffer on huge pages for the packed weights, in the order a decode step reads them."""
         linears = [linear for layer in self.layers for linear in layer.linears]
         packed = [linear for linear in [*linears, self.lm_head] if isinstance(linear, PackedLinear)]
-        for linear, weight in zip(packed, place_together([linear.weight for linear in packed]), strict=True):
-            linear.weight = weight
+        move_together(packed)
 
     def weight_nbytes(self) -> int:
         """Bytes of the linears, logits head and embedding as held in memory (a tied embedding once)."""
@@ -249,11 +251,15 @@ class DecoderForCausalLM:
         head_is_embedding = self.shape.tie_word_embeddings and isinstance(self.lm_head, Linear)
         if self.embed is not None and not head_is_embedding:
             total += self.embed.numel() * self.embed.element_size()
+        if self.packed_embed is not None:
+            total += self.packed_embed.nbytes()
         return total
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             hidden = F.embedding(input_ids, self.embed)
+        elif self.packed_embed is not None:
+            hidden = embedding_rows(self.packed_embed, input_ids).to(self.dtype).view(*input_ids.shape, -1)
         else:
             assert isinstance(self.lm_head, PackedLinear)
             hidden = embedding_rows(self.lm_head.weight, input_ids).to(self.dtype).view(*input_ids.shape, -1)

@@ -13,8 +13,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from engine.gguf_file import GGUFTensor
+from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, stored_rows
 from kernels.linear import Linear
-from kernels.qlinear import Format, PackedLinear
+from kernels.qlinear import (
+    Format,
+    PackedLinear,
+    PackedWeight,
+    QuantizedRows,
+    concat_quantized_rows,
+    pack_quantized,
+    quantize_rows,
+)
 
 
 @runtime_checkable
@@ -69,7 +79,57 @@ def make_linear(
     """One linear over `parts` stacked along their output rows (q/k/v fused, gate/up fused): oneDNN on `dtype`
     weights, or packed int8/int4, quantized from the weights as read, before any cast, so float32 checkpoints
     lose nothing to bf16 on the way."""
-    weight = concat_rows(parts)
     if quantization == "none":
+        weight = concat_rows(parts)
         return Linear(weight.to(dtype), None if bias is None else bias.to(dtype))
-    return PackedLinear(weight, LAYER_FORMATS[quantization], bias)
+    if not any_stored(parts):
+        return PackedLinear(concat_rows(parts), LAYER_FORMATS[quantization], bias)
+    return PackedLinear(pack_stored(parts, stored_format(parts, LAYER_FORMATS[quantization])), bias=bias)
+
+
+def make_head(weight: Weight, quantization: str) -> PackedLinear:
+    """The logits head (or a tied embedding, kept only in this form) packed for `quantization`: int8 (in groups
+    of 32 under int4: the head decides the token, so it keeps more bits), or a GGUF's own 4-bit codes where
+    the file stores it so under int4."""
+    head_format, head_group = HEAD_FORMATS[quantization]
+    if not isinstance(weight, torch.Tensor) and is_gguf(weight):
+        fmt: Format = "int4" if quantization == "int4" and weight.stored_type in INT4_TYPES else "int8"
+        return PackedLinear(pack_stored([weight], fmt))
+    return PackedLinear(dense(weight), head_format, group=head_group)
+
+
+def make_embedding(weight: Weight, dtype: torch.dtype, quantization: str) -> torch.Tensor | PackedWeight:
+    """An untied embedding: a `dtype` tensor, or, for a quantized GGUF run, packed like a linear (its rows
+    dequantized on lookup with kernels.qlinear.embedding_rows), so it costs what the file's blocks cost."""
+    if quantization != "none" and not isinstance(weight, torch.Tensor) and is_gguf(weight):
+        return pack_stored([weight], stored_format([weight], LAYER_FORMATS[quantization]))
+    return dense(weight, dtype).contiguous()
+
+
+def any_stored(parts: Sequence[Weight]) -> bool:
+    return any(not isinstance(part, torch.Tensor) and is_gguf(part) for part in parts)
+
+
+def is_gguf(weight: StoredTensor) -> bool:
+    """A quantized GGUF tensor (float GGUF tensors are packed from their values like any float weight)."""
+    return weight.stored_type in INT4_TYPES | WIDE_TYPES
+
+
+def stored_format(parts: Sequence[Weight], fmt: Format) -> Format:
+    """int4 unless a part is stored with more than 4 bits (Q5_*, Q6_K, Q8_0): then int8 for the whole fused
+    linear, so no stored value loses bits (Q4_K_M keeps attn_v and half the ffn_down in Q6_K)."""
+    stored_types = {part.stored_type for part in parts if not isinstance(part, torch.Tensor)}
+    return "int8" if fmt == "int4" and stored_types & WIDE_TYPES else fmt
+
+
+def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:
+    """Parts stacked along the output rows as `fmt` in groups of 32: a GGUF part from its own codes where the
+    format holds them (engine/gguf_repack.py), else re-quantized from its values; one part at a time."""
+    rows: list[QuantizedRows] = []
+    for part in parts:
+        if isinstance(part, GGUFTensor):
+            rows.append(stored_rows(part, fmt)[0])
+            part.release()
+        else:
+            rows.append(quantize_rows(dense(part), fmt, GROUP))
+    return pack_quantized(concat_quantized_rows(rows))

@@ -1,0 +1,519 @@
+"""Real-size models: tokenmill against llama.cpp's llama-server on the same GGUF file, as a user would run them.
+
+Makes random-weight checkpoints of real shapes (Llama-3.2-1B: hidden 2048, 16 layers, 32/8 heads, FFN 8192;
+a 3B: 3072, 28 layers, 24/8, 8192; SmolLM2's 49,152-token vocabulary and chat template), converts and
+quantizes them with llama.cpp's own tools (bench/llama_cpp_tools.py, cached in ~/.cache/tokenmill-bench/models),
+then per file starts `tokenmill serve --model FILE` (default flags, a fresh data dir) and llama-server
+(`-t 2 -np 8 -c 8192`) side by side and alternates them over rounds:
+- one stream x 128 tokens (EOS ignored, so both make the same count): decode tok/s;
+- 8 streams x 128 tokens at once: aggregate tok/s;
+- TTFT of a 515-token prompt (chat template included).
+Also per server: peak RSS (the process's VmHWM), first start (process start to /health), bytes written to
+its data dir; and, in the same run, the machine's plain memory-read bandwidth (torch sum over 1 GiB, 2
+threads), against which one stream's weight-read rate (the file's weight bytes read per token x tok/s) is
+put. Medians over rounds; targets printed beside the numbers; JSON and a PNG under bench/results/. The
+registry's memory estimate is reported for every shape, and for an 8B shape from a header-only GGUF.
+Speed does not depend on the weights' values, so random weights measure what a real model of the shape would.
+
+    python bench/realsize_bench.py                          # 1B and 3B in Q4_K_M, 3 rounds (~20 min, 2 cores)
+    python bench/realsize_bench.py --shapes llama-1b --kinds Q4_K_M,Q8_0 --passive
+    python bench/realsize_bench.py --tokenmill-flags "--quantization int4" --tag int4
+    python bench/realsize_bench.py --quick --out /tmp/realsize.json   # tiny shape, 1 round: proves it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.latency_bench import LLAMA, Job, System, run_jobs, start_llama_server, summarize
+from bench.llama_cpp_tools import (
+    CACHE,
+    LLAMA_8B,
+    MODELS,
+    SHAPES,
+    ModelShape,
+    ToolsUnavailable,
+    find_tools,
+    gguf_for,
+    header_only_gguf,
+)
+from bench.serve_bench import launch_tokenmill, synthetic_chats
+
+RESULTS = ROOT / "bench" / "results"
+TOKENMILL = "tokenmill"
+GIB = 2**30
+GB = 1e9
+BOX_BYTES = 24 * GIB  # "accepted on a 24 GB box": the issue's machine
+LLAMA_SLOTS = 8  # -np 8 -c 8192: 1024 tokens per slot, room for the 515-token prompt and its output
+FILLER = (
+    "a farmer walks along the river at dawn and counts the boats that carry grain to the market town where "
+    "traders argue about prices while children watch the water and the old bridge creaks under carts"
+).split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    rounds: int
+    output_tokens: int
+    streams: int
+    prompt_tokens: int
+    bandwidth_bytes: int  # the plain read's buffer
+
+
+FULL = Workload(rounds=3, output_tokens=128, streams=8, prompt_tokens=515, bandwidth_bytes=GIB)
+QUICK = Workload(rounds=1, output_tokens=8, streams=2, prompt_tokens=64, bandwidth_bytes=64 * 2**20)
+
+
+# ---- what the machine and the file allow ---------------------------------------------------------
+
+
+def read_bandwidth(size: int, threads: int = 2, repeats: int = 7) -> dict[str, float]:
+    """A plain read of `size` bytes (torch sum of float32, `threads` threads): bytes/s, median and best."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(size // 4, dtype=torch.float32)
+        buffer.sum()  # pages touched, code warm
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            buffer.sum()
+            times.append(time.perf_counter() - started)
+        del buffer
+    finally:
+        torch.set_num_threads(previous)
+    return {"median_bytes_s": size / statistics.median(times), "best_bytes_s": size / min(times), "threads": threads}
+
+
+def weight_bytes_per_token(gguf: Path) -> int:
+    """Bytes of weights one decode step reads: every tensor as stored, except the embedding table where a
+    separate output matrix exists (then only one row of it is read; tied, it is the output matrix too)."""
+    from gguf import GGUFReader
+
+    tensors = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(gguf).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def registry_estimate(gguf: Path, data_dir: str) -> dict[str, Any]:
+    """app/registry/memory.py's estimate for serving `gguf` with the server's default settings."""
+    try:
+        from app.registry.memory import available_bytes, estimate
+        from app.registry.spec import ModelSpec
+        from app.settings import settings_from
+
+        settings = settings_from({"model": str(gguf), "data_dir": data_dir}, {})
+        spec = ModelSpec(name=gguf.stem, kind="chat", source=str(gguf), architecture="llama")
+        found = estimate(spec, settings.engine)
+    except Exception as error:  # the registry is under change (#42): report, don't stop the bench
+        return {"error": f"{type(error).__name__}: {error}"}
+    if found is None:
+        return {"error": "the registry can't tell this file's size from its headers"}
+    return {
+        "total_bytes": found.total_bytes,
+        "describe": found.describe(),
+        "accepted_on_24gb_box": found.total_bytes <= BOX_BYTES,
+        "fits_here_now": found.total_bytes <= available_bytes(),
+    }
+
+
+def peak_rss(process: Any) -> int:
+    """The process's peak resident set (VmHWM), bytes."""
+    for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+def exact_prompt(tokens: int, seed: int) -> list[dict[str, str]]:
+    """A one-message chat whose prompt, with SmolLM2's chat template, is exactly `tokens` tokens."""
+    import random
+
+    tokenizer = _tokenizer()
+
+    def count(words: list[str]) -> int:
+        messages = [{"role": "user", "content": " ".join(words)}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    rng = random.Random(seed)
+    words = [f"Round {seed}:"]
+    while count(words) < tokens:
+        words.extend(rng.choice(FILLER) for _ in range(max(1, (tokens - count(words)) // 2)))
+    while count(words) > tokens:
+        words.pop()
+    while count(words) < tokens:
+        words.append("a")  # one token each
+    if count(words) != tokens:
+        raise RuntimeError(f"could not make a {tokens}-token prompt (got {count(words)})")
+    return [{"role": "user", "content": " ".join(words)}]
+
+
+_TOKENIZER: Any = None
+
+
+def _tokenizer() -> Any:
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from transformers import AutoTokenizer
+
+        from engine.loader import default_model_path
+
+        embedded = default_model_path()
+        _TOKENIZER = AutoTokenizer.from_pretrained(str(embedded.parent), gguf_file=embedded.name)
+    return _TOKENIZER
+
+
+def measure_round(system: System, workload: Workload, round_number: int) -> dict[str, Any]:
+    """One stream, then `streams` at once, then the long prompt's TTFT, on one server."""
+    seed = 1000 * round_number
+    one = [Job(chat, workload.output_tokens, 0.0) for chat in synthetic_chats(1, seed=seed)]
+    many = [Job(chat, workload.output_tokens, 0.0) for chat in synthetic_chats(workload.streams, seed=seed + 1)]
+    long = [Job(exact_prompt(workload.prompt_tokens, seed + 2), 2, 0.0)]
+    single = summarize(*asyncio.run(run_jobs(system, one, 1)))
+    streams = summarize(*asyncio.run(run_jobs(system, many, workload.streams)))
+    prompt = summarize(*asyncio.run(run_jobs(system, long, 1)))
+    failed = single["failed"] + streams["failed"] + prompt["failed"]
+    errors = single["errors"] + streams["errors"] + prompt["errors"]
+    return {
+        "one_stream_tok_s": single["per_stream_tok_s"],  # decode rate, after the first token
+        "one_stream_tokens": single["output_tokens"],
+        "streams_tok_s": streams["tok_s"],  # aggregate, first token included
+        "streams_tokens": streams["output_tokens"],
+        "ttft_s": (prompt["ttft_ms"]["p50"] or 0.0) / 1000.0,
+        "failed": failed,
+        "errors": errors[:3],
+    }
+
+
+def served_model(url: str, headers: dict[str, str]) -> dict[str, Any]:
+    """The first entry of /v1/models (tokenmill's says what weight format it runs, once #42 lands)."""
+    reply = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    reply.raise_for_status()
+    entry: dict[str, Any] = reply.json()["data"][0]
+    return entry
+
+
+# ---- one file ------------------------------------------------------------------------------------
+
+
+def bench_file(
+    shape: ModelShape, kind: str, workload: Workload, args: argparse.Namespace, bandwidth: float
+) -> dict[str, Any]:
+    gguf = gguf_for(shape, kind, Path(args.models))
+    report: dict[str, Any] = {
+        "shape": asdict(shape) | {"parameters": shape.parameters},
+        "kind": kind,
+        "file": str(gguf),
+        "file_bytes": gguf.stat().st_size,
+        "weight_bytes_per_token": weight_bytes_per_token(gguf),
+        "streams": workload.streams,
+        "systems": {},
+        "skipped": {},
+    }
+    systems: list[System] = []
+    work = Path(tempfile.mkdtemp(prefix="realsize-", dir=CACHE))
+    data_dir = work / "data"
+    data_dir.mkdir()
+    report["registry_estimate"] = registry_estimate(gguf, str(data_dir))
+    with ExitStack() as stack:
+        stack.callback(_remove, work)
+        if args.no_llama:
+            report["skipped"][LLAMA] = "--no-llama"
+        else:
+            llama = start_llama_server(stack, find_tools().server, gguf, args.threads, LLAMA_SLOTS, args.passive)
+            systems.append(llama)
+        why_not = _tokenmill_refused(report["registry_estimate"], args.max_tokenmill_gib)
+        if why_not:
+            report["skipped"][TOKENMILL] = why_not
+        else:
+            launched = launch_tokenmill(stack, str(data_dir), f"--model {gguf} {args.tokenmill_flags}", timeout=1800)
+            card = served_model(launched.url, launched.headers)
+            report["tokenmill_model"] = card
+            systems.append(
+                System(TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s)
+            )
+        print(f"{gguf.name}: up: " + ", ".join(f"{s.name} in {s.start_s:.1f} s" for s in systems), flush=True)
+        # Unmeasured warm-up: first requests pay one-off allocations (bench/latency_bench.py saw 0.66x without).
+        for system in systems:
+            asyncio.run(run_jobs(system, [Job(chat, 8, 0.0) for chat in synthetic_chats(2, seed=99)], 2))
+        rounds: dict[str, list[dict[str, Any]]] = {system.name: [] for system in systems}
+        for number in range(workload.rounds):
+            for system in systems if number % 2 == 0 else systems[::-1]:  # alternate who goes first
+                row = measure_round(system, workload, number)
+                rounds[system.name].append(row)
+                print(
+                    f"  round {number + 1} {system.name:10} one stream {row['one_stream_tok_s']:6.1f} tok/s, "
+                    f"{workload.streams} streams {row['streams_tok_s']:6.1f} tok/s, TTFT {row['ttft_s']:.2f} s, "
+                    f"failed {row['failed']} {row['errors'][:1]}",
+                    flush=True,
+                )
+        for system in systems:
+            assert system.process is not None
+            medians = {
+                key: statistics.median(row[key] for row in rounds[system.name])
+                for key in ("one_stream_tok_s", "streams_tok_s", "ttft_s")
+            }
+            read_rate = report["weight_bytes_per_token"] * medians["one_stream_tok_s"]
+            report["systems"][system.name] = {
+                **medians,
+                "peak_rss_bytes": peak_rss(system.process),
+                "first_start_s": system.start_s,
+                "data_dir_bytes": folder_bytes(data_dir) if system.name == TOKENMILL else 0,
+                "weight_read_bytes_s": read_rate,
+                "weight_read_of_bandwidth": read_rate / bandwidth,
+                "failed": sum(row["failed"] for row in rounds[system.name]),
+                "rounds": rounds[system.name],
+            }
+    report["targets"] = targets(shape, kind, report)
+    return report
+
+
+def _tokenmill_refused(estimate: dict[str, Any], limit_gib: float) -> str:
+    """Why tokenmill is not started on this file: its estimate is over --max-tokenmill-gib (a float32 copy of
+    a 3B would take the shared machine down), or the registry itself would refuse it."""
+    total = estimate.get("total_bytes")
+    if total is None:
+        return ""
+    if total > limit_gib * GIB:
+        return f"the registry estimates {total / GIB:.1f} GiB, over --max-tokenmill-gib {limit_gib:g}"
+    if not estimate["fits_here_now"]:
+        return f"the registry would refuse it here: {estimate['describe']}"
+    return ""
+
+
+# ---- targets and report --------------------------------------------------------------------------
+
+
+def targets(shape: ModelShape, kind: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets for this file, each with the measured value and whether it is met."""
+    mill, llama = report["systems"].get(TOKENMILL), report["systems"].get(LLAMA)
+    checks: list[tuple[str, Callable[[], float], Callable[[float], bool], str]] = []
+    if shape.name == "llama-3b" or kind != "Q4_K_M":
+        checks.append(
+            ("one stream >= 1.0x llama-server", lambda: _ratio(mill, llama, "one_stream_tok_s"), _at_least(1.0), "x")
+        )
+    else:
+        checks += [
+            ("peak RSS <= 1.5x llama-server's", lambda: _ratio(mill, llama, "peak_rss_bytes"), _at_most(1.5), "x"),
+            ("TTFT (long prompt) <= llama-server's", lambda: _ratio(mill, llama, "ttft_s"), _at_most(1.0), "x"),
+            (
+                f"{report['streams']} streams >= 2x llama-server",
+                lambda: _ratio(mill, llama, "streams_tok_s"),
+                _at_least(2.0),
+                "x",
+            ),
+            (
+                "one stream reads weights at >= 80% of plain read bandwidth",
+                lambda: 100 * mill["weight_read_of_bandwidth"] if mill else float("nan"),
+                _at_least(80.0),
+                "%",
+            ),
+        ]
+    rows = []
+    for name, value_of, passes, unit in checks:
+        value = value_of()
+        rows.append({"target": name, "value": value, "unit": unit, "met": bool(value == value and passes(value))})
+    loads = {"target": "tokenmill loads it with its KV pool", "value": float(mill is not None), "unit": ""}
+    rows.insert(0, loads | {"met": mill is not None and mill["failed"] == 0})
+    return rows
+
+
+def _ratio(mill: dict[str, Any] | None, llama: dict[str, Any] | None, key: str) -> float:
+    if not mill or not llama or not llama[key]:
+        return float("nan")
+    return float(mill[key] / llama[key])
+
+
+def _at_least(bound: float) -> Callable[[float], bool]:
+    return lambda value: value >= bound
+
+
+def _at_most(bound: float) -> Callable[[float], bool]:
+    return lambda value: value <= bound
+
+
+def print_report(files: list[dict[str, Any]], bandwidth: dict[str, float], workload: Workload) -> None:
+    print(
+        f"\nplain read bandwidth (torch sum, {bandwidth['threads']} threads): "
+        f"{bandwidth['median_bytes_s'] / GB:.1f} GB/s median, {bandwidth['best_bytes_s'] / GB:.1f} best"
+    )
+    print(
+        f"\n{'file':24} {'system':10} {'peak RSS GB':>11} {'start s':>8} {'written GB':>10} {'1x tok/s':>9} "
+        f"{f'{workload.streams}x tok/s':>9} {'TTFT s':>7} {'read GB/s':>9} {'% of bw':>7}"
+    )
+    for report in files:
+        name = Path(report["file"]).name.removesuffix(".gguf")
+        for system, row in report["systems"].items():
+            print(
+                f"{name:24} {system:10} {row['peak_rss_bytes'] / GB:11.2f} {row['first_start_s']:8.1f} "
+                f"{row['data_dir_bytes'] / GB:10.2f} {row['one_stream_tok_s']:9.1f} {row['streams_tok_s']:9.1f} "
+                f"{row['ttft_s']:7.2f} {row['weight_read_bytes_s'] / GB:9.1f} {100 * row['weight_read_of_bandwidth']:6.0f}%"
+            )
+        for system, why in report["skipped"].items():
+            print(f"{name:24} {system:10} skipped: {why}")
+        estimate = report["registry_estimate"]
+        print(f"{'':24} registry estimate: {estimate.get('describe') or estimate.get('error')}")
+        for target in report["targets"]:
+            value = "-" if target["value"] != target["value"] else f"{target['value']:.2f}{target['unit']}"
+            print(f"{'':24} target: {target['target']:58} {value:>9}  {'met' if target['met'] else 'MISSED'}")
+
+
+def plot(files: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [
+        ("one_stream_tok_s", "one stream, tok/s", 1.0),
+        ("streams_tok_s", "streams at once, aggregate tok/s", 1.0),
+        ("ttft_s", "TTFT of the long prompt, s", 1.0),
+        ("peak_rss_bytes", "peak RSS, GB", 1 / GB),
+    ]
+    figure, axes = plt.subplots(1, len(metrics), figsize=(16, 4.2))
+    names = [Path(report["file"]).name.removesuffix(".gguf") for report in files]
+    for axis, (key, label, scale) in zip(axes, metrics, strict=True):
+        for offset, system in enumerate((TOKENMILL, LLAMA)):
+            values = [report["systems"].get(system, {}).get(key, 0.0) * scale for report in files]
+            axis.bar([i + offset * 0.4 for i in range(len(files))], values, 0.4, label=system)
+        axis.set_xticks([i + 0.2 for i in range(len(files))], names, fontsize=7)
+        axis.set_title(label, fontsize=9)
+        axis.legend(fontsize=7)
+    figure.suptitle("tokenmill vs llama-server on the same GGUF (random weights of real shapes; medians)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def estimate_8b(models: Path, data_dir: str, template: Path, kind: str) -> dict[str, Any]:
+    """The registry's estimate for an 8B shape, from a header-only GGUF with `template`'s tensor types (the
+    estimate reads only headers). Tied embeddings and SmolLM2's vocabulary: 7.2 B parameters, not 8.0."""
+    header = header_only_gguf(template, LLAMA_8B, models / f"{LLAMA_8B.name}-{kind}-header.gguf")
+    return {"file": str(header), "parameters": LLAMA_8B.parameters, **registry_estimate(header, data_dir)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="llama-1b,llama-3b", help=f"of {list(SHAPES)}")
+    parser.add_argument("--kinds", default="Q4_K_M", help="llama-quantize types, e.g. Q4_K_M,Q8_0,Q4_0")
+    parser.add_argument("--rounds", type=int, default=None, help="alternated rounds (default 3; --quick 1)")
+    parser.add_argument("--tokenmill-flags", default="", help="extra `tokenmill serve` flags (default: none)")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server -t / -tb")
+    parser.add_argument(
+        "--passive",
+        action="store_true",
+        help="threads wait without spinning (OMP_WAIT_POLICY=PASSIVE, llama-server --poll 0): for a shared machine",
+    )
+    parser.add_argument("--no-llama", action="store_true", help="tokenmill alone")
+    parser.add_argument(
+        "--max-tokenmill-gib",
+        type=float,
+        default=12.0,
+        help="skip tokenmill on a file the registry estimates above this (a float32 3B would need ~25 GiB)",
+    )
+    parser.add_argument("--models", default=str(MODELS), help="where the made GGUFs are cached")
+    parser.add_argument("--no-8b-estimate", action="store_true", help="skip the 8B shape's registry estimate")
+    parser.add_argument("--quick", action="store_true", help="a tiny shape, 1 round, a few tokens: proves it runs")
+    parser.add_argument("--tag", default="", help="results go to realsize_bench-TAG.json/.png")
+    parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
+    args = parser.parse_args()
+    workload = QUICK if args.quick else FULL
+    if args.rounds:
+        workload = Workload(
+            args.rounds, workload.output_tokens, workload.streams, workload.prompt_tokens, workload.bandwidth_bytes
+        )
+    shapes = ["llama-tiny"] if args.quick else args.shapes.split(",")
+    if args.passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # tokenmill inherits it
+    try:
+        find_tools()
+    except ToolsUnavailable as error:
+        sys.exit(f"llama.cpp's tools are needed to make the GGUFs: {error}")
+    load_start = os.getloadavg()
+    bandwidth = read_bandwidth(workload.bandwidth_bytes, args.threads)
+    print(f"plain read bandwidth: {bandwidth['median_bytes_s'] / GB:.1f} GB/s (median)", flush=True)
+    files = [
+        bench_file(SHAPES[shape], kind, workload, args, bandwidth["median_bytes_s"])
+        for shape in shapes
+        for kind in args.kinds.split(",")
+    ]
+    report: dict[str, Any] = {
+        "machine": {
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "load_average_start": load_start,
+            "load_average_end": os.getloadavg(),
+            "platform": platform.platform(),
+        },
+        "command": " ".join(sys.argv),
+        "workload": asdict(workload),
+        "thread_wait": "passive" if args.passive else "each system's default",
+        "tokenmill_flags": args.tokenmill_flags or "(defaults)",
+        "llama_server_flags": f"-t {args.threads} -tb {args.threads} -np {LLAMA_SLOTS} -c {1024 * LLAMA_SLOTS}"
+        + (" --poll 0" if args.passive else ""),
+        "read_bandwidth": bandwidth,
+        "files": files,
+    }
+    if not args.no_8b_estimate and files:
+        with tempfile.TemporaryDirectory(prefix="realsize-8b-", dir=CACHE) as data_dir:
+            first = files[0]
+            report["estimate_8b"] = estimate_8b(Path(args.models), data_dir, Path(first["file"]), first["kind"])
+    print_report(files, bandwidth, workload)
+    if "estimate_8b" in report:
+        estimate = report["estimate_8b"]
+        print(
+            f"\n8B shape ({LLAMA_8B.parameters / 1e9:.2f} B parameters), registry estimate: "
+            f"{estimate.get('describe') or estimate.get('error')}; accepted on a 24 GB box: "
+            f"{estimate.get('accepted_on_24gb_box')}"
+        )
+    out = Path(args.out) if args.out else RESULTS / ("realsize_bench" + (f"-{args.tag}" if args.tag else "") + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(files, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
+
+
+def _remove(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

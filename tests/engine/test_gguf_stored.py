@@ -1,0 +1,190 @@
+"""A quantized GGUF runs as stored: each supported type packed from the file's own blocks (exactly where our
+formats hold them), greedy output equal to transformers' float32 on the same file where the values are kept,
+and close to it where they are re-quantized. Files made by llama.cpp's own converter and llama-quantize."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine.config import EngineConfig
+from engine.gguf_file import QUANTIZED_TYPES, GGUFTensor, MappedFile, read_tensor_index
+from engine.gguf_repack import INT4_TYPES, stored_rows
+from engine.loader import load_model, resolve_quantization
+from engine.sampling_params import SamplingParams
+from kernels.qlinear import dequantize, native_available, pack_quantized
+from tests.support.engine import chat_prompt, make_engine, run_to_completion
+from tests.support.gguf_files import GGUFMaker, llama_cpp_tools
+
+pytestmark = pytest.mark.skipif(
+    not native_available(torch.zeros(1, 2)), reason="no C++ compiler: the native kernels can't be built here"
+)
+KEPT = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]  # the file's values kept exactly
+# Q4_K keeps its codes, its scales rounded to float16 (enough to flip a near-tie after a few tokens);
+# the others are re-quantized into int8 in groups of 32
+REQUANTIZED = ["Q4_K_S", "Q5_1", "Q5_K_S", "Q6_K"]
+EXPECTED_FORMAT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K_S": "int4", "Q4_K_M": "int4"}  # else int8
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory, smollm2) -> GGUFMaker:
+    return GGUFMaker(tmp_path_factory.mktemp("gguf"), llama_cpp_tools(), smollm2.tokenizer)
+
+
+def matrices(path: Path) -> list[GGUFTensor]:
+    mapped = MappedFile(path)
+    return [
+        GGUFTensor(mapped.array(entry), entry.type_name, entry.shape)
+        for entry in read_tensor_index(path)
+        if entry.type_name in QUANTIZED_TYPES and len(entry.shape) == 2
+    ]
+
+
+@pytest.mark.parametrize("kind", [*KEPT, *REQUANTIZED, "Q4_K_M"])
+def test_each_type_packs_to_the_values_gguf_dequantizes(ggufs, kind):
+    """Per tensor: what the kernel multiplies with, against gguf-py's own dequantize of the same blocks."""
+    seen = set()
+    for tensor in matrices(ggufs.path(kind, pure=kind != "Q4_K_M")):
+        seen.add(tensor.type_name)
+        reference = torch.from_numpy(gguf_dequantize(tensor.raw, GGMLQuantizationType[tensor.type_name]))
+        fmt = "int4" if tensor.type_name in INT4_TYPES else "int8"
+        rows, exact = stored_rows(tensor, fmt)
+        ours = dequantize(pack_quantized(rows))
+        if tensor.type_name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+            assert exact and torch.equal(ours, reference), tensor.type_name
+        elif tensor.type_name == "Q4_K":
+            # the codes are the file's; scale d*sc and minimum dmin*m are rounded to float16 (2^-11 relative each)
+            group_size = 15 * rows.scales.float().abs() + cast(torch.Tensor, rows.mins).float().abs()
+            bound = (2**-11 * group_size).repeat_interleave(32, dim=1) * 1.01
+            assert exact and bool(((ours - reference).abs() <= bound).all())
+        else:  # int8 in groups of 32: off by at most half a step of the group's scale
+            step = reference.view(reference.shape[0], -1, 32).abs().amax(-1) / 127
+            bound = (step * 0.51 + 1e-6).repeat_interleave(32, dim=1)
+            assert not exact and bool(((ours - reference).abs() <= bound).all()), tensor.type_name
+    assert seen, f"{kind}: no quantized matrices"
+    if kind == "Q4_K_M":
+        assert seen == {"Q4_K", "Q6_K"}
+
+
+def test_every_supported_quantized_type_is_covered(ggufs):
+    seen = {t.type_name for kind in KEPT + REQUANTIZED for t in matrices(ggufs.path(kind))}
+    assert seen == set(QUANTIZED_TYPES)
+
+
+def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
+    """transformers (which dequantizes the GGUF to float32) on the same file."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def ours(path: Path, data_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], object]:
+    config = EngineConfig(model=str(path), quantization="auto", dtype="float32", data_dir=str(data_dir))
+    loaded = load_model(config)
+    engine = make_engine(loaded, quantization=loaded.model.quantization, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = run_to_completion(engine, prompts, params)
+    return [results[f"r{n}"][0] for n in range(len(prompts))], loaded
+
+
+@pytest.mark.parametrize("kind", KEPT)
+def test_where_the_values_are_kept_greedy_output_equals_transformers(ggufs, smollm2, tmp_path, kind):
+    path = ggufs.path(kind)
+    prompt = chat_prompt(smollm2.tokenizer, "What is the capital of France?")
+    (tokens,), loaded = ours(path, tmp_path, [prompt], NEW_TOKENS)
+    assert loaded.model.quantization == EXPECTED_FORMAT.get(kind, "int8")
+    assert "gguf" in loaded.weight_format
+    assert not list(tmp_path.glob("models/*/model.safetensors")), "no safetensors copy of a GGUF run as stored"
+    assert tokens == hf_greedy(path, prompt)
+
+
+@pytest.mark.parametrize("kind", REQUANTIZED + ["Q4_K_M"])
+def test_where_values_are_requantized_next_tokens_agree_with_transformers(ggufs, smollm2, tmp_path, kind):
+    """Teacher-forced along transformers' own greedy continuation: our next token at each position."""
+    path = ggufs.path(kind, pure=kind != "Q4_K_M")
+    prompt = chat_prompt(smollm2.tokenizer, "Write a short poem about the sea.")
+    reference = hf_greedy(path, prompt)
+    prompts = [prompt + reference[:position] for position in range(NEW_TOKENS)]
+    tokens, _ = ours(path, tmp_path, prompts, 1)
+    agreement = np.mean([got[0] == want for got, want in zip(tokens, reference, strict=True)])
+    assert agreement >= 0.95, f"{kind}: {agreement:.0%} of next tokens agree"
+
+
+def test_auto_decides_by_the_tensor_types_not_the_file_name(ggufs, tmp_path):
+    renamed = tmp_path / "model-q4_0.gguf"  # named for Q4_0, stored in Q8_0
+    renamed.symlink_to(ggufs.path("Q8_0"))
+    assert resolve_quantization(EngineConfig(model=str(renamed), quantization="auto", device="cpu")) == "int8"
+    assert (
+        resolve_quantization(EngineConfig(model=str(ggufs.path("Q4_K_M", pure=False)), quantization="auto")) == "int4"
+    )
+    assert resolve_quantization(EngineConfig(model=str(ggufs.path("F32")), quantization="auto")) == "none"
+
+
+def registry_estimate(path: Path, data_dir: Path):
+    from app.registry.memory import estimate
+    from app.registry.spec import ModelSpec
+
+    spec = ModelSpec(
+        name="m",
+        kind="chat",
+        source=str(path),
+        architecture="llama",
+        dtype="float32",
+        engine_settings={"quantization": "auto"},
+    )
+    return estimate(spec, EngineConfig(data_dir=str(data_dir)))
+
+
+def test_the_registry_estimates_what_a_stored_gguf_holds(ggufs, tmp_path):
+    """The memory check sizes a GGUF run as stored by its tensor types, as the load packs them."""
+    path = ggufs.path("Q4_K_M", pure=False)
+    needed = registry_estimate(path, tmp_path)
+    loaded = load_model(EngineConfig(model=str(path), quantization="auto", data_dir=str(tmp_path)))
+    assert needed.conversion_bytes == 0
+    assert abs(needed.weights_bytes - loaded.model.weight_nbytes()) <= 0.05 * loaded.model.weight_nbytes()
+
+
+@pytest.mark.parametrize("shape_name", ["llama-3b", "llama-8b"])
+def test_a_3b_and_an_8b_q4_k_m_fit_a_24_gb_box_with_their_kv_pool(ggufs, tmp_path, shape_name):
+    """Header-only files of the real shapes (the data a sparse hole): the estimate a 24 GB machine checks."""
+    from bench.llama_cpp_tools import SHAPES, header_only_gguf
+
+    path = header_only_gguf(ggufs.path("Q4_K_M", pure=False), SHAPES[shape_name], tmp_path / f"{shape_name}.gguf")
+    needed = registry_estimate(path, tmp_path)
+    file_bytes = path.stat().st_size
+    assert needed.kv_bytes > 0
+    assert needed.total_bytes < 16 * 2**30  # room left on 24 GB for the OS and the server
+    assert needed.weights_bytes < 1.35 * file_bytes  # int4 where the file has 4 bits, int8 for its Q6_K
+
+
+def test_serving_a_gguf_of_a_type_it_cannot_run_ends_with_one_line_naming_it(ggufs, tmp_path):
+    import subprocess
+    import sys
+
+    path = ggufs.path("Q2_K")
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--model", str(path), "--data-dir", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "can't serve" in last and "stored as Q2_K" in last
