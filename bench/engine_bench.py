@@ -12,6 +12,7 @@ as useful tokens (and FLOPs) on both sides.
     python bench/engine_bench.py --quick                 # a smoke run: 16 short requests
     python bench/engine_bench.py --dtypes bfloat16 --profile-steps 8
     python bench/engine_bench.py --dtypes float32 --quantization int4   # the engine int4, HF float32
+    python bench/engine_bench.py --moe                   # MoE (8 experts, 2 active) vs dense of its active size
 """
 
 from __future__ import annotations
@@ -687,6 +688,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads, the same for both sides (default: the CPUs this process may use)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="decode step of an MoE (8 experts, 2 active) vs a dense model of its active size",
+    )
     parser.add_argument("--peak-seconds", type=float, default=None, help="time per matmul shape for the peak")
     parser.add_argument(
         "--profile-steps",
@@ -711,6 +717,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.moe:  # its own workload: batch-1 decode steps of two random-weight checkpoints (bench/moe_decode.py)
+        from bench.moe_decode import add_arguments, moe_vs_dense
+
+        moe_parser = argparse.ArgumentParser()
+        add_arguments(moe_parser)
+        return moe_vs_dense(moe_parser.parse_args(["--threads", str(args.threads)]))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     import transformers

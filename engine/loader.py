@@ -35,12 +35,7 @@ from engine.gguf_file import (
     read_tensor_index,
 )
 from engine.gguf_repack import INT4_TYPES, WIDE_TYPES
-from engine.models.llama import (
-    LlamaForCausalLM,
-    LlamaShape,
-    UnsupportedModel,
-    rope_cos_sin_cache,
-)
+from engine.models import DecoderForCausalLM, DecoderShape, UnsupportedModel, model_for
 from engine.models.weights import Weight
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,10 +45,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @dataclass
 class LoadedModel:
     name: str
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     tokenizer: object  # transformers PreTrainedTokenizerFast
     hf_config: object
-    shape: LlamaShape
+    shape: DecoderShape
     folder: Path  # the safetensors folder the weights came from (HF can load it); for a GGUF read as stored,
     # the folder of its config and tokenizer only
     dtype: torch.dtype
@@ -242,13 +237,12 @@ def load_stored_gguf(config: EngineConfig, path: Path, name: str, quantization: 
     entries = read_tensor_index(path)
     check_types(entries, path)
     hf_config, tokenizer, folder = gguf_metadata(path, Path(config.data_dir))
-    shape = LlamaShape.from_hf_config(hf_config)
+    shape = DecoderShape.from_hf_config(hf_config)
     device = config.torch_device
     mapped = MappedFile(path)
     with freed_memory_returned():
         weights: dict[str, Weight] = dict(hf_named_tensors(entries, mapped, hf_config, gguf_architecture(path)))
-        cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
-        model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
+        model = model_for(hf_config, weights, dtype=config.torch_dtype, quantization=quantization, device=device)
         del weights
         mapped.release_all()
     weight_format = describe_format(path, entries, quantization)
@@ -276,7 +270,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         return load_stored_gguf(config, path, name, quantization)
     folder, name = checkpoint_folder(config)
     hf_config = AutoConfig.from_pretrained(folder)
-    shape = LlamaShape.from_hf_config(hf_config)
+    shape = DecoderShape.from_hf_config(hf_config)
     device = config.torch_device
     # Quantized linears are packed from the weights as read (float32 for a converted GGUF), not from a
     # bf16 copy: int4 then gives back the GGUF's own Q4_1 values.
@@ -284,8 +278,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     weights: dict[str, Weight] = {
         key: tensor.to(device=device, dtype=read_dtype or tensor.dtype) for key, tensor in _read_weights(folder).items()
     }
-    cos_sin = rope_cos_sin_cache(hf_config, shape.head_dim, shape.max_position_embeddings).to(device)
-    model = LlamaForCausalLM(shape, weights, cos_sin, dtype=config.torch_dtype, quantization=quantization)
+    model = model_for(hf_config, weights, dtype=config.torch_dtype, quantization=quantization, device=device)
     del weights
     tokenizer = AutoTokenizer.from_pretrained(folder)
     quantized = "" if quantization == "none" else f", weights {quantization}"

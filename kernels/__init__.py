@@ -67,7 +67,26 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     op(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale):
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`window`: a sliding-window layer's span (the last `window` keys); `softcap`: Gemma 2's logit cap. The
+    Triton and native kernels take neither yet: such layers run the torch paths (heads-major, else reference)."""
+    if window is not None or softcap is not None:
+        if _cpu_fast_path(key_cache):
+            return paged_attention_decode_cpu(
+                query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap
+            )
+        return paged_attention_decode_reference(
+            query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap
+        )
     if _use_triton(query):
         op = paged_attention_decode_triton
     elif _cpu_fast_path(key_cache):
@@ -78,17 +97,34 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, context_
     return op(query, key_cache, value_cache, block_tables, context_lens, scale)
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale):
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
+    if window is not None or softcap is not None:
+        if _cpu_fast_path(key_cache):
+            return paged_attention_prefill_cpu(*args, window, softcap)
+        return paged_attention_prefill_reference(*args, window, softcap)
     if _use_triton(query):
         op = paged_attention_prefill_triton
     elif _cpu_fast_path(key_cache):
         op = paged_attention_prefill_cpu
     else:
         op = paged_attention_prefill_reference
-    return op(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
+    return op(*args)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         op = rms_norm_triton
     elif _use_native(x) and native.rms_norm_available(x, weight, residual):
@@ -98,7 +134,9 @@ def rms_norm(x, weight, eps, residual=None):
     return op(x, weight, eps, residual)
 
 
-def rotary_embedding(positions, query, key, cos_sin_cache):
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns the rotated (query, key); the native CPU path rotates them in place."""
     if _use_triton(query):
         op = rotary_embedding_triton

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.huge_pages import huge_page_buffer
+from kernels.paged_attention import masked_attention, soft_cap
 
 
 def is_heads_major(cache: torch.Tensor) -> bool:
@@ -33,7 +34,16 @@ def heads_major_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim:
     return cache.permute(1, 2, 0, 3)
 
 
-def paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, context_lens, scale):
+def paged_attention_decode_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     seqs, heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = heads // kv_heads
@@ -45,15 +55,28 @@ def paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, cont
     values = value_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(kv_heads * seqs, padded_len, head_dim)
     keys, values = keys.to(query.dtype), values.to(query.dtype)
     q = query.view(seqs, kv_heads, group, head_dim).transpose(0, 1).reshape(kv_heads * seqs, group, head_dim)
-    scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)
-    padding = torch.arange(padded_len)[None, :] >= context_lens[:, None].long()  # [seqs, len]
+    scores = soft_cap(torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale), softcap)
+    key_positions = torch.arange(padded_len)[None, :]
+    padding = key_positions >= context_lens[:, None].long()  # [seqs, len]
+    if window is not None:  # a sliding-window layer sees the last `window` keys, its own included
+        padding |= key_positions <= context_lens[:, None].long() - 1 - window
     scores.view(kv_heads, seqs, group, padded_len).masked_fill_(padding[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.bmm(probs, values).view(kv_heads, seqs, group, head_dim)
     return out.transpose(0, 1).reshape(seqs, heads, head_dim).to(query.dtype)
 
 
-def paged_attention_prefill_cpu(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale):
+def paged_attention_prefill_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = key_cache.shape[1]
     key_store, value_store = key_cache.permute(2, 0, 1, 3), value_cache.permute(2, 0, 1, 3)
@@ -70,6 +93,11 @@ def paged_attention_prefill_cpu(query, key_cache, value_cache, block_tables, que
         # 4-D inputs: with 3-D ones SDPA on the CPU falls back to its math path (bmm, masks, softmax),
         # measured 2.5-3.5x slower at 512 tokens in bfloat16 and float32; 4-D takes the flash kernel,
         # which also handles the GQA groups without repeating the kv heads.
+        if window is not None or softcap is not None:
+            q_heads = query[start:end].transpose(0, 1)
+            attended = masked_attention(q_heads, keys, values, length, scale, window, softcap)
+            out[start:end] = attended.transpose(0, 1)
+            continue
         q = query[start:end].transpose(0, 1)[None]
         mask = None
         if num_queries != length:

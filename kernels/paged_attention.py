@@ -270,6 +270,22 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping, cap * tanh(scores / cap), in place; None leaves scores as they are."""
+    if cap is None:
+        return scores
+    return scores.div_(cap).tanh_().mul_(cap)
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] True where a query sees a key: causal, and within the last `window` positions (the query's
+    own included, as transformers' sliding_window_overlay: key > query - window) when there is a window."""
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - window
+    return visible
+
+
 def paged_attention_decode_reference(
     query: torch.Tensor,  # [seqs, heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -277,6 +293,8 @@ def paged_attention_decode_reference(
     block_tables: torch.Tensor,  # [seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [seqs] int32, keys to attend to, the query's own included
     scale: float,
+    window: int | None = None,  # attend to the last `window` keys only (sliding-window layers)
+    softcap: float | None = None,  # cap * tanh(scores / cap) before the softmax
 ) -> torch.Tensor:
     seqs, heads, head_dim = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -288,12 +306,15 @@ def paged_attention_decode_reference(
     # A cache narrower than the query (bfloat16 under float32 activations) is widened as it is gathered.
     keys = key_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim).to(query.dtype)
     values = value_cache.index_select(0, blocks).view(seqs, padded_len, kv_heads, head_dim).to(query.dtype)
-    padding = torch.arange(padded_len, device=query.device)[None, None, :] >= context_lens[:, None, None].long()
+    key_positions = torch.arange(padded_len, device=query.device)[None, None, :]
+    padding = key_positions >= context_lens[:, None, None].long()
+    if window is not None:
+        padding |= key_positions <= context_lens[:, None, None].long() - 1 - window
     q = query.view(seqs, kv_heads, group, head_dim)
     out = torch.empty(seqs, kv_heads, group, head_dim, dtype=query.dtype, device=query.device)
     # One kv head at a time: its keys are a strided view that bmm reads without another copy.
     for head in range(kv_heads):
-        scores = torch.bmm(q[:, head], keys[:, :, head].transpose(1, 2)).float().mul_(scale)
+        scores = soft_cap(torch.bmm(q[:, head], keys[:, :, head].transpose(1, 2)).float().mul_(scale), softcap)
         scores.masked_fill_(padding, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out[:, head] = torch.bmm(probs, values[:, :, head]).to(query.dtype)
@@ -308,6 +329,8 @@ def paged_attention_prefill_reference(
     query_start_loc: torch.Tensor,  # [seqs + 1] int32, offsets of each sequence's queries
     context_lens: torch.Tensor,  # [seqs] int32; a sequence's queries are its last positions
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -320,6 +343,9 @@ def paged_attention_prefill_reference(
         keys = _gather_context(key_cache, block_tables[i], length).transpose(0, 1)
         values = _gather_context(value_cache, block_tables[i], length).transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [heads, queries, head_dim]
+        if window is not None or softcap is not None:
+            out[start:end] = masked_attention(q, keys, values, length, scale, window, softcap).transpose(0, 1)
+            continue
         if num_queries == length:
             mask, causal = None, True
         else:
@@ -331,3 +357,26 @@ def paged_attention_prefill_reference(
         )
         out[start:end] = attended.transpose(0, 1)
     return out
+
+
+def masked_attention(
+    q: torch.Tensor,  # [heads, queries, head_dim]: a sequence's last positions
+    keys: torch.Tensor,  # [kv_heads, length, head_dim]
+    values: torch.Tensor,
+    length: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Prefill attention spelled out (scores, cap, mask, softmax): SDPA has no soft-capping. [heads, queries, dim]"""
+    heads, num_queries, head_dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    grouped = q.reshape(kv_heads, group * num_queries, head_dim)
+    scores = torch.bmm(grouped, keys.to(q.dtype).transpose(1, 2)).float().mul_(scale)
+    scores = soft_cap(scores, softcap).view(kv_heads, group, num_queries, length)
+    query_positions = torch.arange(length - num_queries, length, device=q.device)
+    visible = window_mask(query_positions, torch.arange(length, device=q.device), window)
+    scores.masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, group * num_queries, length)
+    return torch.bmm(probs, values.to(q.dtype)).view(heads, num_queries, head_dim)

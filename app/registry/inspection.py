@@ -97,7 +97,7 @@ def _existing_path(kind: str, source: str) -> Path:
 
 
 def _chat_facts(source: str) -> SourceFacts:
-    from engine.models.llama import SUPPORTED_ARCHITECTURES
+    from engine.models.shape import model_type_of_gguf, unsupported_reason
 
     path = _existing_path("chat", source)
     if path.is_file():
@@ -106,23 +106,15 @@ def _chat_facts(source: str) -> SourceFacts:
                 f"{path} is neither a .gguf file nor a checkpoint folder.", param="path", code="unsupported_model"
             )
         architecture, max_context, sampling_defaults = _gguf_facts(path)
+        reason = unsupported_reason({"model_type": model_type_of_gguf(architecture)})
     else:
         config = _folder_config(path)
         _require_weights(path)
         architecture, max_context = str(config.get("model_type")), config.get("max_position_embeddings")
         sampling_defaults = folder_sampling_defaults(path)
-        activation = config.get("hidden_act", "silu")
-        if architecture in SUPPORTED_ARCHITECTURES and activation != "silu":
-            raise RegistryError(
-                f"activation {activation!r} is not supported (only silu).", param="path", code="unsupported_model"
-            )
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise RegistryError(
-            f"architecture {architecture!r} is not supported for chat; tokenmill runs "
-            f"{sorted(SUPPORTED_ARCHITECTURES)}.",
-            param="path",
-            code="unsupported_model",
-        )
+        reason = unsupported_reason(config)
+    if reason is not None:
+        raise RegistryError(f"{reason}.", param="path", code="unsupported_model")
     if source == DEFAULT_SOURCE:
         sampling_defaults = {**EMBEDDED_CHAT_DEFAULTS, **sampling_defaults}
     return SourceFacts(architecture, max_context, sampling_defaults)

@@ -119,3 +119,15 @@ def test_a_weak_api_key_is_refused_before_the_model_loads(tmp_path, capsys):
     assert main(["serve", "--api-key", "short", "--data-dir", str(tmp_path), *database]) == 2
     assert "--api-key must be at least 16 characters" in capsys.readouterr().err
     assert time.monotonic() - started < 10  # refused up front, not after a model load
+
+
+def test_a_model_of_an_unsupported_architecture_is_refused_in_one_line(tmp_path, capsys):
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2", "max_position_embeddings": 512}')
+    (folder / "model.safetensors").write_bytes(b"")
+    database = ("--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}")
+    assert main(["serve", "--model", str(folder), "--data-dir", str(tmp_path), *database]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "Traceback" not in error and len(error.splitlines()) == 1
+    assert "'gpt2' is not supported" in error and "gemma3_text" in error and "qwen3_moe" in error

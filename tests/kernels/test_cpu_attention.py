@@ -73,3 +73,53 @@ def test_store_kv_writes_the_same_slots_in_either_layout():
     store_kv_reference(key, value, heads_major, heads_major.clone(), slots)
     torch.testing.assert_close(heads_major, token_major, equal_nan=True)
     assert torch.equal(token_major.view(-1, 3, 64)[slots], key)
+
+
+def naive_attention(query, keys, values, query_positions, scale, window, softcap):
+    """Dense attention of one sequence spelled out: [queries, heads, dim] against [length, kv_heads, dim]."""
+    group = query.shape[1] // keys.shape[1]
+    keys, values = keys.float().repeat_interleave(group, dim=1), values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_positions = torch.arange(keys.shape[0])
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - window
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (20, 3.0), (1, None)])
+def test_window_and_soft_cap_match_dense_attention_in_every_path(window, softcap):
+    g = torch.Generator().manual_seed(3)
+    block_size, kv_heads, group, head_dim, num_blocks = 8, 2, 2, 16, 20
+    keys_tm, keys_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, torch.float32, g)
+    values_tm, values_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, torch.float32, g)
+    lengths = torch.tensor([7, 40, 33], dtype=torch.int32)
+    counts = [7, 9, 1]
+    starts = torch.tensor([0, 7, 16, 17], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=g)[:15].view(3, 5).int()
+    query = torch.randn(sum(counts), kv_heads * group, head_dim, generator=g)
+    scale = 0.3
+    expected = []
+    for i, length in enumerate(lengths.tolist()):
+        slots = [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(length)]
+        keys = keys_tm.flatten(0, 1)[slots]
+        values = values_tm.flatten(0, 1)[slots]
+        positions = torch.arange(length - counts[i], length)
+        expected.append(
+            naive_attention(query[starts[i] : starts[i + 1]], keys, values, positions, scale, window, softcap)
+        )
+    dense = torch.cat(expected)
+    args = (tables, starts, lengths, scale, window, softcap)
+    for got in (
+        paged_attention_prefill_reference(query, keys_tm, values_tm, *args),
+        paged_attention_prefill_cpu(query, keys_hm, values_hm, *args),
+    ):
+        torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    last_rows = starts[1:] - 1  # each sequence's last query, as a decode step would ask it
+    for decode in (paged_attention_decode_reference, paged_attention_decode_cpu):
+        cache = (keys_tm, values_tm) if decode is paged_attention_decode_reference else (keys_hm, values_hm)
+        got = decode(query[last_rows.long()], *cache, tables, lengths, scale, window, softcap)
+        torch.testing.assert_close(got, dense[last_rows.long()], atol=1e-5, rtol=1e-5)

@@ -223,3 +223,16 @@ def test_setting_the_server_hardware_cost_is_audited_with_who_and_the_old_value(
         ("setting.update", "1", first_before, {"hardware_cost_per_hour": 1.5}),
         ("setting.update", "1", {"hardware_cost_per_hour": 1.5}, {"hardware_cost_per_hour": 3.0}),
     ]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"])
+def test_the_families_the_engine_runs_are_accepted(tmp_path, model_type):
+    facts = inspect_source("chat", str(checkpoint(tmp_path / model_type, model_type)))
+    assert facts.architecture == model_type
+
+
+def test_an_unsupported_architecture_is_named_with_what_is_supported(tmp_path):
+    with pytest.raises(RegistryError) as refused:
+        inspect_source("chat", str(checkpoint(tmp_path / "gpt2", "gpt2")))
+    message = str(refused.value)
+    assert "'gpt2'" in message and all(family in message for family in ("gemma3_text", "qwen3_moe", "phi3"))
