@@ -383,7 +383,7 @@ def main() -> None:
     )
     parser.add_argument("--shapes", default="", help="issue #45's floods instead: chat,prefill (see above)")
     parser.add_argument("--scale", type=float, default=1.0, help="with --shapes: the floods' size, 1 = full")
-    parser.add_argument("--baseline-ref", default="6c49f89", help="with --shapes: git ref of the scheduler to compare")
+    parser.add_argument("--baseline-ref", default="83c0b5c", help="with --shapes: git ref of the scheduler to compare")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="with --shapes: the step budget")
     args = parser.parse_args()
     if args.shapes:
