@@ -404,6 +404,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("--kv-cache-memory-gb", "kv_cache_memory_gb", float, "KV pool size in GiB", engine=True),
     Option("--max-num-seqs", "max_num_seqs", int, "most sequences in one step", engine=True),
     Option("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step", engine=True),
+    Option(
+        "--max-step-seconds",
+        "max_step_seconds",
+        float,
+        "a step's budget shrinks to about this much measured time (0: tokens only)",
+        engine=True,
+    ),
     Option("--max-model-len", "max_model_len", _optional_int, "context length (default: the model's)", engine=True),
     Option("--max-waiting", "max_waiting", int, "waiting requests before new ones get 503", engine=True),
     Option(

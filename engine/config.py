@@ -47,6 +47,9 @@ class EngineConfig:
     num_cpu_blocks: int | None = None  # swap pool; default = same as the device pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A step's budget also shrinks to about this many seconds of measured work (engine/step_budget.py): a
+    # request arriving mid-step waits at most about this long before its prompt is scheduled. 0: tokens only.
+    max_step_seconds: float = 1.0
     max_model_len: int | None = None  # default: the checkpoint's max positions
     max_waiting: int = 1024
     preemption_mode: Literal["recompute", "swap"] = "recompute"
@@ -97,6 +100,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least block_size")
+        if not self.max_step_seconds >= 0:
+            raise ValueError("max_step_seconds must be at least 0")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("preemption_mode must be 'recompute' or 'swap'")
         if self.scheduling not in ("fair", "fcfs"):

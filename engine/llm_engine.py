@@ -292,7 +292,9 @@ class LLMEngine:
             if samplers:
                 self._sample(logits, samplers, pending)
         outputs = self._collect(pending, failed)
-        self.stats.record_step(batch, time.perf_counter() - started, self.scheduler, self.blocks)
+        seconds = time.perf_counter() - started
+        self.scheduler.step_budget.observe(batch.num_tokens, seconds)
+        self.stats.record_step(batch, seconds, self.scheduler, self.blocks)
         self._refresh_adapter_stats()
         return outputs
 

@@ -45,6 +45,7 @@ from engine.block_manager import BlockCopy, BlockManager
 from engine.config import EngineConfig
 from engine.fair_share import TeamLedger
 from engine.request import Request, RequestStatus
+from engine.step_budget import StepBudget
 
 # The most prefill tokens of more-served teams in a step that computes a newcomer team's first token. On a
 # 2-core CPU a 2048-token prefill step of SmolLM2 takes seconds; 256 tokens keep that step near a solo
@@ -89,6 +90,7 @@ class Scheduler:
         self.started_by_team: Counter[str] = Counter()
         self.swapped: deque[Request] = deque()
         self.counters = SchedulerCounters()
+        self.step_budget = StepBudget(config.max_num_batched_tokens, config.max_step_seconds)
         self.fair = config.scheduling == "fair"
         self.ledger = TeamLedger(config.fair_prompt_weight, config.fair_output_weight)
         self.num_steps = 0
@@ -155,7 +157,7 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, scheduled: dict[Request, int], preempted: set[Request]) -> int:
         """Give running requests their next tokens, preempting when blocks run out; returns the budget left."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_budget.tokens
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]

@@ -46,6 +46,7 @@ class EngineStats:
     scheduled_seqs_last_step: int = 0
     scheduled_tokens_last_step: int = 0
     step_time_seconds_total: float = 0.0
+    step_token_budget: int = 0  # the next step's budget: max_num_batched_tokens or less (engine/step_budget.py)
     # Sums over steps, so that callers can take means over any window from two snapshots.
     scheduled_seqs_total: int = 0
     scheduled_tokens_total: int = 0
@@ -121,6 +122,7 @@ class EngineStats:
         self.num_running_background = sum(1 for request in scheduler.running if request.tenancy.background)
         self.num_waiting = len(scheduler.waiting)
         self.num_swapped = len(scheduler.swapped)
+        self.step_token_budget = scheduler.step_budget.tokens
         self.kv_blocks_used = blocks.num_used_blocks
         counters = scheduler.counters
         self.prefix_cache_queries = counters.prefix_cache_queries

@@ -53,6 +53,7 @@ ENGINE_SETTING_NOTES = {
     "kv_cache_memory_gb": "KV pool, GiB",
     "max_num_seqs": "sequences per step",
     "max_num_batched_tokens": "token budget per step",
+    "max_step_seconds": "a step's budget shrinks to about this long",
     "max_model_len": "context length",
     "max_waiting": "queue before 503",
     "preemption_mode": "when KV runs out",

@@ -174,6 +174,11 @@ ENGINE_GAUGES: tuple[tuple[str, str, _Read], ...] = (
         lambda s: s.scheduled_tokens_last_step / max(s.max_num_batched_tokens, 1),
     ),
     (
+        "tokenmill:step_token_budget",
+        "Token budget of the next step: max_num_batched_tokens, or less to keep a step near max_step_seconds.",
+        lambda s: s.step_token_budget,
+    ),
+    (
         "tokenmill:spec_decode_acceptance_rate",
         "Speculated draft tokens accepted over those drafted, since the start (0 before any draft).",
         lambda s: s.spec_acceptance_rate,

@@ -23,6 +23,7 @@ ENGINE_SETTINGS = (
     "num_cpu_blocks",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_step_seconds",
     "max_waiting",
     "preemption_mode",
     "enable_prefix_caching",
