@@ -140,4 +140,4 @@ def test_migrations_run_from_an_installed_package(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "0019_model_adapters"
+    assert result.stdout.strip() == "0020_embedded_greedy_defaults"

@@ -130,6 +130,13 @@ def test_a_folder_without_generation_config_has_none(store, tmp_path):  # noqa: 
 # ---- the migration ------------------------------------------------------------------------------
 
 
+def stored_defaults(engine) -> dict[str, dict]:
+    """Each row's sampling defaults, read with SQL: the ORM's table has the columns of the newest revision."""
+    with engine.connect() as connection:
+        rows = connection.execute(text("SELECT name, sampling_defaults FROM models")).all()
+    return {name: json.loads(value) if isinstance(value, str) else value for name, value in rows}
+
+
 def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(database_url):
     engine = make_engine(database_url)
     drop_everything(engine)
@@ -153,9 +160,53 @@ def test_the_migration_gives_existing_rows_none_and_the_embedded_model_its_own(d
                 ),
                 {"name": name, "kind": kind, "source": source, "now": now},
             )
+    with engine.connect() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0008_model_sampling_defaults")
+        connection.commit()
+    assert stored_defaults(engine) == {"SmolLM2-135M-Instruct": MODEL_CARD, "my-llama": {}, "all-MiniLM-L6-v2": {}}
+    engine.dispose()
+
+
+def test_an_upgrade_gives_the_embedded_model_the_measured_defaults_unless_an_admin_set_its_own(database_url):
+    """An install from before the measured defaults answered the README's question with its model card's
+    temperature 0.2 and ran off to the context's end in 3 of 10 tries: upgrading must fix that too, but
+    never overwrite what an admin chose."""
+    engine = make_engine(database_url)
+    drop_everything(engine)
+    config = alembic_config(engine)
+    with engine.connect() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0019_model_adapters")
+        connection.commit()
+    now = datetime(2026, 12, 1)
+    rows = {
+        "SmolLM2-135M-Instruct": ("default", MODEL_CARD),
+        "smol-admin-tuned": ("default", {"temperature": 0.7}),
+        "my-llama": ("/m/llama", MODEL_CARD),
+    }
+    with engine.begin() as connection:
+        for name, (source, defaults) in rows.items():
+            connection.execute(
+                text(
+                    "INSERT INTO models (name, kind, source, architecture, dtype, engine_settings, aliases, enabled, "
+                    "created_at, updated_at, sampling_defaults) VALUES (:name, 'chat', :source, 'llama', 'float32', "
+                    "'{}', '[]', true, :now, :now, :defaults)"
+                ),
+                {"name": name, "source": source, "now": now, "defaults": json.dumps(defaults)},
+            )
     migrate(engine)
     stored = {spec.name: spec.sampling_defaults for spec in RegistryStore(session_factory(engine)).all()}
-    assert stored == {"SmolLM2-135M-Instruct": MODEL_CARD, "my-llama": {}, "all-MiniLM-L6-v2": {}}
+    assert stored == {
+        "SmolLM2-135M-Instruct": EMBEDDED_CHAT_DEFAULTS,
+        "smol-admin-tuned": {"temperature": 0.7},
+        "my-llama": MODEL_CARD,
+    }
+    with engine.connect() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0019_model_adapters")
+        connection.commit()
+    assert stored_defaults(engine)["SmolLM2-135M-Instruct"] == MODEL_CARD
     engine.dispose()
 
 
