@@ -20,7 +20,10 @@ from app.gateway.service import TeamGateway
 from app.serving.context import ServerContext
 
 
-def server_context(request: Request) -> ServerContext:
+# The dependencies are coroutines, though they await nothing: FastAPI runs a plain function in the
+# worker-thread pool, and under a flood that pool is busy with admission work (tokenization), so every new
+# request queued first come, first served for a thread just to read app.state.
+async def server_context(request: Request) -> ServerContext:
     return cast(ServerContext, request.app.state.context)
 
 
@@ -28,13 +31,13 @@ async def current_principal(request: Request) -> Principal:
     batch_caller = request.scope.get(BATCH_PRINCIPAL)  # a batch line the runner sends in process
     if batch_caller is not None:
         return cast(Principal, batch_caller)
-    principal = await server_context(request).gateway.authenticate(request)
+    principal = await (await server_context(request)).gateway.authenticate(request)
     # A Ray Serve replica reads it after the answer, to tell its router this key's cache salt.
     request.state.principal = principal
     return principal
 
 
-def batch_service(request: Request) -> BatchService:
+async def batch_service(request: Request) -> BatchService:
     return cast(BatchService, request.app.state.batches)
 
 

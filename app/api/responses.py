@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,6 +40,7 @@ from app.serving.tracker import (
     check_fits,
     engine_outputs,
     rejection_error,
+    team_of,
 )
 from engine.async_engine import EngineRejected
 from engine.sampling_params import SamplingParams
@@ -75,6 +77,7 @@ def response_not_found(response_id: str, param: str | None = None) -> OpenAIErro
 
 @router.post("/v1/responses")
 async def create_response(request: Request, server: ContextDep, principal: PrincipalDep) -> Any:
+    accepted_at = time.monotonic()
     body = await read_body(request, ResponsesRequest, server.settings.max_request_bytes)
     check_fields(body)
     earlier: list[dict[str, Any]] = []
@@ -88,7 +91,9 @@ async def create_response(request: Request, server: ContextDep, principal: Princ
     conversation = [*earlier, *own_input]
     return await server.with_model(
         body.model,
-        lambda context: run_response(request, context, principal, body, conversation, own_input, server.responses),
+        lambda context: run_response(
+            request, context, principal, body, conversation, own_input, server.responses, accepted_at
+        ),
         principal=principal,
         kind="chat",
     )
@@ -102,31 +107,35 @@ async def run_response(
     conversation: list[dict[str, Any]],
     own_input: list[dict[str, Any]],
     store: ResponseStore,
+    accepted_at: float,
 ) -> Any:
     check_before_rendering(body, conversation, context.engine.max_model_len)
-    chat_body, plan, prompt_ids = await run_in_threadpool(
-        prepare, context.engine.tokenizer, body, conversation, context.engine.max_model_len
-    )
-    tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict resolved
-    params = renamed_errors(lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids), context.sampling)))
-    header = ResponseHeader(
-        id=new_item_id("resp"),
-        model=context.model_name,
-        body=body,
-        tools=tools,
-        temperature=params.temperature,
-        top_p=params.top_p,
-    )
-    headers = await context.gateway.admit(
-        principal,
-        model=context.access_name(principal, body.model),
-        prompt_tokens=len(prompt_ids),
-        max_tokens=params.max_tokens,
-        sequences=params.n,
-        request_id=header.id,
-        price=context.price,
-    )
-    tracker = RequestTracker(context, principal, request_id=header.id, endpoint="responses")
+    async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
+        chat_body, plan, prompt_ids = await run_in_threadpool(
+            prepare, context.engine.tokenizer, body, conversation, context.engine.max_model_len
+        )
+        tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict
+        params = renamed_errors(
+            lambda: plan.constrain(chat_sampling_params(chat_body, len(prompt_ids), context.sampling))
+        )
+        header = ResponseHeader(
+            id=new_item_id("resp"),
+            model=context.model_name,
+            body=body,
+            tools=tools,
+            temperature=params.temperature,
+            top_p=params.top_p,
+        )
+        headers = await context.gateway.admit(
+            principal,
+            model=context.access_name(principal, body.model),
+            prompt_tokens=len(prompt_ids),
+            max_tokens=params.max_tokens,
+            sequences=params.n,
+            request_id=header.id,
+            price=context.price,
+        )
+    tracker = RequestTracker(context, principal, request_id=header.id, endpoint="responses", accepted_at=accepted_at)
     try:
         check_fits(context, prompt_ids, params, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM)
     except Exception:

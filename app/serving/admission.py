@@ -15,12 +15,15 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-# As many as the worker-thread pool has threads (anyio's default, 40): admission keeps the concurrency it
-# had, only the order of the queue behind it changes. Fewer slots spread a flood's admissions (CPU work that
-# competes with the engine thread for the GIL) over a longer time: with 4, a tiny-model flood on a loaded
-# machine was served half the tokens in its first seconds. The quiet team waits for the next slot to free,
-# not for all of them.
-ADMISSION_SLOTS = 40
+# Most of the worker-thread pool's threads (anyio's default, 40): admission keeps nearly the concurrency it
+# had, only the order of the queue behind it changes. Not all of them: a request's way to its turn (the key's
+# lookup, the response store) runs in that pool too, and with every thread busy preparing the flood's
+# requests, a quiet team's request queued first come, first served for a thread before it could even take
+# its place in line (42 of a 120-response flood went first). Fewer slots spread a flood's admissions (CPU
+# work that competes with the engine thread for the GIL) over a longer time: with 4, a tiny-model flood on a
+# loaded machine was served half the tokens in its first seconds. The quiet team waits for the next slot to
+# free, not for all of them.
+ADMISSION_SLOTS = 32
 
 
 class FairAdmission:

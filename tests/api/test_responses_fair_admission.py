@@ -1,0 +1,76 @@
+"""The Responses API takes its turn in the fair admission queue as chat completions do: the conversation's
+rendering and tokenization run in the worker-thread pool, and before, a flood of one team's responses held
+that pool's queue first come, first served, so a quiet team's response waited behind all of them before the
+engine's fair share ever saw it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+import app.api.responses as responses_route
+from app.serving.admission import ADMISSION_SLOTS
+from engine.config import EngineConfig
+from engine.loader import load_model
+from tests.gateway.test_gateway_fair_prefill import team_key
+from tests.support.gateway import bearer
+from tests.support.server import running_server
+
+FLOOD = 120
+PREPARE_SECONDS = 0.2  # rendering a long conversation: 120 of them keep the slots busy for 0.8 s
+
+
+@pytest.fixture
+def database_url(tmp_path):  # SQLite only: the test is about the order of admission, not the store
+    return f"sqlite:///{tmp_path / 'responses.db'}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_model(EngineConfig(model=str(tiny_llama_dir)))
+
+
+def test_a_quiet_teams_response_is_prepared_next_not_behind_the_flood(tiny, make_gateway, monkeypatch):
+    started: list[tuple[float, str]] = []  # (when, whose) each prepare began
+    lock = threading.Lock()
+    prepare = responses_route.prepare
+
+    def slow_prepare(tokenizer, body, *rest):  # type: ignore[no-untyped-def]
+        with lock:
+            started.append((time.monotonic(), "B" if body.input == "quiet" else "A"))
+        time.sleep(PREPARE_SECONDS)
+        return prepare(tokenizer, body, *rest)
+
+    monkeypatch.setattr(responses_route, "prepare", slow_prepare)
+    config = EngineConfig(model="tiny", num_kv_blocks=2048, max_num_seqs=256)
+    with running_server(tiny, engine_config=config, gateway=make_gateway()) as server:
+        (_, flood_key), (_, quiet_key) = team_key(server.url, "flood"), team_key(server.url, "quiet")
+        model = server.engine.model_name
+
+        async def run() -> tuple[float, int]:
+            limits = httpx.Limits(max_connections=FLOOD + 10, max_keepalive_connections=FLOOD + 10)
+            async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+
+                async def respond(text: str, key: str) -> int:
+                    body = {"model": model, "input": text, "max_output_tokens": 1, "store": False}
+                    return (await client.post("/v1/responses", json=body, headers=bearer(key))).status_code
+
+                flood = [asyncio.create_task(respond(f"flood {n}", flood_key)) for n in range(FLOOD)]
+                while len(started) < ADMISSION_SLOTS:  # the flood holds every admission slot
+                    await asyncio.sleep(0.01)
+                sent = time.monotonic()
+                status = await respond("quiet", quiet_key)
+                assert status == 200
+                assert set(await asyncio.gather(*flood)) == {200}
+                return sent, status
+
+        sent, _ = asyncio.run(run())
+    quiet_at = next(when for when, whose in started if whose == "B")
+    passed_it = sum(1 for when, whose in started if whose == "A" and sent <= when < quiet_at)
+    # Once in line, the quiet team's request takes the next free slot; slots that free while it is still on
+    # its way there (HTTP parsing, the key's lookup) may go to the flood. Before: all 80 queued went first.
+    assert passed_it <= ADMISSION_SLOTS // 4, f"{passed_it} of the flood's responses were prepared ahead of it"
