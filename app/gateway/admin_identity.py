@@ -24,7 +24,7 @@ class AdminIdentity:
         self.actor = actor  # how the audit log names changes made with this key
 
     def matches(self, key: str | None) -> bool:
-        return bool(key) and hashes_match(key, self._key_hash)
+        return bool(key and hashes_match(key, self._key_hash))
 
 
 def ensure_admin_identity(
@@ -47,6 +47,7 @@ def ensure_admin_identity(
         except IntegrityError:  # another replica won the race; its key is the admin key
             session.rollback()
             stored = session.scalar(select(AdminCredential).order_by(AdminCredential.id).limit(1))
+            assert stored is not None  # the winner's row: admin credentials are never deleted
             return _stored_identity(stored), None
     return _stored_identity(credential), plaintext
 

@@ -32,6 +32,8 @@ from app.tables import ApiKey, Team
 class KeyPrincipal(contract.Principal):
     """A team's key and the limits that apply to it. team_id / key_id are the database ids."""
 
+    team_id: int  # a key always has both (Principal's are None for callers without a key)
+    key_id: int
     key_prefix: str = ""
     key_name: str = ""
     team_name: str = ""

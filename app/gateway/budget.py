@@ -126,11 +126,11 @@ class BudgetTracker:
         column = UsageDaily.key_id if scope.kind == "key" else UsageDaily.team_id
         generation, started = self._generation, time.monotonic()
         with self.sessions() as session:
-            total = session.scalar(
+            total = session.execute(  # one row: an aggregate's
                 select(func.coalesce(func.sum(UsageDaily.cost_nano_usd), 0)).where(
                     column == scope.id, UsageDaily.day >= start
                 )
-            )
+            ).scalar_one()
         with self._lock:
             # A batch committed while we read may or may not be in `total`: don't trust it for long.
             if self.shared:  # a batch committed before the read began is in it, whoever committed it

@@ -60,8 +60,9 @@ class UsageRecord:
 
 
 class Gateway(Protocol):
-    # The gateway's database, where the model registry lives too; None: a gateway without one.
-    sessions: sessionmaker[Session] | None
+    @property
+    def sessions(self) -> sessionmaker[Session] | None:
+        """The gateway's database, where the model registry lives too; None: a gateway without one."""
 
     async def astart(self) -> None:
         """Runs before the app serves its first request."""

@@ -9,7 +9,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, select, text, update
+from sqlalchemy import Delete, Engine, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from starlette.concurrency import run_in_threadpool
 
@@ -100,8 +100,8 @@ class DatabaseHolds(SharedHolds):
         self.engine = engine
         self.postgres = engine.dialect.name == "postgresql"
 
-    def _upsert(self, amounts: Mapping[str, int], now: float):
-        insert = (postgresql if self.postgres else sqlite).insert(ReservationHold)
+    def _upsert(self, amounts: Mapping[str, int], now: float) -> postgresql.Insert | sqlite.Insert:
+        insert = postgresql.insert(ReservationHold) if self.postgres else sqlite.insert(ReservationHold)
         rows = [
             {"scope": scope, "holder": self.holder, "amount": amounts[scope], "alive_until": now + self.alive_ttl_s}
             for scope in sorted(amounts)
@@ -114,7 +114,7 @@ class DatabaseHolds(SharedHolds):
             },
         )
 
-    def _delete_spent(self, scopes: Iterable[str]):
+    def _delete_spent(self, scopes: Iterable[str]) -> Delete:
         """Our rows of `scopes` that hold nothing any more (rows this transaction has locked already)."""
         return delete(ReservationHold).where(
             ReservationHold.holder == self.holder, ReservationHold.scope.in_(list(scopes)), ReservationHold.amount <= 0

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import SQLColumnExpression, case, func, select
 from sqlalchemy.orm import Session
 
 from app.gateway.usage import ABORTED, OK
@@ -72,6 +72,9 @@ def usage_report(
     limit: int | None = None,
     offset: int = 0,
 ) -> list[dict[str, Any]]:
+    table: type[UsageDaily] | type[UsageRow]
+    day: SQLColumnExpression[date]
+    requests: SQLColumnExpression[int]
     if "replica" not in group_by and _whole_day(since) and _whole_day(until):  # the roll-up has no replica
         table = UsageDaily
         day = UsageDaily.day
@@ -166,7 +169,7 @@ def list_requests(
     until: datetime | None = None,
     limit: int = 100,
     before: int | None = None,
-) -> list[UsageRow]:
+) -> Sequence[UsageRow]:
     """Request rows, newest first, keyset-paginated by id."""
     query = select(UsageRow).order_by(UsageRow.id.desc()).limit(limit)
     for column, value in ((UsageRow.team_id, team_id), (UsageRow.key_id, key_id), (UsageRow.model, model)):

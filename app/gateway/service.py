@@ -25,7 +25,7 @@ from app.gateway.admin_identity import AdminIdentity, deliver_admin_key, ensure_
 from app.gateway.auth import FailedAuthLimiter, KeyCache, KeyPrincipal
 from app.gateway.budget import BudgetScope, BudgetTracker
 from app.gateway.config import GatewayConfig, ModelPrice
-from app.gateway.contract import UsageRecord
+from app.gateway.contract import Principal, UsageRecord
 from app.gateway.headers import offer_headers
 from app.gateway.holds import REFUSED_NONE, HoldItem, Holds, LocalHolds
 from app.gateway.holds_store import DatabaseHolds, RedisHolds
@@ -183,7 +183,7 @@ class TeamGateway:
 
     async def admit(
         self,
-        principal: KeyPrincipal,
+        principal: Principal,  # the Gateway protocol's: ours authenticates KeyPrincipals, others pass
         *,
         model: str,
         prompt_tokens: int,
@@ -220,6 +220,8 @@ class TeamGateway:
             self.holds.adjust({item.scope: -item.amount for item in held})
             self._refused(principal, model, RATE_LIMITED)
             budget = decision.requests if decision.exceeded == "requests" else decision.tokens
+            # A refusal names the limit it hit, and that limit is set (an unlimited scope refuses nothing).
+            assert decision.exceeded is not None and budget is not None
             detail = f" (this request may need {worst_tokens})" if decision.exceeded == "tokens" and honest else ""
             raise OpenAIError(
                 429,
@@ -229,7 +231,7 @@ class TeamGateway:
                 code="rate_limit_exceeded",
                 headers=headers,
             )
-        if honest:
+        if request_id is not None:  # honest
             self._reservations[request_id] = Reservation(principal.rate_scopes, decision.window, worst_tokens, held)
         self.admitted += 1
         return headers
@@ -330,6 +332,7 @@ class TeamGateway:
             self.holds.adjust(deltas)
         if not metered:
             return
+        assert record.team_id is not None and record.key_id is not None  # metered
         self.finished += 1
         event = UsageEvent(
             created_at=naive_utc(record.finished_at - record.latency_seconds),
@@ -389,7 +392,7 @@ class TeamGateway:
         return sum(kept.get(name, 0) for at, kept in list(self._committed_held) if at < read_at)
 
     def _scopes_of(self, record: UsageRecord) -> tuple[Any, ...]:
-        principal = self.keys.by_key_id.get(record.key_id)
+        principal = self.keys.by_key_id.get(record.key_id) if record.key_id is not None else None
         return principal.rate_scopes if principal is not None else ()
 
     def _refused(self, principal: KeyPrincipal, model: str, status: str) -> None:

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, Table, TextClause, text
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.orm import Session
 
 from app.gateway.crud import touch_last_used
-from app.tables import UsageDaily, UsageRow
+from app.tables import Base, UsageDaily, UsageRow
 
 log = logging.getLogger("tokenmill.gateway.usage")
 
@@ -95,7 +96,7 @@ def rollup(events: Iterable[UsageEvent]) -> list[dict[str, Any]]:
     return [sums[k] for k in sorted(sums)]
 
 
-def sqlite_rollup_upsert():  # an Insert ... ON CONFLICT DO UPDATE
+def sqlite_rollup_upsert() -> sqlite.Insert:  # an Insert ... ON CONFLICT DO UPDATE
     """Add a roll-up row to the one already there: one statement run as executemany, so SQLAlchemy
     compiles it once (a multi-VALUES insert is compiled afresh for every batch size)."""
     stmt = sqlite.insert(UsageDaily)
@@ -109,17 +110,25 @@ def unnest_insert(table: Table, columns: Sequence[str], suffix: str = "") -> Tex
     """PostgreSQL: INSERT ... SELECT FROM unnest(one array per column), a whole batch in one statement
     (psycopg's executemany sends and waits on the server row by row, all of it Python work on the
     writer thread)."""
-    dialect = postgresql.dialect()
+    dialect = PGDialect_psycopg()  # postgresql.dialect, named as its class (a typed name)
     arrays = ", ".join(f"CAST(:{name} AS {table.c[name].type.compile(dialect=dialect)}[])" for name in columns)
     return text(f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays}) {suffix}")
 
 
+def table_of(mapped: type[Base]) -> Table:
+    """A declarative class's table (SQLAlchemy types it as any FromClause: a class may map a join)."""
+    table = mapped.__table__
+    assert isinstance(table, Table)
+    return table
+
+
+USAGE_TABLE = table_of(UsageRow)
 USAGE_COLUMNS = UsageEvent.__slots__
 ROLLUP_COLUMNS = ("day", "key_id", "model", "team_id", *ROLLUP_SUMS)
 SQLITE_ROLLUP_UPSERT = sqlite_rollup_upsert()
 PG_USAGE_COPY = f"COPY {UsageRow.__tablename__} ({', '.join(USAGE_COLUMNS)}) FROM STDIN"
 PG_ROLLUP_UPSERT = unnest_insert(
-    UsageDaily.__table__,
+    table_of(UsageDaily),
     ROLLUP_COLUMNS,
     "ON CONFLICT (day, key_id, model) DO UPDATE SET "
     + ", ".join(f"{name} = usage_daily.{name} + excluded.{name}" for name in ROLLUP_SUMS),
@@ -130,8 +139,8 @@ def write_batch(
     engine: Engine,
     events: Sequence[UsageEvent],
     *,
-    key_times: dict[str, Any] | None = None,
-    team_times: dict[str, Any] | None = None,
+    key_times: dict[int, datetime] | None = None,
+    team_times: dict[int, datetime] | None = None,
 ) -> None:
     with Session(engine) as session, session.begin():
         if events:
@@ -140,12 +149,14 @@ def write_batch(
             connection = session.connection()
             sums = rollup(events)
             if engine.dialect.name == "postgresql":  # COPY + one upsert: a third of executemany's CPU
-                with connection.connection.driver_connection.cursor() as cursor, cursor.copy(PG_USAGE_COPY) as copy:
+                psycopg_connection = connection.connection.driver_connection
+                assert psycopg_connection is not None  # a connection in use holds its driver's
+                with psycopg_connection.cursor() as cursor, cursor.copy(PG_USAGE_COPY) as copy:
                     for event in events:
                         copy.write_row([getattr(event, name) for name in USAGE_COLUMNS])
                 connection.execute(PG_ROLLUP_UPSERT, {name: [row[name] for row in sums] for name in ROLLUP_COLUMNS})
             else:  # SQLite's executemany loops in C
-                connection.execute(UsageRow.__table__.insert(), [e.row() for e in events])
+                connection.execute(USAGE_TABLE.insert(), [e.row() for e in events])
                 connection.execute(SQLITE_ROLLUP_UPSERT, sums)
         if key_times or team_times:
             touch_last_used(session, key_times=key_times or {}, team_times=team_times or {})
@@ -276,10 +287,11 @@ class UsageWriter:
         return bool(self._key_times) and time.monotonic() - self._last_used_flushed >= self.last_used_flush_s
 
     def _write_some(self, *, force_last_used: bool = False) -> bool:
-        batch = []
+        batch: list[UsageEvent] = []
         while self._buffer and len(batch) < self.batch_max:
             batch.append(self._buffer.popleft())
-        key_times = team_times = None
+        key_times: dict[int, datetime] = {}  # none due: write_batch touches nothing
+        team_times: dict[int, datetime] = {}
         if force_last_used or self._last_used_due():
             key_times, self._key_times = self._key_times, {}
             team_times, self._team_times = self._team_times, {}
