@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import HTTPExceptionHandler
 
 log = logging.getLogger("tokenmill.errors")
 
@@ -70,7 +72,7 @@ def param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def from_validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
+def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
     first = errors[0]
     if first["type"] == "json_invalid":
         return invalid_request(f"We could not parse the JSON body of your request: {first['msg']}", code="invalid_json")
@@ -93,7 +95,7 @@ async def _openai_error(request: Request, error: OpenAIError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, error: RequestValidationError | ValidationError) -> JSONResponse:
-    return from_validation_error(list(error.errors())).response()
+    return from_validation_error(error.errors()).response()
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -124,10 +126,21 @@ async def out_of_range(request: Request, error: Exception) -> JSONResponse:
     return invalid_request("A number in the request is out of range.", code="out_of_range").response()
 
 
+ErrorT = TypeVar("ErrorT", bound=Exception)
+
+
+def add_error_handler(
+    app: FastAPI, kind: type[ErrorT], handler: Callable[[Request, ErrorT], Awaitable[Response]]
+) -> None:
+    """app.add_exception_handler for a handler of one kind of error. Starlette calls it only with errors of
+    `kind` but types every handler as taking any Exception (Kludex/starlette#2417): hence the cast."""
+    app.add_exception_handler(kind, cast(HTTPExceptionHandler, handler))
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(OpenAIError, _openai_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(ClientDisconnect, _client_gone)
+    add_error_handler(app, OpenAIError, _openai_error)
+    add_error_handler(app, RequestValidationError, _validation_error)
+    add_error_handler(app, ValidationError, _validation_error)
+    add_error_handler(app, StarletteHTTPException, _http_error)
+    add_error_handler(app, ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected_error)

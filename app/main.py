@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from fastapi import FastAPI
 from sqlalchemy.exc import DataError
+from starlette.types import Lifespan
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from app.api import (
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
 
 
+class DocsUrls(TypedDict, total=False):  # FastAPI's keywords for its docs pages (None: off)
+    docs_url: str | None
+    redoc_url: str | None
+    openapi_url: str | None
+
+
 def create_app(
     settings: Settings,
     engine: AsyncEngine | None = None,
@@ -70,7 +77,7 @@ def create_app(
         pool.add_loaded(engine)
     # /docs loads Swagger UI from a CDN and, like /openapi.json, maps every route for anyone: both are off
     # unless --api-docs turns them on. (app.openapi() still builds the schema, for tests and tools.)
-    docs = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: DocsUrls = {} if settings.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible API over the tokenmill engine", **docs)
     pool.cost_meter = HardwareCostMeter(settings.hardware_cost_per_hour)
     stored_responses = response_store(gateway.sessions, settings.response_retention_s)
@@ -126,11 +133,13 @@ def model_readings(pool: ModelPool) -> list[ModelReading]:
 Step = Callable[[], Awaitable[None]]
 
 
-def lifespan_of(parts: list[tuple[Step, Step]], inner):  # lifespan context factories
+def lifespan_of(
+    parts: list[tuple[Step, Step]], inner: Lifespan[Any]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[Any]]:  # Any: the inner one's state (None or a mapping)
     """Starts `parts` in order; stops the ones that started, in the reverse order, also after a failure."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[object]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with AsyncExitStack() as stack:
             for start, stop in parts:
                 await start()

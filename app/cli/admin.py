@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session, sessionmaker
 
-    from app.tables import Team
+    from app.tables import ApiKey, Team
 
 
 def _open(args: argparse.Namespace) -> tuple[Engine, sessionmaker[Session]]:
@@ -214,7 +214,7 @@ def keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_key(session: Session, ident: str):
+def _one_key(session: Session, ident: str) -> ApiKey:
     """The key `ident` names: its id, or its visible prefix as `keys list` shows it."""
     from sqlalchemy import select
 

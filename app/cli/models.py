@@ -216,7 +216,8 @@ def _models_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    return args.run(args)
+    run: Callable[[argparse.Namespace], int] = args.run  # set by set_defaults above
+    return run(args)
 
 
 def commands() -> list[tuple[Any, ...]]:

@@ -76,7 +76,8 @@ def _refusal(session: AdminSession, *, changes: bool) -> str:
 
 
 def get_dashboard(request: Request) -> Dashboard:
-    return request.app.state.dashboard
+    dashboard: Dashboard = request.app.state.dashboard  # app.dashboard.wiring.install_dashboard's
+    return dashboard
 
 
 DashboardDep = Annotated[Dashboard, Depends(get_dashboard)]

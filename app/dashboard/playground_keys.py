@@ -73,7 +73,9 @@ class PlaygroundKeys:
             return admin.create_team(TeamCreate(name=PLAYGROUND_TEAM), session, actor=actor).id
         except (OpenAIError, IntegrityError):  # another replica made it first
             session.rollback()
-            return crud.get_team_by_name(session, name=PLAYGROUND_TEAM).id
+            team = crud.get_team_by_name(session, name=PLAYGROUND_TEAM)
+            assert team is not None  # the other replica's
+            return team.id
 
     def forget(self, session_id: str, actor: Actor) -> None:
         """At logout: revoke the session's key. Blocking (database)."""

@@ -140,7 +140,7 @@ class SessionSigner:
         return self._sign("csrf", session.session_id)
 
     def csrf_ok(self, session: AdminSession, token: str | None) -> bool:
-        return bool(token) and self._signed_ok("csrf", session.session_id, token)
+        return bool(token and self._signed_ok("csrf", session.session_id, token))
 
     def login_token(self) -> tuple[str, str]:
         """For the login form (double submit): the hidden field's token and the cookie that vouches for it."""

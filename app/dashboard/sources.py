@@ -14,9 +14,11 @@ from app.registry.store import PRICE_COLUMNS, columns_of
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from engine.async_engine import AsyncEngine
 
-def _source(app: FastAPI, served: ServedModel) -> ModelSource:
-    engine, metrics, pool, name = served.engine, served.metrics, app.state.context.models, served.name
+
+def _source(app: FastAPI, served: ServedModel, engine: AsyncEngine) -> ModelSource:
+    metrics, pool, name = served.metrics, app.state.context.models, served.name
     return ModelSource(
         name=name,
         stats=engine.stats,
@@ -28,7 +30,9 @@ def _source(app: FastAPI, served: ServedModel) -> ModelSource:
 
 
 def model_sources(app: FastAPI) -> list[ModelSource]:  # FastAPI
-    return [_source(app, served) for served in app.state.context.models.loaded() if served.engine is not None]
+    return [
+        _source(app, served, served.engine) for served in app.state.context.models.loaded() if served.engine is not None
+    ]
 
 
 def price_sheet(app: FastAPI, name: str) -> dict[str, Any] | None:

@@ -123,7 +123,7 @@ def file_storage(request: Request, team_id: int) -> dict[str, int]:
 
 def team_page(
     request: Request,
-    session_: AdminSession | None,
+    session_: AdminSession,
     dashboard: Dashboard,
     team_id: int,
     *,

@@ -4,6 +4,7 @@ member (SSO) gets their own team's usage whatever the query asks for."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from typing import Annotated, Any
@@ -89,9 +90,11 @@ class UsageFilter:
             "offset": self.offset,
             **changes,
         }
+        groups = values["group"]
+        assert isinstance(groups, Iterable)  # a list, or what a change put there instead
         return urlencode(
             [(k, v) for k, v in values.items() if v not in (None, "", 0) and k != "group"]
-            + [("group", g) for g in values["group"]]
+            + [("group", g) for g in groups]
         )
 
 

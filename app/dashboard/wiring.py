@@ -28,6 +28,7 @@ from app.dashboard.rendering import WEB_DIR, render
 from app.dashboard.sessions import SessionSigner, SessionStore
 from app.dashboard.sources import model_sources
 from app.dashboard.sso import OidcClient
+from app.errors import add_error_handler
 from app.gateway.service import TeamGateway
 
 ROUTERS = (
@@ -93,7 +94,7 @@ def install_dashboard(app: FastAPI, gateway: TeamGateway, *, sample_interval_s: 
         app.include_router(module.router)
     app.mount("/admin/static", StaticFiles(directory=WEB_DIR / "static"), name="dashboard-static")
     app.add_middleware(DashboardHeadersMiddleware)
-    app.add_exception_handler(LoginRequired, _to_login)
-    app.add_exception_handler(CsrfRejected, _csrf_rejected)
-    app.add_exception_handler(PageRefused, _page_refused)
+    add_error_handler(app, LoginRequired, _to_login)
+    add_error_handler(app, CsrfRejected, _csrf_rejected)
+    add_error_handler(app, PageRefused, _page_refused)
     return dashboard

@@ -18,7 +18,7 @@ from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import OpenAIError
+from app.errors import OpenAIError, add_error_handler
 
 if TYPE_CHECKING:
     from fastapi import FastAPI, Request
@@ -92,5 +92,5 @@ def install_body_limit(
     app: FastAPI, max_body_bytes: int, path_caps: dict[str, int] | None = None
 ) -> None:  # a FastAPI app
     """Outermost of the app's own middleware, so it also covers what other middleware would read."""
-    app.add_exception_handler(BodyTooLarge, _body_too_large)
+    add_error_handler(app, BodyTooLarge, _body_too_large)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, path_caps=path_caps)
