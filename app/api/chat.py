@@ -70,7 +70,7 @@ async def chat_completion(
     request: Request, context: ModelContext, principal: Principal, body: ChatCompletionRequest, accepted_at: float
 ) -> Any:
     async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
-        plan, prompt_ids = await run_in_threadpool(prepare_chat, context.engine.tokenizer, body)
+        plan, prompt_ids = await run_in_threadpool(prepare_chat, context.tokenizer, body)
         params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         headers = await context.gateway.admit(

@@ -20,7 +20,7 @@ from app.serving.prompts import completion_prompt_ids
 from app.serving.sampling import completion_sampling_params
 from app.serving.schemas import CompletionRequest
 from app.serving.streaming import finished_stream, merge, sse, sse_response
-from app.serving.token_text import TokenTexts
+from app.serving.token_text import TokenTexts, decoded
 from app.serving.tracker import (
     Choice,
     EngineFailure,
@@ -116,12 +116,12 @@ async def completion(
 
 
 def prepare_prompts(context: ModelContext, body: CompletionRequest, request_id: str) -> list[PreparedPrompt]:
-    tokenizer = context.engine.tokenizer
+    tokenizer = context.tokenizer
     many = len(body.prompt) > 1
     prepared = []
     for index, prompt in enumerate(body.prompt):
         ids = completion_prompt_ids(tokenizer, prompt, index, many)
-        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+        text = prompt if isinstance(prompt, str) else decoded(tokenizer, ids)
         params = completion_sampling_params(body, len(ids), context.sampling)
         prepared.append(PreparedPrompt(f"{request_id}-{index}", ids, text, params))
     return prepared

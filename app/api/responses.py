@@ -112,7 +112,7 @@ async def run_response(
     check_before_rendering(body, conversation, context.engine.max_model_len)
     async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
         chat_body, plan, prompt_ids = await run_in_threadpool(
-            prepare, context.engine.tokenizer, body, conversation, context.engine.max_model_len
+            prepare, context.tokenizer, body, conversation, context.engine.max_model_len
         )
         tools = [{"type": "function", **tool["function"]} for tool in chat_body.tools or ()]  # as run: strict
         params = renamed_errors(

@@ -57,7 +57,7 @@ async def tokenize(request: Request, server: ContextDep, principal: PrincipalDep
         )
 
     async def handle(context: ModelContext) -> Any:  # a JSON body; with_model passes it through
-        tokenizer = context.engine.tokenizer
+        tokenizer = context.tokenizer
         if body.messages is not None:
             chat = {
                 "model": body.model,
@@ -86,7 +86,7 @@ async def detokenize(request: Request, server: ContextDep, principal: PrincipalD
     body = await read_body(request, DetokenizeRequest, server.settings.max_request_bytes)
 
     async def handle(context: ModelContext) -> Any:  # a JSON body; with_model passes it through
-        tokenizer = context.engine.tokenizer
+        tokenizer = context.tokenizer
         if any(not 0 <= token < len(tokenizer) for token in body.tokens):
             raise invalid_request(f"Token ids must be between 0 and {len(tokenizer) - 1}.", param="tokens")
         return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}

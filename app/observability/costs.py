@@ -28,7 +28,7 @@ class TokenBuckets:
     def __init__(self, width_s: float, span_s: float) -> None:
         self.width_s = width_s
         self.span_s = span_s
-        self.buckets: deque[tuple[int, Counter[str]]] = deque()
+        self.buckets: deque[tuple[int, Counter[str | None]]] = deque()  # model None: tokens of no model
 
     def add(self, now: float, model: str | None, tokens: int) -> None:
         index = math.floor(now / self.width_s)
@@ -37,9 +37,9 @@ class TokenBuckets:
             self._forget_before(now)
         self.buckets[-1][1][model] += tokens  # a clock that stepped back lands in the newest bucket
 
-    def totals(self, now: float, window_s: float) -> Counter[str]:
+    def totals(self, now: float, window_s: float) -> Counter[str | None]:
         first = math.ceil((now - window_s) / self.width_s)
-        totals: Counter[str] = Counter()
+        totals: Counter[str | None] = Counter()
         for index, counts in reversed(self.buckets):
             if index < first:
                 break
@@ -120,7 +120,7 @@ class HardwareCostMeter:
                 windows[name] = self._window(now, window_s, buckets.totals(now, window_s))
             return {"cost_per_hour": self.cost_per_hour, "uptime_s": uptime, "windows": windows}
 
-    def _window(self, now: float, window_s: float, tokens_by_model: Counter[str]) -> dict[str, Any]:
+    def _window(self, now: float, window_s: float, tokens_by_model: Counter[str | None]) -> dict[str, Any]:
         elapsed = min(window_s, max(now - self.started_at, 0.0))
         server_cost = self.cost_per_hour * min(elapsed, max(now - self._server_since, 0.0)) / 3600
         own_costs = {

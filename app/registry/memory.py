@@ -173,9 +173,9 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
         footprint = gguf_footprint(source)
     conversion = 0
     if stored is None:
-        folder = converted_folder(config)
-        if folder is not None:
-            footprint = safetensors_footprint(folder)
+        converted = converted_folder(config)
+        if converted is not None:
+            footprint = safetensors_footprint(converted)
         else:  # a GGUF converted on this load: transformers holds it in float32 meanwhile
             footprint = gguf_footprint(source)
             if footprint is not None:
@@ -197,7 +197,7 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
 
 def available_bytes() -> int:
     """Memory a load may still take: the machine's available memory, or less where a cgroup caps us."""
-    available = psutil.virtual_memory().available
+    available: int = psutil.virtual_memory().available
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":

@@ -3,17 +3,24 @@ metrics, and how many requests are using it, so that unloading can wait for them
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from app.observability.metrics import ModelMetrics
 from app.registry.spec import ModelSpec
 from app.serving.token_text import TokenTexts
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from engine.async_engine import AsyncEngine
     from engine.embeddings import EmbeddingModel
 
 LOADED, DRAINING = "loaded", "draining"
+
+
+def tokenizer_of(engine: AsyncEngine) -> PreTrainedTokenizerBase:
+    """The engine's tokenizer: a transformers one, which engine.loader types as object."""
+    return cast("PreTrainedTokenizerBase", engine.tokenizer)
 
 
 class ServedModel:
@@ -30,7 +37,7 @@ class ServedModel:
         self.embedder = embedder  # engine.embeddings.EmbeddingModel for kind "embedding"
         self.owned = owned  # the pool started it, so the pool shuts it down when the server stops
         self.metrics = ModelMetrics(spec.name)
-        self.token_texts = TokenTexts(engine.tokenizer) if engine is not None else None
+        self.token_texts = TokenTexts(tokenizer_of(engine)) if engine is not None else None
         self.state = LOADED
         self.in_flight = 0
 

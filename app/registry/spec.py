@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal, cast
 
 from app.gateway.config import ModelPrice
 from engine.config import EngineConfig
@@ -74,13 +74,13 @@ class ModelSpec:
             base,
             model=self.source,
             served_model_name=self.name,
-            dtype=self.dtype,
+            dtype=cast("Literal['float32', 'bfloat16']", self.dtype),  # a registry row's: EngineConfig checks it
             max_model_len=self.max_model_len,
             **self.engine_settings,
         )
 
 
-def check_name(name: str, *, param: str) -> str:
+def check_name(name: object, *, param: str) -> str:  # anything a request's JSON holds
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise RegistryError(
             f"{param} must be 1-128 letters, digits or ._:/@+- and start with a letter or digit; got {name!r}.",

@@ -6,18 +6,28 @@ from __future__ import annotations
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Response
+from fastapi.responses import StreamingResponse
 
 from app.errors import invalid_request, model_not_found
 from app.gateway.contract import Gateway, Principal
 from app.observability.costs import HardwareCostMeter
 from app.registry.pool import ModelPool
-from app.registry.served import ServedModel
+from app.registry.served import ServedModel, tokenizer_of
 from app.serving.admission import FairAdmission
 from app.serving.responses.store import ResponseStore, response_store
 from app.serving.sampling import ModelSampling, sampling_defaults
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from app.gateway.config import ModelPrice
+    from app.observability.metrics import ModelMetrics
+    from app.serving.token_text import TokenTexts
+    from engine.async_engine import AsyncEngine
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class ServerContext:
             if not context.streaming:
                 context.release()
         if context.streaming:  # also when the stream never starts (client gone first): no drain waits forever
+            assert isinstance(response, StreamingResponse)  # what a route that set streaming returns
             weakref.finalize(response.body_iterator, context.release)
         return response
 
@@ -94,23 +105,31 @@ class ModelContext:
     released: bool = field(default=False)
 
     @property
-    def engine(self):
-        return self.served.engine
+    def engine(self) -> AsyncEngine:
+        engine = self.served.engine
+        assert engine is not None  # a chat model's: routes of other kinds (embeddings) never ask
+        return engine
 
     @property
-    def metrics(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return tokenizer_of(self.engine)
+
+    @property
+    def metrics(self) -> ModelMetrics:
         return self.served.metrics
 
     @property
-    def token_texts(self):
-        return self.served.token_texts
+    def token_texts(self) -> TokenTexts:
+        token_texts = self.served.token_texts
+        assert token_texts is not None  # a chat model's, made with its engine
+        return token_texts
 
     @property
     def model_name(self) -> str:
         return self.served.name
 
     @property
-    def price(self):
+    def price(self) -> ModelPrice | None:
         return self.served.spec.price
 
     @property

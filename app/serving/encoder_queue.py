@@ -49,7 +49,8 @@ class EncoderQueue:
         with self._ready:
             while not self._jobs:
                 self._ready.wait()
-            batch, size = [], 0
+            batch: list[Job] = []
+            size = 0
             while self._jobs:
                 job = self._jobs[0]
                 if batch and (job.model is not batch[0].model or size + len(job.token_ids) > self.max_batch_inputs):

@@ -20,11 +20,13 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessa
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except Exception as error:  # templates raise on conversations they refuse (e.g. roles out of turn)
         raise invalid_request(f"The chat template rejected these messages: {error}", param="messages") from error
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)  # a decorator hides encode's type
+    return ids
 
 
 def completion_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, index: int, many: bool) -> list[int]:
     param = f"prompt.[{index}]" if many else "prompt"
+    ids: list[int]
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:

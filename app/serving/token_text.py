@@ -27,6 +27,13 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
+def decoded(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
+    """tokenizer.decode of one sequence: a string (transformers types it as a batch's list of them too)."""
+    text = tokenizer.decode(token_ids)
+    assert isinstance(text, str)
+    return text
+
+
 class TokenTexts:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
@@ -41,11 +48,12 @@ class TokenTexts:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
         if piece is None:
             return b""
+        assert isinstance(piece, str)  # one id: one token (transformers types both forms as one)
         if token_id in self._added:
             return piece.encode()
         if self._byte_level and all(char in self._byte_of_char for char in piece):
             return bytes(self._byte_of_char[char] for char in piece)
-        return self._tokenizer.decode([token_id]).encode()
+        return decoded(self._tokenizer, [token_id]).encode()
 
     def text_of(self, token_id: int) -> str:
         return self.bytes_of(token_id).decode("utf-8", errors="replace")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +142,7 @@ class RequestTracker:
                 metrics.time_to_first_token.observe(now - self.started_at)
                 self._observe_stages(metrics, output.scheduled_at, now)
             else:
+                assert self.last_token_at is not None  # set with first_token_at
                 # Tokens that arrive together (accepted speculative drafts) share the wait evenly: one
                 # observation per token, so that the histogram keeps reading as time per output token.
                 burst = max(len(delta.token_ids) for delta in output.deltas)
@@ -219,6 +220,7 @@ async def engine_outputs(
     finished = False
     try:
         generation = context.engine.generate(engine_request_id, prompt_ids, params, tracker.tenancy())
+        assert isinstance(generation, AsyncGenerator)  # an async generator function's (typed AsyncIterator)
         async with aclosing(generation) as outputs:
             while True:
                 try:

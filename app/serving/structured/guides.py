@@ -13,7 +13,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 import llguidance.hf
@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stub only
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 log = logging.getLogger("tokenmill.structured")
 
 # Compact JSON the way the model writes it (`{"a": 1, "b": [2, 3]}`): no free whitespace, which a small
 # model could otherwise repeat until max_tokens.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_CACHE_SIZE = 256
 
 
@@ -68,7 +69,8 @@ class GrammarCompiler:
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
+                # Typed as a fast tokenizer, which llguidance checks: others it refuses (ValueError).
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(cast("PreTrainedTokenizerFast", self._hf_tokenizer))
             return self._ll_tokenizer
 
     def compile(self, grammar: str) -> GrammarGuideFactory:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import invalid_request
 from app.serving.prompts import chat_prompt_ids
-from app.serving.structured.guides import GrammarError, compiler_for, json_schema_grammar
+from app.serving.structured.guides import GrammarError, GrammarGuideFactory, compiler_for, json_schema_grammar
 from app.serving.structured.response_format import response_schema
 from app.serving.structured.tool_calls import ToolCallParser, parse_message
 from app.serving.structured.tools import (
@@ -46,14 +46,17 @@ class StructuredPlan:
         if not (self.shown_tools or self.tool_history):
             return chat_prompt_ids(tokenizer, messages)
         turns = conversation(messages, self.shown_tools, self.native_tools)
-        extra = (
-            {"tools": [tool.openai() for tool in self.shown_tools]} if self.native_tools and self.shown_tools else {}
-        )
         try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra)
+            text = tokenizer.apply_chat_template(
+                turns,
+                tokenize=False,
+                add_generation_prompt=True,
+                tools=[tool.openai() for tool in self.shown_tools] if self.native_tools and self.shown_tools else None,
+            )
         except Exception as error:
             raise invalid_request(f"The chat template rejected these messages: {error}", param="messages") from error
-        return tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=False)  # a decorator hides encode's type
+        return ids
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         if self.guide_factory is None:
@@ -108,7 +111,7 @@ def plan_request(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest
     check_tool_calls(body.messages)
     tool_history = any(message.role == "tool" or message.tool_calls for message in body.messages)
     shown = tools if choice.mode != "none" else []
-    factory = None
+    factory: GrammarGuideFactory | None = None
     if schema is not None:  # refused here, named as the culprit, even when a tools grammar embeds it
         factory = _compile(tokenizer, lambda: json_schema_grammar(schema), "response_format")
     if shown:
@@ -122,7 +125,7 @@ def plan_request(tokenizer: PreTrainedTokenizerBase, body: ChatCompletionRequest
     )
 
 
-def _compile(tokenizer: PreTrainedTokenizerBase, grammar: Callable[[], str], param: str):
+def _compile(tokenizer: PreTrainedTokenizerBase, grammar: Callable[[], str], param: str) -> GrammarGuideFactory:
     try:
         return compiler_for(tokenizer).compile(grammar())
     except GrammarError as error:

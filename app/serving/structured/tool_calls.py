@@ -96,7 +96,6 @@ class ToolCallParser:
             char = text[index]
             if self._array_closed:
                 break
-            call = self.calls[-1] if self.calls else None
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -105,16 +104,16 @@ class ToolCallParser:
                 elif char == '"':
                     self._in_string = False
                     if self._depth == 2:
-                        self._string_ended(json.loads(text[self._string_start : index + 1]), call, index)
+                        self._string_ended(json.loads(text[self._string_start : index + 1]), self._call, index)
                 continue
             if (
                 self._depth == 2
                 and self._at_value
                 and self._key == "arguments"
-                and call.arguments_start is None
+                and self._call.arguments_start is None
                 and not char.isspace()
             ):
-                call.arguments_start = index
+                self._call.arguments_start = index
             if char == '"':
                 self._in_string, self._string_start = True, index
             elif char in "{[":
@@ -124,9 +123,10 @@ class ToolCallParser:
                     self._at_value, self._key = False, None
             elif char in "}]":
                 self._depth -= 1
-                if self._depth == 2 and call.arguments_start is not None and call.arguments_end is None:
-                    call.arguments_end = index + 1
+                if self._depth == 2 and self._call.arguments_start is not None and self._call.arguments_end is None:
+                    self._call.arguments_end = index + 1
                 elif self._depth == 1:
+                    call = self._call
                     self._end_value(call, index)
                     call.complete = call.name is not None and call.arguments_end is not None
                 elif self._depth == 0:
@@ -134,9 +134,15 @@ class ToolCallParser:
             elif self._depth == 2 and char == ":":
                 self._at_value = True
             elif self._depth == 2 and char == ",":
-                self._end_value(call, index)
+                self._end_value(self._call, index)
                 self._at_value, self._key = False, None
         self._pos = len(text)
+
+    @property
+    def _call(self) -> ParsedCall:
+        """The call being scanned, wherever the scan is inside an object of the array (depth 2 or more, or
+        just closing one): the array's last, appended when its object opened."""
+        return self.calls[-1]
 
     def _string_ended(self, value: str, call: ParsedCall, index: int) -> None:
         if not self._at_value:
