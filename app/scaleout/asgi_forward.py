@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,9 @@ def http_scope(request: ForwardedRequest, state: dict[str, Any] | None = None) -
 
 
 async def run_asgi(
-    app,
-    request: ForwardedRequest,  # app: any ASGI app
-    extra_headers: list[tuple[bytes, bytes]] = (),
+    app: ASGIApp,
+    request: ForwardedRequest,
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
     state: dict[str, Any] | None = None,
 ) -> AsyncIterator[ResponseStart | bytes]:
     messages: asyncio.Queue[Any] = asyncio.Queue()
@@ -71,7 +74,7 @@ async def run_asgi(
         await disconnected.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         if disconnected.is_set():
             raise OSError("client disconnected")  # what uvicorn's send does once the peer is gone
         await messages.put(message)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 # Long enough to cover a cold prompt's wait in a busy replica's queue plus its prefill and the next
 # report (the bench's p99 latency under load is ~25 s); short enough that a tenant whose blocks were
@@ -31,6 +31,8 @@ IDENTITY_BLOCKS = 8
 # A prompt whose blocks are not known yet (its team's salt not learned): assumed this many blocks, about
 # a system prompt's worth. Only orders replicas between reports; the reports correct it.
 UNKNOWN_PROMPT_BLOCKS = 16
+
+ReplicaId = TypeVar("ReplicaId", bound=Hashable)  # whatever the router names replicas by
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,11 @@ def identities(prefix_key: str | None, blocks: Sequence[bytes]) -> tuple[Hashabl
     return tuple(keys)
 
 
-class ColdPlacements:
+class ColdPlacements(Generic[ReplicaId]):
     def __init__(self, ttl_s: float = TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._homes: dict[Hashable, tuple[Hashable, float]] = {}  # identity -> (replica, placed at)
+        self._homes: dict[Hashable, tuple[ReplicaId, float]] = {}  # identity -> (replica, placed at)
         self._sent: list[_Sent] = []
 
     def _forget_expired(self, now: float) -> None:
@@ -64,7 +66,7 @@ class ColdPlacements:
         self._homes = {key: home for key, home in self._homes.items() if home[1] > oldest}
         self._sent = [sent for sent in self._sent if sent.at > oldest]
 
-    def home(self, identities: Sequence[Hashable]) -> Hashable | None:
+    def home(self, identities: Sequence[Hashable]) -> ReplicaId | None:
         """Where the first of these identities was placed within TTL_S; None if none was."""
         self._forget_expired(self.clock())
         for identity in identities:
@@ -72,7 +74,7 @@ class ColdPlacements:
                 return self._homes[identity][0]
         return None
 
-    def pending_blocks(self, replica: Hashable, held: frozenset[bytes]) -> int:
+    def pending_blocks(self, replica: ReplicaId, held: frozenset[bytes]) -> int:
         """Blocks sent to the replica that its last report does not show yet, each counted once (a
         tenant's second request before the report adds nothing: it hits the first one's blocks)."""
         unreported: set[bytes] = set()
@@ -86,7 +88,7 @@ class ColdPlacements:
                 unknown.add(sent.identities[:1])
         return len(unreported) + UNKNOWN_PROMPT_BLOCKS * len(unknown)
 
-    def placed(self, identities: Sequence[Hashable], replica: Hashable, blocks: Sequence[bytes]) -> None:
+    def placed(self, identities: Sequence[Hashable], replica: ReplicaId, blocks: Sequence[bytes]) -> None:
         """A cold prompt went to the replica: its identities point there unless they already pointed
         somewhere (a request the load bound turned away does not move its tenant's home)."""
         now = self.clock()
@@ -95,7 +97,9 @@ class ColdPlacements:
             self._homes.setdefault(identity, (replica, now))
         self._sent.append(_Sent(replica, tuple(blocks), tuple(identities), now))
 
-    def blocks_taken(self, replicas: Sequence[Hashable], held: Mapping[Hashable, frozenset[bytes]]) -> dict[str, Any]:
+    def blocks_taken(
+        self, replicas: Sequence[ReplicaId], held: Mapping[ReplicaId, frozenset[bytes]]
+    ) -> dict[ReplicaId, int]:
         """Blocks each replica holds or is about to: reported plus pending."""
         self._forget_expired(self.clock())
         return {

@@ -52,7 +52,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.scaleout.cold_placement import ColdPlacements, identities
+from app.scaleout.cold_placement import ColdPlacements, ReplicaId, identities
 from engine.block_manager import hash_block
 
 PREFIX_CHARS = 512  # ~128 tokens, 8 KV blocks of 16: long enough to hold a system prompt's start
@@ -108,7 +108,7 @@ def prefix_key(text: str | None, prefix_chars: int = PREFIX_CHARS, salt: str | N
     return key.hexdigest()
 
 
-def rendezvous_order(key: str, replica_ids: Sequence[Hashable]) -> list[Any]:
+def rendezvous_order(key: str, replica_ids: Sequence[ReplicaId]) -> list[ReplicaId]:
     """Replica ids, the key's favourite first. Same key and set: same order, in every process."""
 
     def score(replica_id: Hashable) -> bytes:
@@ -143,7 +143,7 @@ def matched_blocks(blocks: Sequence[bytes], held: frozenset[bytes]) -> int:
     return count
 
 
-def allowed_load(loads: Mapping[Hashable, int], epsilon: float) -> int:
+def allowed_load(loads: Mapping[ReplicaId, int], epsilon: float) -> int:
     """A replica takes the request only while it runs fewer than this many: ceil((1 + epsilon) * mean),
     the mean with this request counted."""
     return math.ceil((1 + epsilon) * (sum(loads.values()) + 1) / len(loads))
@@ -159,12 +159,12 @@ class Placement:
 def place(
     key: str | None,
     blocks: Sequence[bytes],
-    loads: Mapping[Hashable, int],
-    held: Mapping[Hashable, frozenset[bytes]],
+    loads: Mapping[ReplicaId, int],
+    held: Mapping[ReplicaId, frozenset[bytes]],
     *,
     epsilon: float = EPSILON,
     min_match_blocks: int = MIN_MATCH_BLOCKS,
-    cold: ColdPlacements | None = None,
+    cold: ColdPlacements[ReplicaId] | None = None,
 ) -> Placement:
     """Where a request goes. `key`: prefix_key of its prompt (None: no prompt); `blocks`: prompt_blocks
     (empty when its team's cache salt is not known yet); `loads`: requests in flight per replica;
@@ -200,11 +200,11 @@ def place(
 def _cold_choice(
     key: str | None,
     blocks: Sequence[bytes],
-    loads: Mapping[Hashable, int],
-    held: Mapping[Hashable, frozenset[bytes]],
-    allowed: list[Any],
-    cold: ColdPlacements | None,
-) -> Hashable:
+    loads: Mapping[ReplicaId, int],
+    held: Mapping[ReplicaId, frozenset[bytes]],
+    allowed: list[ReplicaId],
+    cold: ColdPlacements[ReplicaId] | None,
+) -> ReplicaId:
     """A prompt no allowed replica holds: its tenant's cold home if allowed, else the most free room."""
     names = identities(key, blocks)
     home = cold.home(names) if cold is not None else None

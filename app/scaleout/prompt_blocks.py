@@ -92,7 +92,7 @@ class PromptTokens:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        self.tokenizer: Any = None  # a transformers tokenizer, once the model's folder exists
+        self.tokenizer: PreTrainedTokenizerBase | None = None  # once the model's folder exists
         self._next_try = 0.0
         self._lock = threading.Lock()
 
@@ -100,7 +100,7 @@ class PromptTokens:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def _load(self) -> None:
+    def _load(self) -> PreTrainedTokenizerBase | None:
         # One loader at a time: transformers' lazy imports fail when two threads race through them.
         with self._lock:
             if self.tokenizer is None and self.clock() >= self._next_try:

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -27,7 +27,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
 from app.errors import OpenAIError
 from app.observability.metrics import OPENMETRICS_ACCEPT, Expositions, exposition
@@ -127,7 +127,9 @@ class PrefixAwareRouter(_RemembersReplicas):
     def initialize_state(self, epsilon: float = EPSILON, min_match_blocks: int = MIN_MATCH_BLOCKS, **_: object) -> None:
         self.epsilon = epsilon
         self.min_match_blocks = min_match_blocks
-        self.cold = ColdPlacements()  # where cold prompts went, until the replicas' reports show them
+        self.cold: ColdPlacements[str] = (
+            ColdPlacements()
+        )  # where cold prompts went, until the replicas' reports show them
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -154,11 +156,11 @@ class PrefixAwareRouter(_RemembersReplicas):
             ledger.placed(pending_request.metadata.internal_request_id, placement.ranks[0][0], placement.by)
         return [[by_id[unique_id] for unique_id in rank] for rank in placement.ranks]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         # Serve may have passed over the first choice (full): count the request where it went.
         routing_ledger().moved(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
-    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         routing_ledger().finished(internal_request_id)
 
 
@@ -184,7 +186,7 @@ class RoundRobinRouter(_RemembersReplicas):
 
 
 class TokenmillReplica:
-    async def __init__(self, settings: Settings) -> None:
+    async def __init__(self, settings: Settings) -> None:  # type: ignore[misc]  # Ray Serve awaits an async __init__
         from app.scaleout.replica_app import build_server
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -297,7 +299,7 @@ class Ingress:
             scheme=request.url.scheme,
         )
         for _ in range(ATTEMPTS):
-            stream: DeploymentResponseGenerator[Any] = self.replicas.remote(forwarded)
+            stream = self._stream(forwarded)
             try:
                 start = await stream.__anext__()
             except (RayActorError, ActorUnavailableError):
@@ -306,6 +308,12 @@ class Ingress:
             response.raw_headers = list(start.headers)  # as the replica sent them, repeated headers too
             return response
         return _replica_lost()
+
+    def _stream(self, request: ForwardedRequest) -> DeploymentResponseGenerator[Any]:
+        """The replicas' `handle`, called: a stream, as the handle has stream=True."""
+        stream = self.replicas.remote(request)
+        assert isinstance(stream, DeploymentResponseGenerator)
+        return stream
 
     async def _prompt_blocks(self, path: str, body: bytes, authorization: str | None) -> tuple[bytes, ...]:
         """The prompt's block hashes under its key's cache root; none while no replica has told us the root."""
@@ -344,7 +352,7 @@ class Ingress:
             client=None,
             replica=replica,
         )
-        stream: DeploymentResponseGenerator[Any] = self.replicas.remote(forwarded)
+        stream = self._stream(forwarded)
         start = await stream.__anext__()
         body = b"".join([chunk async for chunk in stream])
         answered = dict(start.headers)[REPLICA_HEADER.encode()].decode()
@@ -368,7 +376,7 @@ class Ingress:
 
 
 # At import, in every process: serve.ingress turns `forward` into a route bound to the replica's instance.
-IngressDeployment = serve.deployment(serve.ingress(ingress_api)(Ingress), name="Ingress")
+IngressDeployment = serve.deployment(name="Ingress")(serve.ingress(ingress_api)(Ingress))
 
 
 # ---- the application ----
@@ -378,7 +386,7 @@ def drain_and_shutdown(app_name: str = "tokenmill", timeout_s: float = DRAIN_TIM
     """Stop taking requests, let those in flight finish (up to `timeout_s`), then shut Serve down: its own
     shutdown stops the HTTP proxy at once, cutting streams short. Returns the requests cut short."""
     ingress = serve.get_app_handle(app_name)
-    in_flight = ingress.drain.remote().result()
+    in_flight: int = ingress.drain.remote().result()
     deadline = time.monotonic() + timeout_s
     while in_flight and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -391,6 +399,11 @@ def forwarded_env() -> dict[str, str]:
     """The environment the replicas inherit (torch threads, the hub libraries' offline switches); their
     settings travel as the Settings object itself."""
     return {name: value for name, value in os.environ.items() if name.startswith(FORWARDED_ENV_PREFIXES)}
+
+
+class Scaling(TypedDict, total=False):  # the replica deployment's options: a count, or autoscaling
+    num_replicas: int
+    autoscaling_config: dict[str, int]
 
 
 def build_application(
@@ -410,6 +423,7 @@ def build_application(
     if not epsilon >= 0:
         raise ValueError("the routing epsilon must be 0 or more")
     max_ongoing = settings.engine.max_num_seqs  # more than the engine batches would only queue inside it
+    scaling: Scaling
     if settings.min_replicas == settings.max_replicas:
         scaling = {"num_replicas": settings.min_replicas}
     else:
@@ -422,20 +436,22 @@ def build_application(
             }
         }
     router_kwargs = {"epsilon": epsilon} if router == "prefix" else {}
+    # Passed as **fields: RequestRouterConfig annotates its **kwargs as dict[str, Any] each (its fields are typed).
+    router_fields: dict[str, Any] = {
+        "request_router_class": ROUTERS[router],
+        "request_router_kwargs": router_kwargs,
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
     # The classes stay undecorated module names, so Ray pickles them by reference (by value, their
     # methods would not see this module's other functions).
     replica = (
-        serve.deployment(TokenmillReplica)
+        serve.deployment()(TokenmillReplica)
         .options(
             name="TokenmillReplica" + app_name_suffix,
             max_ongoing_requests=max_ongoing,
             graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S,
             graceful_shutdown_wait_loop_s=0.5,
-            request_router_config=RequestRouterConfig(
-                request_router_class=ROUTERS[router],
-                request_router_kwargs=router_kwargs,
-                request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-            ),
+            request_router_config=RequestRouterConfig(**router_fields),
             ray_actor_options={"num_cpus": replica_cpus, "runtime_env": {"env_vars": forwarded_env()}},
             **scaling,
         )

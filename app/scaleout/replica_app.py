@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import FastAPI
 
 import app.offline  # Ray Serve replicas start here, not in app.cli.main
 import app.openmp  # noqa: F401 - before anything imports torch
 from app.settings import Settings
 
+if TYPE_CHECKING:  # imported when called: torch loads after app.openmp
+    from engine.async_engine import AsyncEngine
 
-def build_server(settings: Settings, *, migrated: bool = False, replica: str | None = None) -> tuple[FastAPI, object]:
+
+def build_server(
+    settings: Settings, *, migrated: bool = False, replica: str | None = None
+) -> tuple[FastAPI, AsyncEngine]:
     """The app and its engine (an engine.async_engine.AsyncEngine the caller shuts down after the app's
     lifespan has ended). migrated: the caller ran app.gateway.wiring.prepare_store on this database, so
     the gateway doesn't migrate again. `replica` labels the app's /metrics series (the Ray Serve replica id)."""
