@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -46,7 +46,7 @@ def count_lines(path: Path, max_line_bytes: int) -> int:
         return sum(1 for _ in raw_lines(source, max_line_bytes))
 
 
-def read_lines(path: Path, endpoint: str, max_line_bytes: int) -> Iterator[InputLine]:
+def read_lines(path: Path, endpoint: str, max_line_bytes: int) -> Generator[InputLine, None, None]:
     """The batch's lines in order, parsed as they are read. A custom_id seen before is refused; only the
     ids are kept (at most 512 characters each)."""
     seen: set[str] = set()

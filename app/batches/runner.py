@@ -29,7 +29,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -314,7 +314,7 @@ class BatchRunner:
         if job.id in self.cancelled:
             halt.set("cancelled")
         watcher = asyncio.create_task(self.watch(job, halt, lost, watch))
-        lines: Iterator[InputLine] = read_lines(input_path, job.endpoint, self.max_line_bytes)
+        lines: Generator[InputLine, None, None] = read_lines(input_path, job.endpoint, self.max_line_bytes)
         try:
             while halt.reason is None:
                 line = await run_in_threadpool(next, lines, None)
@@ -355,7 +355,7 @@ class BatchRunner:
         finally:
             watcher.cancel()
             self.halts.pop(job.id, None)
-            lines.close()  # type: ignore[attr-defined]
+            lines.close()
         return halt.reason
 
     async def watch(self, job: BatchJob, halt: Halt, lost: asyncio.Event, key: KeyWatch) -> None:
