@@ -258,23 +258,34 @@ def serve_in_thread(app, port: int | None = None, **config) -> Iterator[str]:
 ADMIN_KEY = "sk-admin-test-" + "x" * 24
 
 
-@pytest.fixture
-def make_gateway(database_url, tmp_path):
-    """Gateway factory on the test's database; every gateway is stopped (flushed) at the end."""
+def new_gateway(database_url: str, spill_dir, *, clock=None, **overrides):
+    """A gateway (not started) on `database_url` with the tests' admin key, flushing usage every 50 ms;
+    `overrides` are more GatewayConfig fields."""
     from app.gateway.config import GatewayConfig
     from app.gateway.service import TeamGateway
 
+    values = {
+        "database_url": database_url,
+        "admin_key": ADMIN_KEY,
+        "spill_dir": str(spill_dir),
+        "usage_flush_interval_s": 0.05,
+        **overrides,
+    }
+    return TeamGateway(GatewayConfig(**values), clock=clock or time.time)
+
+
+def sqlite_gateway(folder, **overrides):
+    """new_gateway on a SQLite file in `folder`, spilling there too."""
+    return new_gateway(f"sqlite:///{folder / 'tokenmill.db'}", folder, **overrides)
+
+
+@pytest.fixture
+def make_gateway(database_url, tmp_path):
+    """Gateway factory on the test's database; every gateway is stopped (flushed) at the end."""
     made = []
 
     def make(*, clock=None, start: bool = True, **overrides):
-        values = {
-            "database_url": database_url,
-            "admin_key": ADMIN_KEY,
-            "spill_dir": str(tmp_path / "spill"),
-            "usage_flush_interval_s": 0.05,
-            **overrides,
-        }
-        gateway = TeamGateway(GatewayConfig(**values), clock=clock or time.time)
+        gateway = new_gateway(database_url, tmp_path / "spill", clock=clock, **overrides)
         made.append(gateway)
         if start:
             gateway.start()
