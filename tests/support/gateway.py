@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import socket
 import threading
 import time
 import uuid
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 from sqlalchemy import create_engine, text
 
+from bench.servers import free_port
 from engine.llm_engine import EngineRejected
 from engine.outputs import RequestOutput, SequenceDelta
 
@@ -223,12 +223,6 @@ def build_app(gateway, engine=None, **settings_values):
 
 
 # ---- uvicorn in a thread ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
