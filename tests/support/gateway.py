@@ -324,3 +324,59 @@ def usage_rows(gateway) -> list:
     assert gateway.writer.flush(10)
     with gateway.sessions() as session:
         return list(session.scalars(select(UsageRow).order_by(UsageRow.id)))
+
+
+# ---- `tokenmill serve` in this process ----
+
+
+def uvicorn_in_thread(monkeypatch, probe) -> list:
+    """Makes uvicorn.run, as `tokenmill serve` calls it, serve the app in a thread on a free port (under
+    serve's other uvicorn options) and call `probe(url)` while it serves. Returns the list each start's
+    probe result goes in."""
+    import uvicorn
+
+    results = []
+
+    def run(app, **options) -> None:
+        options = {name: value for name, value in options.items() if name not in ("host", "port")}
+        with serve_in_thread(app, **options) as url:
+            results.append(probe(url))
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    return results
+
+
+class StoppableFakeEngine(FakeEngine):
+    """A fake engine `tokenmill serve` can shut down."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+def serve_fake_engine(monkeypatch) -> None:
+    """Makes `tokenmill serve` build its app on a StoppableFakeEngine, with the gateway its settings name."""
+    from app.gateway.wiring import gateway_from_settings
+    from app.main import create_app
+
+    def build_server(settings, migrated=False):
+        engine = StoppableFakeEngine()
+        return create_app(settings, engine, gateway=gateway_from_settings(settings, migrated=migrated)), engine
+
+    monkeypatch.setattr("app.scaleout.replica_app.build_server", build_server)
+
+
+def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str, admin_key: str | None = ADMIN_KEY):
+    """Runs `tokenmill serve` as a user would, in this process, with the fake engine and a SQLite database
+    in `tmp_path`, under the uvicorn options serve chooses (on a free port); `probe(url)` runs while it
+    serves. `admin_key`: TOKENMILL_ADMIN_KEY, None for none. Returns what the probe returned."""
+    from app.cli.main import main
+
+    if admin_key:
+        monkeypatch.setenv("TOKENMILL_ADMIN_KEY", admin_key)
+    else:
+        monkeypatch.delenv("TOKENMILL_ADMIN_KEY", raising=False)
+    serve_fake_engine(monkeypatch)
+    results = uvicorn_in_thread(monkeypatch, probe)
+    database = ["--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}"]
+    assert main(["serve", "--data-dir", str(tmp_path), *database, "--log-level", "warning", *flags]) == 0
+    return results[0]
