@@ -37,7 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.serve_bench import _stop, free_port, start_tokenmill, synthetic_chats, wait_healthy
+from bench.serve_bench import start_tokenmill, synthetic_chats
+from bench.servers import free_port, stop, wait_healthy
 from bench.stream_client import StreamResult, outcome, stream_chat
 
 RESULTS = ROOT / "bench" / "results"
@@ -205,7 +206,7 @@ def start_llama_server(
         stderr=subprocess.STDOUT,
         env=environment,
     )
-    stack.callback(_stop, process)
+    stack.callback(stop, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process, timeout=300)
     return System(LLAMA, url, {}, "default", process, time.perf_counter() - started)

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.servers import free_port, serve_command, stop, tokenmill_cli, wait_healthy
 from bench.stream_client import StreamResult, outcome, stream_chat
 
 RESULTS = ROOT / "bench" / "results"
@@ -160,33 +160,6 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
 # ---- servers ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server at {url} exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server at {url} did not come up")
-
-
-def tokenmill_cli(*argv: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "app.cli", *argv], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    return done.stdout
-
-
 @dataclass
 class Launched:
     """A server this bench started: where it answers, and the process (for its memory and its exit)."""
@@ -214,25 +187,12 @@ def launch_tokenmill(stack: ExitStack, data_dir: str, extra_args: str, timeout: 
     log = open(workdir / "tokenmill.log", "w")
     started = time.perf_counter()
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--data-dir",
-            data_dir,
-            *database,
-            "--log-level",
-            "warning",
-            *shlex.split(extra_args),
-        ],
+        serve_command(port, data_dir, *database, *shlex.split(extra_args)),
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    stack.callback(_stop, process)
+    stack.callback(stop, process)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout)
@@ -251,18 +211,10 @@ def start_naive(stack: ExitStack, data_dir: str) -> tuple[str, dict]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    stack.callback(_stop, process)
+    stack.callback(stop, process)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
     return url, {}
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 # ---- report ----------------------------------------------------------------------------------

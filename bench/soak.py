@@ -30,6 +30,10 @@ import openai
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.servers import free_port, serve_command
+
 RESULTS = ROOT / "bench" / "results"
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16
@@ -169,33 +173,16 @@ def usage_requests(url: str, admin_key: str, key_id: int, expected: int, timeout
 
 
 def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str]:
-    port = args.port or _free_port()
+    port = args.port or free_port()
     env = {
         **os.environ,
         "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
         "TOKENMILL_DATABASE_URL": args.database_url or f"sqlite:///{workdir / 'soak.db'}",
     }
     env.pop("TOKENMILL_API_KEY", None)
-    command = [
-        sys.executable,
-        "-m",
-        "app.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--data-dir",
-        args.data_dir,
-        "--num-kv-blocks",
-        str(args.num_kv_blocks),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-waiting",
-        str(args.max_waiting),
-        "--max-tokens-cap",
-        "64",
-        "--log-level",
-        "warning",
-    ]
+    options = ["--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", str(args.max_num_seqs)]
+    options += ["--max-waiting", str(args.max_waiting), "--max-tokens-cap", "64"]
+    command = serve_command(port, args.data_dir, *options)
     log = open(workdir / "server.log", "w")  # the child writes to it until it exits
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -212,14 +199,6 @@ def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Po
             time.sleep(0.3)
     process.kill()
     raise RuntimeError("the server did not start:\n" + (workdir / "server.log").read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_key(url: str, admin_key: str) -> tuple[str, int]:

@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
-import torch
 
 from tests.support import MODEL_CACHE
 
@@ -30,28 +29,17 @@ def smollm2():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2):
     """A tiny random Llama checkpoint folder (SmolLM2's tokenizer), for fast engine tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.support.engine import tiny_llama_checkpoint
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
+    return tiny_llama_checkpoint(
+        tmp_path_factory.mktemp("tiny-llama"),
+        smollm2.tokenizer,
         vocab_size=smollm2.shape.vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
         initializer_range=0.5,  # peaked logits: greedy choices far from ties, so exact comparisons are stable
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    smollm2.tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="session")

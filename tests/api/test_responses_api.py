@@ -45,11 +45,6 @@ def server(smollm2):
         yield running
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
 def test_create_returns_a_message_with_usage(server, client):
     response = client.responses.create(
         model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=20

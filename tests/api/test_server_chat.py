@@ -7,22 +7,11 @@ import asyncio
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.support.server import MODEL, running_server
+from tests.support.server import MODEL
 
 pytestmark = pytest.mark.real_model
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def test_models_lists_the_served_model(client):

@@ -6,20 +6,9 @@ import asyncio
 
 import pytest
 
-from tests.support.server import MODEL, running_server
+from tests.support.server import MODEL
 
 pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def test_text_prompt_with_default_length(server, client):

@@ -27,11 +27,6 @@ def server(smollm2):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return server.client()
-
-
-@pytest.fixture(scope="module")
 def small_server(smollm2):
     """One running sequence, one waiting, and an API key."""
     config = EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=1, max_waiting=1)

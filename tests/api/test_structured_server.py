@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field, StringConstraints
 
-from tests.support.server import MODEL, running_server
+from tests.support.server import MODEL
 
 pytestmark = pytest.mark.real_model
 
@@ -78,17 +78,6 @@ TIME_TOOL = {
 }
 WEATHER_ARGUMENTS = WEATHER_TOOL["function"]["parameters"]
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client()
 
 
 def test_fifty_sampled_outputs_all_validate_against_a_nested_schema(server):

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,16 +15,10 @@ import pytest
 
 from app.cli.main import main
 from app.registry.loading import embedded_defaults
+from bench.servers import ROOT, free_port, serve_command
 from tests.support.server import MODEL
 
 pytestmark = pytest.mark.real_model
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_models(client: openai.OpenAI, timeout: float = 30.0):
@@ -57,24 +49,9 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
     key = capsys.readouterr().out.strip().splitlines()[-1]
     port = free_port()
     configured_key = "sk-chosen-by-the-operator-0123456789"
+    data_dir = smollm2.folder.parents[1]  # where the converted weights are cached already
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--num-kv-blocks",
-            "128",
-            "--data-dir",
-            str(smollm2.folder.parents[1]),  # where the converted weights are cached already
-            *database,
-            "--log-level",
-            "warning",
-            "--api-key",
-            configured_key,
-        ],
+        serve_command(port, data_dir, "--num-kv-blocks", "128", *database, "--api-key", configured_key),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

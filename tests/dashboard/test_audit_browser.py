@@ -6,7 +6,6 @@ dashboard's other browser tests put theirs (TOKENMILL_SCREENSHOT_DIR)."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -17,7 +16,13 @@ from sqlalchemy import select
 
 from app.gateway.keys import visible_prefix
 from app.tables import ApiKey
-from tests.dashboard.test_dashboard_browser import CHROMIUM_FLAGS, Visit, browser, playwright_api  # noqa: F401
+from tests.dashboard.test_dashboard_browser import (  # noqa: F401  (fixtures: the browser, once per module)
+    CHROMIUM_FLAGS,
+    browser,
+    playwright_api,
+    screenshot,
+    visiting,
+)
 from tests.support.dashboard import make_dashboard_gateway
 from tests.support.gateway import FAKE_MODEL, build_app, serve_in_thread
 
@@ -33,18 +38,8 @@ def server(browser, tmp_path_factory):  # noqa: F811 - the fixture imported abov
 
 @pytest.fixture
 def visit(browser, server):  # noqa: F811
-    visit = Visit(browser, server)
-    yield visit
-    visit.context.close()
-    assert visit.outside_requests() == [], "requests left localhost"
-    assert visit.errors == [], "script errors on the page"
-
-
-def screenshot(page, tmp_path, name: str) -> None:
-    folder = Path(os.environ.get("TOKENMILL_SCREENSHOT_DIR", tmp_path))
-    folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / name), full_page=True)
-    assert (folder / name).stat().st_size > 10_000
+    with visiting(browser, server) as visit:
+        yield visit
 
 
 def chat_status(server, key: str) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dashboard.test_dashboard_live import FakeModel, sampler_for, tick
+from tests.dashboard.test_dashboard_live import FakeModel, a_minute_of_tokens, sampler_for, tick
 
 
 @pytest.fixture
@@ -44,9 +44,7 @@ def test_the_cost_without_the_batch_counts_the_same_hours_over_the_interactive_t
 def test_with_no_batch_both_costs_agree(model):
     sampler = sampler_for(model, hardware_cost_per_hour=3.6)
     sampler.sample()
-    for _ in range(60):
-        model.stats.generation_tokens_total += 1000
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 1000)
     current = sampler.current("m")
     assert current["cost_per_1m_out_without_batch"] == current["cost_per_1m_out"]
     assert current["batch_seq_occupancy"] == 0

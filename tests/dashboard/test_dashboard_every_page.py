@@ -9,12 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from app.cli.main import main
 from tests.support import MODEL_CACHE
 from tests.support.dashboard import login_token, page_csrf, shown_key
-from tests.support.gateway import serve_in_thread
+from tests.support.gateway import uvicorn_in_thread
 
 pytestmark = pytest.mark.real_model
 
@@ -70,14 +69,11 @@ def test_every_dashboard_page_opens_on_a_server_with_the_readme_defaults(tmp_pat
     (data_dir / "models").symlink_to(MODEL_CACHE / "models")  # converted weights: the first start's work, shared
     for variable in ("TOKENMILL_ADMIN_KEY", "TOKENMILL_DATABASE_URL", "TOKENMILL_REDIS_URL"):
         monkeypatch.delenv(variable, raising=False)
-    results: list[dict[str, int]] = []
 
-    def run(app, **options) -> None:
-        options = {name: value for name, value in options.items() if name not in ("host", "port")}
-        with serve_in_thread(app, **options) as url:
-            admin_key = (Path(data_dir) / "admin-key").read_text().strip()
-            results.append(open_every_page(url, admin_key))
+    def probe(url: str) -> dict[str, int]:
+        admin_key = (Path(data_dir) / "admin-key").read_text().strip()
+        return open_every_page(url, admin_key)
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    results = uvicorn_in_thread(monkeypatch, probe)
     assert main(["serve", "--data-dir", str(data_dir), "--log-level", "warning"]) == 0
     assert results and all(status == 200 for status in results[0].values()), results

@@ -53,6 +53,13 @@ def tick(sampler: LiveSampler, model: FakeModel, seconds: float = 1.0) -> None:
     sampler.sample()
 
 
+def a_minute_of_tokens(sampler: LiveSampler, model: FakeModel, per_second: int) -> None:
+    """Sixty one-second ticks, `per_second` tokens generated in each."""
+    for _ in range(60):
+        model.stats.generation_tokens_total += per_second
+        tick(sampler, model)
+
+
 def test_quantile_interpolates_inside_its_bucket():
     counts = HistogramCounts((0.1, 0.2, 0.5), (0, 10, 0, 0))
     assert quantile(0.5, counts) == pytest.approx(0.15)
@@ -102,9 +109,7 @@ def test_real_cost_is_the_hardware_cost_over_the_tokens_produced(model):
     assert cost_per_million(3.6, 60, 60_000) == pytest.approx(1.0)  # $0.06 a minute over 60k tokens
     sampler = sampler_for(model, hardware_cost_per_hour=3.6)
     sampler.sample()
-    for _ in range(60):
-        model.stats.generation_tokens_total += 1000
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 1000)
     current = sampler.current("m")
     assert current["cost_per_1m_out"] == pytest.approx(1.0)
     assert current["today_cost_per_1m_out"] == pytest.approx(1.0)
@@ -117,14 +122,10 @@ def test_a_hardware_cost_set_while_running_counts_from_then(model):
     cost = {"per_hour": 0.0}
     sampler = sampler_for(model, hardware_cost_per_hour=lambda: cost["per_hour"])
     sampler.sample()
-    for _ in range(60):
-        model.stats.generation_tokens_total += 1000
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 1000)
     assert sampler.current("m")["cost_per_1m_out"] == 0 and sampler.current("m")["today_cost_usd"] == 0
     cost["per_hour"] = 3.6
-    for _ in range(60):
-        model.stats.generation_tokens_total += 1000
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 1000)
     current = sampler.current("m")
     assert current["cost_per_1m_out"] == pytest.approx(1.0) and current["hardware_cost_per_hour"] == 3.6
     assert current["today_cost_usd"] == pytest.approx(0.06)  # the second minute only
@@ -136,22 +137,16 @@ def test_a_models_own_hardware_cost_wins_over_the_servers(model):
     own = ModelSource(name="m", stats=model.source().stats, hardware_cost_per_hour=lambda: 36.0)
     sampler = LiveSampler(lambda: [own], hardware_cost_per_hour=3.6, clock=lambda: model.now)
     sampler.sample()
-    for _ in range(60):
-        model.stats.generation_tokens_total += 1000
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 1000)
     assert sampler.current("m")["cost_per_1m_out"] == pytest.approx(10.0)
 
 
 def test_a_fuller_batch_makes_tokens_cheaper(model):
     sampler = sampler_for(model, hardware_cost_per_hour=3.6)
     sampler.sample()
-    for _ in range(60):
-        model.stats.generation_tokens_total += 100
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 100)
     sparse = sampler.current("m")["cost_per_1m_out"]
-    for _ in range(60):
-        model.stats.generation_tokens_total += 800
-        tick(sampler, model)
+    a_minute_of_tokens(sampler, model, 800)
     assert sampler.current("m")["cost_per_1m_out"] == pytest.approx(sparse / 8)
 
 

@@ -77,12 +77,18 @@ def test_a_new_key_is_shown_once_and_works(admin):
     assert key not in admin.client.get("/admin/keys").text
 
 
-def test_revoking_a_key_makes_the_api_answer_401(admin):
+def team_with_a_working_key(admin) -> tuple[int, str, int]:
+    """A new team and a key of it that the API answers: (the team's id, the key, the key's id)."""
     team_id = admin.create_team()
     key = admin.create_key(team_id)
     assert chat(admin.client, key).status_code == 200
     with admin.gateway.sessions() as session:
         key_id = session.scalar(select(ApiKey.id).where(ApiKey.team_id == team_id))
+    return team_id, key, key_id
+
+
+def test_revoking_a_key_makes_the_api_answer_401(admin):
+    team_id, key, key_id = team_with_a_working_key(admin)
     response = admin.post(f"/admin/keys/{key_id}/revoke", back=f"/admin/teams/{team_id}")
     assert response.headers["location"] == f"/admin/teams/{team_id}?done=revoked"
     assert chat(admin.client, key).status_code == 401
@@ -90,11 +96,7 @@ def test_revoking_a_key_makes_the_api_answer_401(admin):
 
 
 def test_editing_a_key_applies_at_once(admin):
-    team_id = admin.create_team()
-    key = admin.create_key(team_id)
-    assert chat(admin.client, key).status_code == 200
-    with admin.gateway.sessions() as session:
-        key_id = session.scalar(select(ApiKey.id).where(ApiKey.team_id == team_id))
+    team_id, key, key_id = team_with_a_working_key(admin)
     response = admin.post(
         f"/admin/keys/{key_id}", name="renamed", allowed_models="another-model", budget_period="month"
     )

@@ -9,9 +9,7 @@ Playwright is missing, unless CI is set: then they are required."""
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 from app.gateway import admin, crud
 from app.gateway.audit import SYSTEM
 from app.gateway.schemas import KeyCreate, TeamCreate
-from tests.dashboard.test_dashboard_browser import browser, playwright_api  # noqa: F401 (fixtures)
+from tests.dashboard.test_dashboard_browser import browser, playwright_api, screenshot  # noqa: F401 (fixtures)
 from tests.support.dashboard import make_dashboard_gateway
 from tests.support.gateway import FakeEngine, build_app, free_port, serve_in_thread
 from tests.support.oidc import ADMIN_GROUP, ML_GROUP, running_provider, sso_settings
@@ -76,13 +74,6 @@ def sign_in_through_the_provider(page, provider, sub: str, **claims) -> None:
     page.wait_for_url(re.compile(r"/admin(/teams/\d+)?$"))
 
 
-def screenshot(page, name: str, tmp_path) -> None:
-    folder = Path(os.environ.get("TOKENMILL_SCREENSHOT_DIR", tmp_path))
-    folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / name), full_page=True)
-    assert (folder / name).stat().st_size > 5_000
-
-
 def make_team(gateway, name: str) -> int:
     with gateway.sessions() as db:
         team = admin.create_team(TeamCreate(name=name), db, actor=SYSTEM)  # set up by "someone else"
@@ -99,7 +90,7 @@ def test_an_admin_signs_in_with_sso_changes_things_and_logs_out(visit, provider,
     page.click("#create-team button[type=submit]")
     page.wait_for_url(re.compile(r"/admin/teams/\d+\?done=created"))
     assert "Team created." in page.inner_text("main")
-    screenshot(page, "dashboard-sso-admin.png", tmp_path)
+    screenshot(page, tmp_path, "dashboard-sso-admin.png", min_bytes=5_000)
 
     page.click("form.logout button")
     page.wait_for_url(re.compile(r"/admin/login"))
@@ -116,7 +107,7 @@ def test_a_viewer_sees_pages_and_the_server_refuses_its_changes(visit, provider,
     assert page.locator("#create-team").count() == 0  # hidden, and refused below anyway
     page.goto(f"/admin/teams/{team_id}")
     assert page.locator("#edit-team").count() == 0 and page.locator("#create-key").count() == 0
-    screenshot(page, "dashboard-sso-viewer.png", tmp_path)
+    screenshot(page, tmp_path, "dashboard-sso-viewer.png", min_bytes=5_000)
 
     # What a viewer's browser can still send, with a valid CSRF token: the server says no.
     statuses = page.evaluate(
@@ -161,7 +152,7 @@ def test_a_team_member_sees_only_their_team(visit, provider, tmp_path):
     page.goto("/admin/keys")
     keys = page.inner_text("table[data-table=keys]")
     assert "tom-laptop" in keys and "ml-key" in keys and "finance-key" not in keys
-    screenshot(page, "dashboard-sso-team.png", tmp_path)
+    screenshot(page, tmp_path, "dashboard-sso-team.png", min_bytes=5_000)
 
     assert page.goto(f"/admin/teams/{other_id}").status == 404
     assert "finance" not in page.inner_text("main")

@@ -8,10 +8,8 @@ Skips when Chromium or Playwright is missing, unless CI is set: then they are re
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -19,9 +17,10 @@ import pytest
 
 from tests.dashboard.test_dashboard_browser import (  # noqa: F401  (fixtures: the browser, once per module)
     CAPITAL,
-    Visit,
     browser,
     playwright_api,
+    screenshot,
+    visiting,
 )
 from tests.support.dashboard import make_dashboard_gateway
 from tests.support.gateway import admin_headers
@@ -41,11 +40,8 @@ def server(browser, smollm2, tmp_path_factory):  # noqa: F811  (no model load wh
 
 @pytest.fixture
 def visit(browser, server):  # noqa: F811
-    visit = Visit(browser, server)
-    yield visit
-    visit.context.close()
-    assert visit.outside_requests() == [], "requests left localhost"
-    assert visit.errors == [], "script errors on the page"
+    with visiting(browser, server) as visit:
+        yield visit
 
 
 def team_key(server) -> str:
@@ -56,13 +52,6 @@ def team_key(server) -> str:
 
     team = admin("/teams", {"name": f"browser-{time.monotonic_ns()}"})
     return admin("/keys", {"team_id": team["id"]})["key"]
-
-
-def screenshot(page, tmp_path, name: str) -> None:
-    folder = Path(os.environ.get("TOKENMILL_SCREENSHOT_DIR", tmp_path))
-    folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / name), full_page=True)
-    assert (folder / name).stat().st_size > 10_000
 
 
 def overview_tile(page, model: str, field: str, pattern: str) -> str:

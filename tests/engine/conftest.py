@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.engine import hf_greedy_tokens
+
 
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2):
@@ -23,15 +25,9 @@ def hf_greedy(hf_smollm2):
     def generate(prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(prompt_token_ids), max_new_tokens)
         if key not in memo:
-            with torch.inference_mode():
-                out = hf_smollm2.generate(
-                    torch.tensor([prompt_token_ids]),
-                    attention_mask=torch.ones(1, len(prompt_token_ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=hf_smollm2.config.eos_token_id,
-                )
-            memo[key] = out[0, len(prompt_token_ids) :].tolist()
+            memo[key] = hf_greedy_tokens(
+                hf_smollm2, prompt_token_ids, max_new_tokens, pad_token_id=hf_smollm2.config.eos_token_id
+            )
         return memo[key]
 
     return generate

@@ -15,7 +15,7 @@ from engine.loader import LoadedModel, load_model
 from engine.sampling_params import SamplingParams
 from engine.speculation import NgramIndex
 from tests.engine.test_engine_correctness import LONG_SYSTEM, assert_all_blocks_free
-from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
+from tests.support.engine import QUESTIONS, TINY_LLAMA, chat_prompt, hf_greedy_tokens, make_engine, run_to_completion
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -23,16 +23,9 @@ WINDOW = 24  # shorter than every prompt below, so sliding-window layers really 
 GEMMA_WINDOW = 6  # Gemma's capped scores spread attention thinly: a narrow window is what changes its tokens
 
 TINY = {
+    **TINY_LLAMA,
     "hidden_size": 64,
     "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 2,
     "initializer_range": 0.5,  # peaked logits: greedy choices far from ties
 }
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -107,15 +100,7 @@ def family(request, tmp_path_factory, smollm2) -> tuple[str, LoadedModel, Any]:
 
 
 def hf_greedy(hf: Any, prompt: list[int], max_new: int = MAX_NEW) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=2,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_tokens(hf, prompt, max_new)
 
 
 def prompts_for(loaded: LoadedModel, system: str | None = None) -> list[list[int]]:

@@ -21,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from kernels.cpu_attention import is_heads_major
-from tests.support.engine import run_to_completion
+from tests.support.engine import hf_greedy_tokens, run_to_completion
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
@@ -111,16 +111,7 @@ def hf_greedy(folder, prompt, max_new):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=2,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_tokens(model, prompt, max_new, eos_token_id=None)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -19,7 +19,7 @@ from engine.gguf_repack import INT4_TYPES, stored_rows
 from engine.loader import load_model, resolve_quantization
 from engine.sampling_params import SamplingParams
 from kernels.qlinear import dequantize, native_available, pack_quantized
-from tests.support.engine import chat_prompt, make_engine, run_to_completion
+from tests.support.engine import chat_prompt, hf_greedy_tokens, make_engine, run_to_completion
 from tests.support.gguf_files import GGUFMaker, llama_cpp_tools
 
 pytestmark = pytest.mark.skipif(
@@ -83,15 +83,7 @@ def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=2,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_tokens(model, prompt, NEW_TOKENS)
 
 
 def ours(path: Path, data_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], object]:

@@ -16,7 +16,7 @@ from engine.llm_engine import EngineRejected, LLMEngine
 from engine.loader import load_model
 from engine.lora import AdapterError, LoraLinear, LoraSegment, LoraWeights, segments_of
 from engine.sampling_params import SamplingParams
-from tests.support.engine import QUESTIONS, chat_prompt
+from tests.support.engine import QUESTIONS, chat_prompt, hf_greedy_tokens
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -74,16 +74,7 @@ def hf_greedy_lora(hf_tiny, adapter_dirs):
     def generate(adapter: str | None, prompt: list[int]) -> list[int]:
         key = (adapter, tuple(prompt))
         if key not in memo:
-            with torch.inference_mode():
-                out = models[adapter].generate(
-                    input_ids=torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=MAX_NEW,
-                    min_new_tokens=MAX_NEW,
-                    do_sample=False,
-                    pad_token_id=2,
-                )
-            memo[key] = out[0, len(prompt) :].tolist()
+            memo[key] = hf_greedy_tokens(models[adapter], prompt, MAX_NEW, min_new_tokens=MAX_NEW)
         return memo[key]
 
     return generate

@@ -7,13 +7,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.engine.test_lora import make_adapter, run_mixed
-from tests.support.engine import QUESTIONS, chat_prompt
+from tests.support.engine import QUESTIONS, chat_prompt, hf_greedy_tokens
 
 pytestmark = pytest.mark.real_model
 
@@ -50,18 +49,7 @@ def test_embedded_model_mixed_batch_matches_hf_peft(smollm2, hf_smollm2, tmp_pat
             hf_smollm2 if adapter is None else PeftModel.from_pretrained(copy.deepcopy(hf_smollm2), folders[adapter])
         )
         prompts = [prompt for name, prompt in jobs if name == adapter]
-        with torch.inference_mode():
-            expected[adapter] = [
-                model.generate(
-                    input_ids=torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=MAX_NEW,
-                    min_new_tokens=MAX_NEW,
-                    do_sample=False,
-                    pad_token_id=2,
-                )[0, len(prompt) :].tolist()
-                for prompt in prompts
-            ]
+        expected[adapter] = [hf_greedy_tokens(model, prompt, MAX_NEW, min_new_tokens=MAX_NEW) for prompt in prompts]
         del model
     seen: dict[str | None, int] = {}
     for (adapter, _), tokens in zip(jobs, results, strict=True):

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,12 +17,12 @@ import pytest
 from sqlalchemy import create_engine, select
 
 from app.tables import UsageRow
+from bench.servers import ROOT, serve_command
 from tests.support import MODEL_CACHE
 from tests.support.gateway import admin_headers, bearer, free_port, usage_rows
 from tests.support.server import MODEL, running_server
 
 pytestmark = pytest.mark.real_model
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def team_key(url: str, **limits) -> dict:
@@ -82,20 +81,7 @@ def start_serve(tmp_path: Path, database_url: str, env_extra: dict | None = None
         env.pop(name, None)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--data-dir",
-                str(MODEL_CACHE),
-                "--num-kv-blocks",
-                "256",
-                "--log-level",
-                "warning",
-            ],
+            serve_command(port, MODEL_CACHE, "--num-kv-blocks", "256"),
             cwd=ROOT,
             env=env,
             stdout=log,

@@ -25,7 +25,7 @@ FLOOD = 160
 
 
 @pytest.fixture
-def database_url(tmp_path):  # SQLite only: the test is about the engine, not the store
+def database_url(tmp_path):  # SQLite only: the flood tests are about the engine, not the store
     return f"sqlite:///{tmp_path / 'flood.db'}"
 
 

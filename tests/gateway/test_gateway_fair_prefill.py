@@ -18,12 +18,15 @@ from collections import Counter
 from dataclasses import dataclass
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from engine.config import EngineConfig
-from engine.loader import load_model
 from engine.scheduler import FIRST_TOKEN_STEP_PREFILL, ScheduledBatch, Scheduler
+from tests.gateway.test_gateway_fair_flood import (  # noqa: F401  (fixtures: SQLite only, the tiny Llama)
+    database_url,
+    team_key,
+    tiny,
+)
 from tests.support.gateway import admin_headers, bearer
 from tests.support.server import running_server
 
@@ -31,23 +34,6 @@ FLOOD = 160
 PROBES = 4
 # ~150 prompt tokens with the chat template around it
 STORY = "Tell me a long story about the sea, the ships on it and the people who sail them. " * 7
-
-
-@pytest.fixture
-def database_url(tmp_path):  # SQLite only: the test is about the scheduler, not the store
-    return f"sqlite:///{tmp_path / 'flood.db'}"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_model(EngineConfig(model=str(tiny_llama_dir)))
-
-
-def team_key(url: str, name: str) -> tuple[str, str]:
-    """(the engine's team label, a key of the team)."""
-    team = httpx.post(f"{url}/admin/api/teams", json={"name": name}, headers=admin_headers()).json()
-    key = httpx.post(f"{url}/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]
-    return f"team:{team['id']}", key
 
 
 @dataclass
@@ -125,7 +111,7 @@ async def flood_and_probe(url: str, model: str, flood_key: str, quiet_key: str) 
     return events, metrics
 
 
-def test_a_quiet_teams_first_tokens_come_before_the_floods_prefills(tiny, make_gateway):
+def test_a_quiet_teams_first_tokens_come_before_the_floods_prefills(tiny, make_gateway):  # noqa: F811
     config = EngineConfig(model="tiny", num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=512)
     with running_server(tiny, engine_config=config, gateway=make_gateway()) as server:
         (flood, flood_key), (quiet, quiet_key) = team_key(server.url, "flood"), team_key(server.url, "quiet")

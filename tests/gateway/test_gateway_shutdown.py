@@ -5,10 +5,7 @@ cut by it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,43 +14,8 @@ import httpx
 from sqlalchemy import create_engine, select
 
 from app.tables import UsageRow
-from tests.support.gateway import ADMIN_KEY, admin_headers, bearer, chat_body, free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def start_server(database_url: str, tmp_path: Path, *, delay: float, grace: float) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "TOKENMILL_DATABASE_URL": database_url,
-        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
-        "TOKENMILL_DATA_DIR": str(tmp_path),
-        "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "3600",
-    }
-    env.pop("TOKENMILL_REDIS_URL", None)
-    log = open(tmp_path / "server.log", "w")  # the child writes to it until it exits
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.gateway_fake_server", str(port), str(delay), str(grace)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/admin/api/teams", headers=admin_headers(), timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-        if process.poll() is not None:
-            break
-    process.kill()
-    raise RuntimeError("server did not start:\n" + (tmp_path / "server.log").read_text())
+from tests.support.gateway import admin_headers, bearer, chat_body
+from tests.support.gateway_fake_server import start
 
 
 def stream_tokens(url: str, key: str, max_tokens: int, results: list, started: threading.Event) -> None:
@@ -86,7 +48,8 @@ def whole(url: str, key: str, max_tokens: int, results: list, started: threading
 def run_scenario(
     database_url: str, tmp_path: Path, *, delay: float, grace: float, max_tokens: int, streams_only: bool = False
 ):
-    process, url = start_server(database_url, tmp_path, delay=delay, grace=grace)
+    # usage rows are written at shutdown only
+    process, url = start(database_url, tmp_path, str(delay), str(grace), TOKENMILL_USAGE_FLUSH_INTERVAL_S="3600")
     try:
         team = httpx.post(url + "/admin/api/teams", json={"name": "t"}, headers=admin_headers()).json()
         key = httpx.post(url + "/admin/api/keys", json={"team_id": team["id"]}, headers=admin_headers()).json()["key"]

@@ -274,17 +274,11 @@ def test_rows_still_unwritten_at_shutdown_are_spilled_and_replayed(make_gateway,
 
 
 def test_a_real_postgresql_outage_loses_no_row(pg_session_url, tmp_path):
-    from app.gateway.config import GatewayConfig
-    from app.gateway.service import TeamGateway
-    from tests.support.gateway import ADMIN_KEY, reset_pg
+    from tests.support.gateway import new_gateway, reset_pg
 
     database_url = pg_session_url
     reset_pg(database_url)
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=database_url, admin_key=ADMIN_KEY, spill_dir=str(tmp_path), usage_flush_interval_s=0.05
-        )
-    )
+    gateway = new_gateway(database_url, tmp_path)
     name = database_url.rsplit("/", 1)[1]
     with TestClient(build_app(gateway)) as client:
         key = create_key(client, create_team(client)["id"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.servers import free_port
 from engine.config import EngineConfig
 from engine.loader import load_model
 from tests.observability.test_grafana_dashboard import DASHBOARD, queries
@@ -23,12 +23,6 @@ pytestmark = [
     pytest.mark.real_model,
     pytest.mark.skipif(shutil.which("prometheus") is None, reason="apt-get install prometheus"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def instant_query(prometheus: str, expr: str) -> list[dict]:

@@ -13,17 +13,13 @@ import pytest
 import torch
 
 from app.cli.main import main as tokenmill
-from app.gateway.config import GatewayConfig
-from app.gateway.service import TeamGateway
-from app.main import create_app
-from app.settings import Settings
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loader import load_model
 from tests.engine.test_lora import make_adapter
 from tests.registry.test_registry_server import Server
 from tests.support.batches import download, submit, wait_for
-from tests.support.gateway import ADMIN_KEY, serve_in_thread, usage_rows
+from tests.support.gateway import ADMIN_KEY, sqlite_gateway, usage_rows
+from tests.support.server import running_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
@@ -45,23 +41,10 @@ def adapters(tiny_llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama as the server's model, so adapters made on it here can be registered on it."""
-    folder = tmp_path_factory.mktemp("adapter-server")
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=f"sqlite:///{folder / 'tokenmill.db'}",
-            admin_key=ADMIN_KEY,
-            spill_dir=str(folder),
-            usage_flush_interval_s=0.05,
-        )
-    )
+    gateway = sqlite_gateway(tmp_path_factory.mktemp("adapter-server"))
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128)
-    engine = AsyncEngine.start(config, load_model(config))
-    app = create_app(Settings(port=0, engine=config), engine, gateway=gateway)
-    try:
-        with serve_in_thread(app) as url:
-            yield Server(url, app, gateway)
-    finally:
-        engine.shutdown()
+    with running_server(load_model(config), engine_config=config, gateway=gateway) as running:
+        yield Server(running.url, running.app, gateway)
 
 
 def base_name(server: Server) -> str:

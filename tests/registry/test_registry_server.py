@@ -18,12 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 from sqlalchemy import select
 
 from app.cli.main import main as tokenmill
-from app.gateway.config import GatewayConfig
 from app.gateway.service import TeamGateway
 from app.main import create_app
 from app.settings import Settings
 from app.tables import AuditEntry
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.loader import default_model_path
 from tests.support import MODEL_CACHE
@@ -31,9 +29,10 @@ from tests.support.gateway import (
     ADMIN_KEY,
     admin_headers,
     serve_in_thread,
+    sqlite_gateway,
     usage_rows,
 )
-from tests.support.server import MODEL
+from tests.support.server import MODEL, running_server
 
 pytestmark = pytest.mark.real_model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -77,23 +76,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("registry-server")
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=f"sqlite:///{folder / 'tokenmill.db'}",
-            admin_key=ADMIN_KEY,
-            spill_dir=str(folder),
-            usage_flush_interval_s=0.05,
-        )
-    )
+    gateway = sqlite_gateway(tmp_path_factory.mktemp("registry-server"))
     config = EngineConfig(dtype="float32", num_kv_blocks=128, data_dir=str(MODEL_CACHE))
-    engine = AsyncEngine.start(config, smollm2)
-    app = create_app(Settings(port=0, engine=config), engine, gateway=gateway)
-    try:
-        with serve_in_thread(app) as url:
-            yield Server(url, app, gateway)
-    finally:
-        engine.shutdown()
+    with running_server(smollm2, engine_config=config, gateway=gateway) as running:
+        yield Server(running.url, running.app, gateway)
 
 
 @pytest.fixture(scope="module")
@@ -341,14 +327,7 @@ def test_an_embedding_model_is_registered_loaded_and_served(server):
 
 
 def test_with_load_on_demand_a_request_loads_the_model_it_names(tiny_llama_dir, tmp_path):
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=f"sqlite:///{tmp_path / 'tokenmill.db'}",
-            admin_key=ADMIN_KEY,
-            spill_dir=str(tmp_path),
-            usage_flush_interval_s=0.05,
-        )
-    )
+    gateway = sqlite_gateway(tmp_path)
     config = EngineConfig(dtype="float32", num_kv_blocks=32, data_dir=str(MODEL_CACHE))
     app = create_app(Settings(port=0, engine=config, load_on_demand=True), gateway=gateway)  # no model loaded
     with serve_in_thread(app) as url:

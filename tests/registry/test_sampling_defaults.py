@@ -18,18 +18,14 @@ from sqlalchemy import text
 
 from app.cli.main import main as tokenmill
 from app.db import alembic_config, make_engine, migrate, session_factory
-from app.gateway.config import GatewayConfig
-from app.gateway.service import TeamGateway
-from app.main import create_app
 from app.registry.sampling_defaults import EMBEDDED_CHAT_DEFAULTS
 from app.registry.store import RegistryStore
-from app.settings import Settings
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from tests.gateway.test_gateway_migrations import drop_everything
 from tests.registry.test_registry import checkpoint, register, store  # noqa: F401
 from tests.support import MODEL_CACHE
-from tests.support.gateway import ADMIN_KEY, admin_headers, serve_in_thread
+from tests.support.gateway import ADMIN_KEY, admin_headers, sqlite_gateway
 from tests.support.server import MODEL, running_server
 
 EMBEDDED_DEFAULTS = dict(EMBEDDED_CHAT_DEFAULTS)
@@ -249,25 +245,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("sampling-defaults")
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=f"sqlite:///{folder / 'tokenmill.db'}",
-            admin_key=ADMIN_KEY,
-            spill_dir=str(folder),
-            usage_flush_interval_s=0.05,
-        )
-    )
+    gateway = sqlite_gateway(tmp_path_factory.mktemp("sampling-defaults"))
     config = EngineConfig(dtype="float32", num_kv_blocks=128, data_dir=str(MODEL_CACHE))
-    engine = AsyncEngine.start(config, smollm2)
-    spy = EngineSpy(engine)
     # A small model sometimes rambles on to the end of its context: the cap keeps such an answer short.
-    settings = Settings(port=0, engine=config, max_tokens_cap=48)
-    try:
-        with serve_in_thread(create_app(settings, engine, gateway=gateway)) as url:
-            yield Server(url, spy)
-    finally:
-        engine.shutdown()
+    with running_server(smollm2, engine_config=config, gateway=gateway, max_tokens_cap=48) as running:
+        yield Server(running.url, EngineSpy(running.engine))
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import socket
 import threading
 import time
 import uuid
@@ -16,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 from sqlalchemy import create_engine, text
 
+from bench.servers import free_port
 from engine.llm_engine import EngineRejected
 from engine.outputs import RequestOutput, SequenceDelta
 
@@ -225,12 +225,6 @@ def build_app(gateway, engine=None, **settings_values):
 # ---- uvicorn in a thread ----
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def serve_in_thread(app, port: int | None = None, **config) -> Iterator[str]:
     """`port`: one picked beforehand, when the app must know its own URL (an SSO callback)."""
@@ -258,23 +252,34 @@ def serve_in_thread(app, port: int | None = None, **config) -> Iterator[str]:
 ADMIN_KEY = "sk-admin-test-" + "x" * 24
 
 
-@pytest.fixture
-def make_gateway(database_url, tmp_path):
-    """Gateway factory on the test's database; every gateway is stopped (flushed) at the end."""
+def new_gateway(database_url: str, spill_dir, *, clock=None, **overrides):
+    """A gateway (not started) on `database_url` with the tests' admin key, flushing usage every 50 ms;
+    `overrides` are more GatewayConfig fields."""
     from app.gateway.config import GatewayConfig
     from app.gateway.service import TeamGateway
 
+    values = {
+        "database_url": database_url,
+        "admin_key": ADMIN_KEY,
+        "spill_dir": str(spill_dir),
+        "usage_flush_interval_s": 0.05,
+        **overrides,
+    }
+    return TeamGateway(GatewayConfig(**values), clock=clock or time.time)
+
+
+def sqlite_gateway(folder, **overrides):
+    """new_gateway on a SQLite file in `folder`, spilling there too."""
+    return new_gateway(f"sqlite:///{folder / 'tokenmill.db'}", folder, **overrides)
+
+
+@pytest.fixture
+def make_gateway(database_url, tmp_path):
+    """Gateway factory on the test's database; every gateway is stopped (flushed) at the end."""
     made = []
 
     def make(*, clock=None, start: bool = True, **overrides):
-        values = {
-            "database_url": database_url,
-            "admin_key": ADMIN_KEY,
-            "spill_dir": str(tmp_path / "spill"),
-            "usage_flush_interval_s": 0.05,
-            **overrides,
-        }
-        gateway = TeamGateway(GatewayConfig(**values), clock=clock or time.time)
+        gateway = new_gateway(database_url, tmp_path / "spill", clock=clock, **overrides)
         made.append(gateway)
         if start:
             gateway.start()
@@ -319,3 +324,59 @@ def usage_rows(gateway) -> list:
     assert gateway.writer.flush(10)
     with gateway.sessions() as session:
         return list(session.scalars(select(UsageRow).order_by(UsageRow.id)))
+
+
+# ---- `tokenmill serve` in this process ----
+
+
+def uvicorn_in_thread(monkeypatch, probe) -> list:
+    """Makes uvicorn.run, as `tokenmill serve` calls it, serve the app in a thread on a free port (under
+    serve's other uvicorn options) and call `probe(url)` while it serves. Returns the list each start's
+    probe result goes in."""
+    import uvicorn
+
+    results = []
+
+    def run(app, **options) -> None:
+        options = {name: value for name, value in options.items() if name not in ("host", "port")}
+        with serve_in_thread(app, **options) as url:
+            results.append(probe(url))
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    return results
+
+
+class StoppableFakeEngine(FakeEngine):
+    """A fake engine `tokenmill serve` can shut down."""
+
+    def shutdown(self) -> None:
+        pass
+
+
+def serve_fake_engine(monkeypatch) -> None:
+    """Makes `tokenmill serve` build its app on a StoppableFakeEngine, with the gateway its settings name."""
+    from app.gateway.wiring import gateway_from_settings
+    from app.main import create_app
+
+    def build_server(settings, migrated=False):
+        engine = StoppableFakeEngine()
+        return create_app(settings, engine, gateway=gateway_from_settings(settings, migrated=migrated)), engine
+
+    monkeypatch.setattr("app.scaleout.replica_app.build_server", build_server)
+
+
+def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str, admin_key: str | None = ADMIN_KEY):
+    """Runs `tokenmill serve` as a user would, in this process, with the fake engine and a SQLite database
+    in `tmp_path`, under the uvicorn options serve chooses (on a free port); `probe(url)` runs while it
+    serves. `admin_key`: TOKENMILL_ADMIN_KEY, None for none. Returns what the probe returned."""
+    from app.cli.main import main
+
+    if admin_key:
+        monkeypatch.setenv("TOKENMILL_ADMIN_KEY", admin_key)
+    else:
+        monkeypatch.delenv("TOKENMILL_ADMIN_KEY", raising=False)
+    serve_fake_engine(monkeypatch)
+    results = uvicorn_in_thread(monkeypatch, probe)
+    database = ["--database-url", f"sqlite:///{tmp_path / 'tokenmill.db'}"]
+    assert main(["serve", "--data-dir", str(tmp_path), *database, "--log-level", "warning", *flags]) == 0
+    return results[0]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.llama_cpp_tools import LlamaCppTools, ToolsUnavailable, convert_to_gguf, find_tools
+from tests.support.engine import tiny_llama_checkpoint
 
 
 def llama_cpp_tools() -> LlamaCppTools:
@@ -22,38 +23,20 @@ def llama_cpp_tools() -> LlamaCppTools:
         pytest.skip(f"llama.cpp's converter and llama-quantize can't be had here: {error}")
 
 
-def tiny_llama_checkpoint(folder: Path, tokenizer: object) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=49_152,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,  # an untied head: the embedding and the head both read from the file
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        initializer_range=0.1,  # activations in a range the int kernels quantize x finely in (0.5 blew up)
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
-    return folder
-
-
 class GGUFMaker:
     """`path(kind)`: the tiny Llama as a GGUF of llama-quantize's `kind` (Q4_K_M, Q8_0, ...), made once."""
 
     def __init__(self, root: Path, tools: LlamaCppTools, tokenizer: object) -> None:
         self.root = root
         self.tools = tools
-        checkpoint = tiny_llama_checkpoint(root / "tiny-llama-hf", tokenizer)
+        checkpoint = tiny_llama_checkpoint(
+            root / "tiny-llama-hf",
+            tokenizer,
+            hidden_size=256,
+            intermediate_size=512,
+            tie_word_embeddings=False,  # an untied head: the embedding and the head both read from the file
+            initializer_range=0.1,  # activations in a range the int kernels quantize x finely in (0.5 blew up)
+        )
         self.f32 = convert_to_gguf(checkpoint, root / "tiny-llama-F32.gguf", "f32", tools)
 
     def path(self, kind: str, pure: bool = True) -> Path:

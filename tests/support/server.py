@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import uvicorn
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
@@ -26,6 +27,7 @@ class RunningServer:
     settings: Settings
     engine: AsyncEngine
     url: str  # http://127.0.0.1:PORT
+    app: FastAPI
 
     @property
     def base_url(self) -> str:
@@ -80,9 +82,10 @@ def running_server(loaded, *, engine_config: EngineConfig | None = None, gateway
     engine_config = engine_config or EngineConfig(dtype="float32", num_kv_blocks=512)
     settings = Settings(port=0, engine=engine_config, **settings_fields)
     engine = AsyncEngine.start(engine_config, loaded)
+    app = create_app(settings, engine, gateway=gateway)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(settings, engine, gateway=gateway),
+            app,
             host="127.0.0.1",
             port=0,
             log_level="warning",
@@ -98,7 +101,7 @@ def running_server(loaded, *, engine_config: EngineConfig | None = None, gateway
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield RunningServer(settings, engine, f"http://127.0.0.1:{port}")
+        yield RunningServer(settings, engine, f"http://127.0.0.1:{port}", app)
     finally:
         server.should_exit = True
         thread.join(10)

@@ -10,7 +10,16 @@ import time
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from tests.support.gateway import ADMIN_KEY, bearer, build_app, chat_body, create_key, create_team, reset_pg, usage_rows
+from tests.support.gateway import (
+    bearer,
+    build_app,
+    chat_body,
+    create_key,
+    create_team,
+    new_gateway,
+    reset_pg,
+    usage_rows,
+)
 
 CACHE_TTL_S = 0.2
 
@@ -32,20 +41,8 @@ class Outage:
 
 
 def test_an_outage_longer_than_the_caches_keeps_known_keys_served_and_loses_no_row(pg_session_url, tmp_path):
-    from app.gateway.config import GatewayConfig
-    from app.gateway.service import TeamGateway
-
     reset_pg(pg_session_url)
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=pg_session_url,
-            admin_key=ADMIN_KEY,
-            spill_dir=str(tmp_path),
-            usage_flush_interval_s=0.05,
-            key_cache_ttl_s=CACHE_TTL_S,
-            budget_cache_ttl_s=CACHE_TTL_S,
-        )
-    )
+    gateway = new_gateway(pg_session_url, tmp_path, key_cache_ttl_s=CACHE_TTL_S, budget_cache_ttl_s=CACHE_TTL_S)
     outage = Outage(pg_session_url)
     with TestClient(build_app(gateway)) as client:
         team = create_team(client)

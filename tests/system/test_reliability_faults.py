@@ -6,10 +6,8 @@ SIGTERM draining and flushing is covered by tests/gateway/test_gateway_shutdown.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -22,10 +20,10 @@ from sqlalchemy import create_engine, func, select
 from app.gateway.usage import UsageEvent
 from app.tables import UsageRow
 from engine.config import EngineConfig
-from tests.support.gateway import ADMIN_KEY, FAKE_MODEL, admin_headers, bearer, chat_body, free_port
+from tests.support import gateway_fake_server
+from tests.support.gateway import FAKE_MODEL, admin_headers, bearer, chat_body
 from tests.support.server import MODEL, running_server
 
-ROOT = Path(__file__).resolve().parents[2]
 POISON = "xylophone"
 
 
@@ -93,34 +91,7 @@ def test_a_failing_model_step_fails_only_its_request(faulty_server):
 
 
 def start(database_url: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {
-        **os.environ,
-        "TOKENMILL_DATABASE_URL": database_url,
-        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
-        "TOKENMILL_DATA_DIR": str(data_dir),
-        "TOKENMILL_USAGE_FLUSH_INTERVAL_S": "0.1",
-    }
-    env.pop("TOKENMILL_REDIS_URL", None)
-    log = open(data_dir / f"server-{port}.log", "w")  # the child writes to it
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.gateway_fake_server", str(port), "0.05"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(url + "/admin/api/teams", headers=admin_headers(), timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("server did not start:\n" + (data_dir / f"server-{port}.log").read_text())
+    return gateway_fake_server.start(database_url, data_dir, "0.05", TOKENMILL_USAGE_FLUSH_INTERVAL_S="0.1")
 
 
 def spilled(team_id: int, key_id: int, count: int) -> str:

@@ -3,12 +3,8 @@ them or authenticates with them: a real server process keeps its memory while 1 
 
 from __future__ import annotations
 
-import os
 import select
 import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,9 +12,9 @@ import pytest
 from fastapi import Request
 from fastapi.testclient import TestClient
 
-from tests.support.gateway import ADMIN_KEY, admin_headers, build_app, free_port
+from tests.support.gateway import admin_headers, build_app
+from tests.support.gateway_fake_server import start
 
-ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 CHUNK = 1 << 20
 RSS_MARGIN = 50 << 20
@@ -39,39 +35,9 @@ def resident_bytes(pid: int) -> int:
 @pytest.fixture
 def server(tmp_path):
     """`tokenmill serve` with the fake engine, in its own process so its memory is its own."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "TOKENMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'tokenmill.db'}",
-        "TOKENMILL_ADMIN_KEY": ADMIN_KEY,
-        "TOKENMILL_DATA_DIR": str(tmp_path),
-    }
-    env.pop("TOKENMILL_REDIS_URL", None)
-    with open(tmp_path / "server.log", "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.gateway_fake_server", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    process, url = start(f"sqlite:///{tmp_path / 'tokenmill.db'}", tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if (
-                    httpx.get(
-                        f"http://127.0.0.1:{port}/admin/api/teams", headers=admin_headers(), timeout=1
-                    ).status_code
-                    == 200
-                ):
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + (tmp_path / "server.log").read_text())
-            time.sleep(0.1)
-        yield process, port
+        yield process, httpx.URL(url).port
     finally:
         process.kill()
         process.wait(10)

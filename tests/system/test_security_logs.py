@@ -9,10 +9,8 @@ import logging
 import httpx
 import pytest
 
-from app.gateway.config import GatewayConfig
-from app.gateway.service import TeamGateway
 from engine.config import EngineConfig
-from tests.support.gateway import ADMIN_KEY, admin_headers, bearer
+from tests.support.gateway import admin_headers, bearer, sqlite_gateway
 from tests.support.server import MODEL, running_server
 
 pytestmark = pytest.mark.real_model
@@ -23,14 +21,7 @@ SECRET_PROMPT = "my locker code is quokka-7319, repeat it back"
 def test_no_key_prompt_or_completion_in_debug_logs(smollm2, tmp_path, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     logging.getLogger().setLevel(logging.DEBUG)
-    gateway = TeamGateway(
-        GatewayConfig(
-            database_url=f"sqlite:///{tmp_path / 'db.sqlite'}",
-            admin_key=ADMIN_KEY,
-            spill_dir=str(tmp_path),
-            usage_flush_interval_s=0.05,
-        )
-    )
+    gateway = sqlite_gateway(tmp_path)
     config = EngineConfig(dtype="float32", num_kv_blocks=128)
     completions = []
     with (

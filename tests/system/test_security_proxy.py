@@ -5,59 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import uvicorn
 
-from app.cli.main import main
 from app.settings import Settings, SettingsError
-from tests.support.gateway import ADMIN_KEY, FakeEngine, serve_in_thread
-
-
-class StoppableFakeEngine(FakeEngine):
-    def shutdown(self) -> None:
-        pass
-
-
-def serve_and_probe(tmp_path, monkeypatch, probe, *flags: str, admin_key: str | None = ADMIN_KEY):
-    """Runs `tokenmill serve` as a user would, with the fake engine, under the uvicorn options serve
-    chooses (on a free port); `probe(url)` runs while it serves. Returns what the probe returned."""
-    from app.gateway.wiring import gateway_from_settings
-    from app.main import create_app
-
-    if admin_key:
-        monkeypatch.setenv("TOKENMILL_ADMIN_KEY", admin_key)
-    else:
-        monkeypatch.delenv("TOKENMILL_ADMIN_KEY", raising=False)
-    monkeypatch.setattr(
-        "app.scaleout.replica_app.build_server",
-        lambda settings, migrated=False: (
-            create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)),
-            engine,
-        ),
-    )
-    results = []
-
-    def run(app, **options):
-        options = {name: value for name, value in options.items() if name not in ("host", "port")}
-        with serve_in_thread(app, **options) as url:
-            results.append(probe(url))
-
-    monkeypatch.setattr(uvicorn, "run", run)
-    assert (
-        main(
-            [
-                "serve",
-                "--data-dir",
-                str(tmp_path),
-                "--database-url",
-                f"sqlite:///{tmp_path / 'tokenmill.db'}",
-                "--log-level",
-                "warning",
-                *flags,
-            ]
-        )
-        == 0
-    )
-    return results[0]
+from tests.support.gateway import serve_and_probe
 
 
 def wrong_keys(url: str, forwarded_for: list[str], first: int = 0) -> list[int]:

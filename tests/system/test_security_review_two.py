@@ -354,16 +354,9 @@ def test_the_data_folder_is_private_also_for_files_made_later(tmp_path, monkeypa
     import stat
 
     import httpx
-    import uvicorn
 
     from app.cli.main import main
-    from app.gateway.wiring import gateway_from_settings
-    from app.main import create_app
-    from tests.support.gateway import ADMIN_KEY, FakeEngine, admin_headers, serve_in_thread
-
-    class StoppableFakeEngine(FakeEngine):
-        def shutdown(self) -> None:
-            pass
+    from tests.support.gateway import ADMIN_KEY, admin_headers, serve_fake_engine, uvicorn_in_thread
 
     data_dir = tmp_path / "data"
     data_dir.mkdir(mode=0o755)
@@ -371,13 +364,7 @@ def test_the_data_folder_is_private_also_for_files_made_later(tmp_path, monkeypa
     (data_dir / "old.log").chmod(0o644)
     monkeypatch.setenv("TOKENMILL_ADMIN_KEY", ADMIN_KEY)
     monkeypatch.delenv("TOKENMILL_DATABASE_URL", raising=False)
-    monkeypatch.setattr(
-        "app.scaleout.replica_app.build_server",
-        lambda settings, migrated=False: (
-            create_app(settings, engine := StoppableFakeEngine(), gateway=gateway_from_settings(settings)),
-            engine,
-        ),
-    )
+    serve_fake_engine(monkeypatch)
 
     def probe(url: str) -> None:
         team = httpx.post(url + "/admin/api/teams", json={"name": "t"}, headers=admin_headers()).json()
@@ -390,12 +377,7 @@ def test_the_data_folder_is_private_also_for_files_made_later(tmp_path, monkeypa
         )
         assert uploaded.status_code == 200, uploaded.text
 
-    def run(app, **options) -> None:
-        options = {name: value for name, value in options.items() if name not in ("host", "port")}
-        with serve_in_thread(app, **options) as url:
-            probe(url)
-
-    monkeypatch.setattr(uvicorn, "run", run)
+    uvicorn_in_thread(monkeypatch, probe)
     umask = os.umask(0o022)
     try:
         assert main(["serve", "--data-dir", str(data_dir), "--log-level", "warning"]) == 0

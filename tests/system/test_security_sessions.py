@@ -14,8 +14,7 @@ from fastapi.testclient import TestClient
 
 from app.tables import AdminCredential
 from tests.support.dashboard import login_token
-from tests.support.gateway import ADMIN_KEY, build_app
-from tests.system.test_security_proxy import serve_and_probe
+from tests.support.gateway import ADMIN_KEY, build_app, serve_and_probe
 
 SESSION_COOKIE = "tokenmill_admin"
 
