@@ -10,13 +10,15 @@ import threading
 import time
 
 import httpx
-import pytest
 
 import app.api.responses as responses_route
 from app.serving.admission import ADMISSION_SLOTS
 from engine.config import EngineConfig
-from engine.loader import load_model
-from tests.gateway.test_gateway_fair_prefill import team_key
+from tests.gateway.test_gateway_fair_flood import (  # noqa: F401  (fixtures: SQLite only, the tiny Llama)
+    database_url,
+    team_key,
+    tiny,
+)
 from tests.support.gateway import bearer
 from tests.support.server import running_server
 
@@ -24,17 +26,7 @@ FLOOD = 120
 PREPARE_SECONDS = 0.2  # rendering a long conversation: 120 of them keep the slots busy for 0.8 s
 
 
-@pytest.fixture
-def database_url(tmp_path):  # SQLite only: the test is about the order of admission, not the store
-    return f"sqlite:///{tmp_path / 'responses.db'}"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_model(EngineConfig(model=str(tiny_llama_dir)))
-
-
-def test_a_quiet_teams_response_is_prepared_next_not_behind_the_flood(tiny, make_gateway, monkeypatch):
+def test_a_quiet_teams_response_is_prepared_next_not_behind_the_flood(tiny, make_gateway, monkeypatch):  # noqa: F811
     started: list[tuple[float, str]] = []  # (when, whose) each prepare began
     lock = threading.Lock()
     prepare = responses_route.prepare
