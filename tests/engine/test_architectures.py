@@ -58,7 +58,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
         },
     },
-    "phi3": {},
+    "phi3": {"partial_rotary_factor": 0.75},  # rope over 12 of 16 head dims, as Phi-4-mini's 96 of 128
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
         "num_experts": 4,
