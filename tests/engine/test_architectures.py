@@ -184,6 +184,7 @@ def test_speculation_keeps_greedy_output(family, monkeypatch):
     stats = engine.stats
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
     assert_greedy_matches(results, prompts, hf)
+    assert_all_blocks_free(engine)  # rejected drafts' slots included
 
 
 def test_seeded_sampling_is_reproducible(family):
