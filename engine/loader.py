@@ -4,7 +4,8 @@ A GGUF run quantized (int4/int8, what `auto` picks for a quantized GGUF) is read
 the mapped file, each turned into the kernels' packed format one at a time (engine/gguf_file.py,
 engine/gguf_repack.py), nothing written but its config and tokenizer (parsing those from the GGUF's metadata
 takes seconds of pure Python: kept in the data directory, a few MB). A GGUF run in float (--quantization none)
-is converted once to a safetensors folder through transformers, as before.
+is converted once to a safetensors folder, its tensors read the same way, which transformers loads too. Either
+way the config is the file's own (engine/gguf_config.py), not transformers' reading of it.
 """
 
 from __future__ import annotations
