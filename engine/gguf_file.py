@@ -270,23 +270,20 @@ def hf_named_tensors(
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     for entry in entries:
-        tensor = GGUFTensor(
-            mapped.array(entry), entry.type_name, entry.shape, 0.0, mapped, (entry.offset, entry.nbytes)
-        )
+        name, shape = names.get(entry.name, ("", entry.shape))
+        stored = mapped.array(entry)
+        if shape != entry.shape and _without_ones(shape) == _without_ones(entry.shape):
+            # ggml drops a tensor's trailing size-1 dims: llama-quantize writes a Qwen MoE's shared-expert gate
+            # [1, hidden] as [hidden]
+            stored = stored.reshape(*shape[:-1], stored.shape[-1])
+        tensor = GGUFTensor(stored, entry.type_name, shape, 0.0, mapped, (entry.offset, entry.nbytes))
         if match := _EXPERTS.match(entry.name):
             layer, which, suffix = match["layer"], match["which"], match["suffix"]
             for number in range(entry.shape[0]):
                 yield f"model.layers.{layer}.mlp.experts.{number}.{which}_proj.{suffix}", tensor.expert(number)
             continue
-        if entry.name not in names:
+        if not name:
             continue
-        name, shape = names[entry.name]
-        if shape != entry.shape and [size for size in shape if size != 1] == [
-            size for size in entry.shape if size != 1
-        ]:
-            # ggml drops a tensor's trailing size-1 dims: llama-quantize writes a Qwen MoE's shared-expert gate
-            # [1, hidden] as [hidden]
-            tensor = replace(tensor, raw=tensor.raw.reshape(*shape[:-1], tensor.raw.shape[-1]), shape=shape)
         if architecture == "llama" and entry.name.endswith((".attn_q.weight", ".attn_k.weight")):
             tensor = tensor.select_rows(
                 llama_rotary_rows(entry.shape[0], heads if ".attn_q." in entry.name else kv_heads)
@@ -294,6 +291,10 @@ def hf_named_tensors(
         if architecture in ("gemma2", "gemma3", "nemotron") and "norm.weight" in entry.name:
             tensor = replace(tensor, offset=-1.0)
         yield name, tensor
+
+
+def _without_ones(shape: tuple[int, ...]) -> list[int]:
+    return [size for size in shape if size != 1]
 
 
 _M_MMAP_THRESHOLD = -3  # <malloc.h> mallopt parameter
