@@ -31,7 +31,10 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 QUANTIZED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 SUPPORTED_TYPES = FLOAT_TYPES | QUANTIZED_TYPES
 _ALIGNMENT_KEY = "general.alignment"
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# GGUF metadata value types -> struct format: uint8, int8, uint16, int16, uint32, int32, float32, bool, (8: string,
+# 9: array), uint64, int64, float64
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
 
 
 class UnsupportedTensorType(ValueError):
@@ -57,10 +60,12 @@ def _read_string(file: BinaryIO) -> str:
 
 
 def _skip_value(file: BinaryIO, kind: int) -> Any:
-    """Reads a scalar or string value; skips over arrays (seeking past arrays of scalars) and returns None."""
-    if kind in _SCALAR_SIZES:
-        fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[_SCALAR_SIZES[kind]]
-        return _read(file, fmt)[0]
+    """Reads a scalar (as its type: int, float or bool) or string value; skips over arrays (seeking past arrays
+    of scalars) and returns None."""
+    if kind == 6:  # float32, as the shortest decimal that reads back to it (1e-05, not 9.99999974738e-06)
+        return float(str(np.float32(_read(file, "<f")[0])))
+    if kind in _SCALAR_FORMATS:
+        return _read(file, _SCALAR_FORMATS[kind])[0]
     if kind == 8:
         return _read_string(file)
     if kind == 9:
@@ -232,10 +237,10 @@ def llama_rotary_rows(rows: int, heads: int) -> torch.Tensor:
 _EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<which>gate|up|down)_exps\.(?P<suffix>weight|bias)$")
 
 
-def hf_tensor_names(hf_config: Any, architecture: str) -> dict[str, str]:
-    """GGUF tensor name -> HF name: gguf-py's name map for the file's architecture, in reverse over the names
-    the HF model of this config has (built on the meta device: no memory), as transformers' GGUF loader maps
-    them (its own walk builds the map once per submodule: half a minute at 1B)."""
+def hf_tensor_names(hf_config: Any, architecture: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF tensor name -> (HF name, HF shape): gguf-py's name map for the file's architecture, in reverse over
+    the names the HF model of this config has (built on the meta device: no memory), as transformers' GGUF
+    loader maps them (its own walk builds the map once per submodule: half a minute at 1B)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
     from transformers import AutoModelForCausalLM
 
@@ -246,11 +251,11 @@ def hf_tensor_names(hf_config: Any, architecture: str) -> dict[str, str]:
         model = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
     name_map = get_tensor_name_map(arch, int(hf_config.num_hidden_layers))
     names = {}
-    for hf_name in model.state_dict():
+    for hf_name, parameter in model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else None
         if gguf_name is not None:
-            names[f"{gguf_name}.{suffix}"] = hf_name
+            names[f"{gguf_name}.{suffix}"] = (hf_name, tuple(parameter.shape))
     return names
 
 
@@ -258,22 +263,26 @@ def hf_named_tensors(
     entries: list[TensorEntry], mapped: MappedFile, hf_config: Any, architecture: str
 ) -> Iterator[tuple[str, GGUFTensor]]:
     """(HF name, stored tensor) for every tensor the model reads, with llama.cpp's conversions undone:
-    llama's q/k rows put back in HF's order (by row selection: no dequantizing), gemma's norms - 1, and
-    3-D expert stacks given per expert under the HF names of a per-expert checkpoint."""
+    llama's q/k rows put back in HF's order (by row selection: no dequantizing), gemma's norms - 1, dropped
+    size-1 dims restored, and 3-D expert stacks given per expert under the HF names of a per-expert
+    checkpoint."""
     names = hf_tensor_names(hf_config, architecture)
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     for entry in entries:
-        tensor = GGUFTensor(
-            mapped.array(entry), entry.type_name, entry.shape, 0.0, mapped, (entry.offset, entry.nbytes)
-        )
+        name, shape = names.get(entry.name, ("", entry.shape))
+        stored = mapped.array(entry)
+        if shape != entry.shape and _without_ones(shape) == _without_ones(entry.shape):
+            # ggml drops a tensor's trailing size-1 dims: llama-quantize writes a Qwen MoE's shared-expert gate
+            # [1, hidden] as [hidden]
+            stored = stored.reshape(*shape[:-1], stored.shape[-1])
+        tensor = GGUFTensor(stored, entry.type_name, shape, 0.0, mapped, (entry.offset, entry.nbytes))
         if match := _EXPERTS.match(entry.name):
             layer, which, suffix = match["layer"], match["which"], match["suffix"]
             for number in range(entry.shape[0]):
                 yield f"model.layers.{layer}.mlp.experts.{number}.{which}_proj.{suffix}", tensor.expert(number)
             continue
-        name = names.get(entry.name)
-        if name is None:
+        if not name:
             continue
         if architecture == "llama" and entry.name.endswith((".attn_q.weight", ".attn_k.weight")):
             tensor = tensor.select_rows(
@@ -282,6 +291,10 @@ def hf_named_tensors(
         if architecture in ("gemma2", "gemma3", "nemotron") and "norm.weight" in entry.name:
             tensor = replace(tensor, offset=-1.0)
         yield name, tensor
+
+
+def _without_ones(shape: tuple[int, ...]) -> list[int]:
+    return [size for size in shape if size != 1]
 
 
 _M_MMAP_THRESHOLD = -3  # <malloc.h> mallopt parameter

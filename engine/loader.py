@@ -4,7 +4,8 @@ A GGUF run quantized (int4/int8, what `auto` picks for a quantized GGUF) is read
 the mapped file, each turned into the kernels' packed format one at a time (engine/gguf_file.py,
 engine/gguf_repack.py), nothing written but its config and tokenizer (parsing those from the GGUF's metadata
 takes seconds of pure Python: kept in the data directory, a few MB). A GGUF run in float (--quantization none)
-is converted once to a safetensors folder through transformers, as before.
+is converted once to a safetensors folder, its tensors read the same way, which transformers loads too. Either
+way the config is the file's own (engine/gguf_config.py), not transformers' reading of it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import time
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.gguf_config import gguf_hf_config
 from engine.gguf_file import (
     FLOAT_TYPES,
     SUPPORTED_TYPES,
@@ -85,27 +88,55 @@ def resolve_source(model: str) -> tuple[Path, str]:
     return path, path.stem if path.is_file() else path.name
 
 
+# Part of a GGUF's cache folder names: raised when what is cached from a GGUF changes, so no load reads a copy an
+# older tokenmill made (2: the config from the file's own metadata, engine/gguf_config.py, not transformers';
+# the metadata folder named with its tag)
+GGUF_CACHE_VERSION = 2
+
+
 def _gguf_cache_folder(gguf: Path, data_dir: Path) -> Path:
     stat = gguf.stat()
-    tag = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    source = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_CACHE_VERSION}"
+    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
     return data_dir / "models" / f"{gguf.stem}-{tag}"
 
 
-def convert_gguf(gguf: Path, folder: Path) -> None:
-    """Dequantize a GGUF through transformers and save it as a plain safetensors folder."""
+_EXPERT_NAME = re.compile(r"(?P<prefix>.+\.mlp\.experts)\.(?P<number>\d+)\.(?P<which>gate|up|down)_proj\.weight$")
+
+
+def dequantized_state(gguf: Path, hf_config: Any) -> dict[str, torch.Tensor]:
+    """A GGUF's tensors in float32 under the names transformers' model of `hf_config` has: llama.cpp's changes
+    undone (engine/gguf_file.py), each layer's experts stacked as transformers 5 keeps them (gate_up_proj
+    [experts, 2 x width, hidden], down_proj [experts, hidden, width])."""
+    entries = read_tensor_index(gguf)
+    check_types(entries, gguf)
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in hf_named_tensors(entries, MappedFile(gguf), hf_config, gguf_architecture(gguf)):
+        if match := _EXPERT_NAME.match(name):
+            parts = experts.setdefault(match["prefix"], {})
+            parts.setdefault(match["which"], {})[int(match["number"])] = tensor.dequantize()
+        else:
+            state[name] = tensor.dequantize().contiguous()
+    for prefix, parts in experts.items():
+        gate, up, down = (
+            [part[number] for number in sorted(part)] for part in (parts["gate"], parts["up"], parts["down"])
+        )
+        state[f"{prefix}.gate_up_proj"] = torch.cat((torch.stack(gate), torch.stack(up)), dim=1)
+        state[f"{prefix}.down_proj"] = torch.stack(down)
+    return state
+
+
+def convert_gguf(gguf: Path, folder: Path, data_dir: Path) -> None:
+    """Dequantize a GGUF and save it as a plain safetensors folder transformers loads as the checkpoint the
+    GGUF was made from: its config and tokenizer as `gguf_metadata` reads them (cached in `data_dir`), its
+    tensors as the stored path reads them (`dequantized_state`)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
     _say(f"converting {gguf.name} to safetensors (once; later starts read the cache)")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = hf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+    config, tokenizer, _ = gguf_metadata(gguf, data_dir)
+    state = dequantized_state(gguf, config)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -153,7 +184,7 @@ def checkpoint_folder(config: EngineConfig) -> tuple[Path, str]:
         return path, name
     folder = _gguf_cache_folder(path, Path(config.data_dir))
     if not (folder / "model.safetensors").exists():
-        convert_gguf(path, folder)
+        convert_gguf(path, folder, Path(config.data_dir))
     return folder, name
 
 
@@ -205,21 +236,21 @@ def _stored_types(path: Path) -> str:
 
 
 def _metadata_folder(gguf: Path, data_dir: Path) -> Path:
-    return _gguf_cache_folder(gguf, data_dir).with_suffix(".meta")
+    folder = _gguf_cache_folder(gguf, data_dir)
+    return folder.with_name(folder.name + ".meta")  # not with_suffix: "x.Q4_K_M-<tag>" would lose its tag
 
 
 def gguf_metadata(gguf: Path, data_dir: Path) -> tuple[Any, Any, Path]:
-    """(HF config, tokenizer, the folder they are saved in) for a GGUF: from transformers' GGUF support the
-    first time (config, tokenizer and chat template from the file's metadata), from that folder later."""
+    """(HF config, tokenizer, the folder they are saved in) for a GGUF: the first time, the config from the
+    file's metadata (engine/gguf_config.py) and the tokenizer and chat template through transformers' GGUF
+    support; from that folder later."""
     from transformers import AutoConfig, AutoTokenizer
 
     folder = _metadata_folder(gguf, data_dir)
     if not (folder / "config.json").exists():
         _say(f"reading {gguf.name}'s config and tokenizer (once; later starts read {folder.name})")
-        hf_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf_config = gguf_hf_config(gguf)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        if hasattr(hf_config, "quantization_config"):
-            del hf_config.quantization_config
         staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)

@@ -123,6 +123,19 @@ class DecoderLayer:
         normed, _ = kernels.rms_norm(x.reshape(-1, self.shape.head_dim), weight, self.shape.rms_norm_eps)
         return normed.view(-1, heads, self.shape.head_dim)
 
+    def _rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rope over each head's leading `rotary_dims` (all of them but for a partial rotary factor, where the
+        rest pass through as they are, as transformers' Phi-3 does)."""
+        rotary = self.shape.rotary_dims
+        if rotary == self.shape.head_dim:
+            return kernels.rotary_embedding(positions, q, k, cos_sin)
+        q_rot, k_rot = kernels.rotary_embedding(
+            positions, q[..., :rotary].contiguous(), k[..., :rotary].contiguous(), cos_sin
+        )
+        return torch.cat((q_rot, q[..., rotary:]), dim=-1), torch.cat((k_rot, k[..., rotary:]), dim=-1)
+
     def attention(
         self,
         hidden: torch.Tensor,
@@ -138,7 +151,7 @@ class DecoderLayer:
         q = self._head_norm(q, self.q_norm, shape.num_heads)
         k = self._head_norm(k, self.k_norm, shape.num_kv_heads)
         v = v.view(-1, shape.num_kv_heads, shape.head_dim)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin)
+        q, k = self._rotate(positions, q, k, cos_sin)
         kernels.store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         split = meta.num_decode_tokens
         window, softcap = self.window, shape.attention_softcap

@@ -11,7 +11,9 @@ from engine.models.shape import DecoderShape, UnsupportedModel
 
 
 def rope_cos_sin_cache(config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> torch.Tensor:
-    """[max_positions, 2, head_dim] cos and sin. `layer_type`: the entry of a per-layer-type rope_parameters."""
+    """[max_positions, 2, rotary dims] cos and sin. `head_dim`: the dims rope rotates (with a partial rotary
+    factor, the leading int(head_dim * factor) of each head; transformers' tables cover those alone too).
+    `layer_type`: the entry of a per-layer-type rope_parameters."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = dict(getattr(config, "rope_parameters", None) or {})
@@ -48,6 +50,6 @@ def rope_tables(config: Any, shape: DecoderShape, max_positions: int | None = No
     positions = max_positions or shape.max_position_embeddings
     names = set(shape.layer_rope) or {"default"}
     return {
-        name: rope_cos_sin_cache(config, shape.head_dim, positions, None if name == "default" else name)
+        name: rope_cos_sin_cache(config, shape.rotary_dims, positions, None if name == "default" else name)
         for name in names
     }

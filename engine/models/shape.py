@@ -74,12 +74,18 @@ class DecoderShape:
     final_softcap: float | None = None
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window span, None for full attention
     layer_rope: tuple[str, ...] = ()  # per layer: the rope cache it uses ("default" or a layer type)
+    rotary_dim: int | None = None  # the leading dims of each head rope rotates (Phi-4-mini: 3/4); None: all
     moe: MoEShape | None = None
     moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is the sparse one
 
     @property
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each q/k head rope rotates (NeoX style, over their halves)."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @property
     def runs_as_llama(self) -> bool:
@@ -94,6 +100,7 @@ class DecoderShape:
             and all(window is None for window in self.layer_windows)
             and self.moe is None
             and len(set(self.layer_rope)) <= 1
+            and self.rotary_dims == self.head_dim
         )
 
     @classmethod
@@ -103,11 +110,11 @@ class DecoderShape:
             raise UnsupportedModel(f"architecture {model_type!r} is not supported; tokenmill runs {supported_list()}")
         activation = _activation(config)
         rope = dict(getattr(config, "rope_parameters", None) or {})
-        partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-        if partial != 1.0:
-            raise UnsupportedModel(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
         layers = config.num_hidden_layers
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary_dim = int(head_dim * partial_rotary_factor(config))  # as transformers truncates it
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise UnsupportedModel(f"rope over {rotary_dim} of {head_dim} head dims: an even count is needed")
         gemma = model_type in GEMMA
         layer_types = list(getattr(config, "layer_types", None) or [])
         window = getattr(config, "sliding_window", None) or None
@@ -143,9 +150,24 @@ class DecoderShape:
             final_softcap=getattr(config, "final_logit_softcapping", None),
             layer_windows=windows,
             layer_rope=layer_rope,
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             moe=moe,
             moe_layers=moe_layers,
         )
+
+
+def partial_rotary_factor(config: Any) -> float:
+    """The share of each head's dims rope rotates (1.0: all), wherever the config keeps it: rope_parameters
+    (transformers 5), the top level (older configs), or per layer type (Gemma 3's; one share for all)."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    entries = [entry for entry in rope.values() if isinstance(entry, dict)] or [rope]
+    shares = {
+        float(entry.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+        for entry in entries
+    }
+    if len(shares) > 1:
+        raise UnsupportedModel(f"rope rotates different shares of the head per layer type: {sorted(shares)}")
+    return shares.pop()
 
 
 def _activation(config: Any) -> str:
@@ -201,7 +223,4 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
         rope_type = entry.get("rope_type", entry.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             return f"rope type {rope_type!r} is not supported ({', '.join(sorted(ROPE_TYPES))})"
-        partial = entry.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0
-        if partial != 1.0:
-            return f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported"
     return None

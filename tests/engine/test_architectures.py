@@ -51,7 +51,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
         },
     },
-    "phi3": {},
+    "phi3": {"partial_rotary_factor": 0.75},  # rope over 12 of 16 head dims, as Phi-4-mini's 96 of 128
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {
         "num_experts": 4,
@@ -169,6 +169,7 @@ def test_speculation_keeps_greedy_output(family, monkeypatch):
     stats = engine.stats
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
     assert_greedy_matches(results, prompts, hf)
+    assert_all_blocks_free(engine)  # rejected drafts' slots included
 
 
 def test_seeded_sampling_is_reproducible(family):
