@@ -43,17 +43,24 @@ using tokenmill::round_to;
 using tokenmill::store;
 using tokenmill::to_float;
 
-// 16 floats in GCC's vector extension: one AVX-512 register, two AVX2 ones, a loop elsewhere. `aligned(4)` lets
-// a dereference load from any float address.
-typedef float Vec __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t Bits __attribute__((vector_size(64)));
-typedef uint16_t HalfBits __attribute__((vector_size(32), aligned(2)));
+// One vector register of floats in GCC's vector extension (16 lanes with AVX-512, else 8: AVX2's, or a loop
+// elsewhere), and as many rows of x per block as keep a block's sums and loads in the 32 (16) registers.
+// `aligned` lets a dereference load from any element's address, `may_alias` read the element type's memory.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+constexpr int kBlockRows = 4;
+#else
+constexpr int kLanes = 8;
+constexpr int kBlockRows = 2;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * 4), aligned(4), may_alias));
+typedef uint32_t Bits __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t HalfBits __attribute__((vector_size(kLanes * 2), aligned(2), may_alias));
 
 inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
 inline Vec load(const uint16_t* p) {  // bfloat16: its bits are a float's upper half
     const Bits bits = __builtin_convertvector(*reinterpret_cast<const HalfBits*>(p), Bits) << 16;
-    return reinterpret_cast<const Vec&>(bits);
+    return (Vec)bits;  // a vector cast between types of one size keeps the bits
 }
 inline float lane_sum(Vec v) {
     float sum = 0.f;
@@ -64,7 +71,7 @@ inline float lane_sum(Vec v) {
 constexpr int64_t kPrefetchFloats = 256;  // 1 KB ahead in a row of A
 constexpr int64_t kPrefetchRows = 4;  // rows of B ahead
 constexpr int kRankRows = 4;  // rows of A per shrink work item (each of them read once for all its x rows)
-constexpr int64_t kColumns = 4 * kLanes;  // output columns per expand work item
+constexpr int64_t kColumns = 4 * kLanes;  // output columns per expand work item: four vectors
 // Below this many multiply-adds a thread-pool wake-up costs more than the loops.
 constexpr int64_t kParallelWork = 1 << 18;
 
@@ -96,7 +103,8 @@ inline void shrink_block(const T* x, int64_t x_stride, const T* a, int64_t in, f
 template <int J, typename T>
 inline void shrink_rows(const T* x, int64_t x_stride, int64_t rows, const T* a, int64_t in, float* t, int64_t width) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) shrink_block<4, J>(x + r * x_stride, x_stride, a, in, t + r * width, width);
+    for (; r + kBlockRows <= rows; r += kBlockRows)
+        shrink_block<kBlockRows, J>(x + r * x_stride, x_stride, a, in, t + r * width, width);
     for (; r + 2 <= rows; r += 2) shrink_block<2, J>(x + r * x_stride, x_stride, a, in, t + r * width, width);
     if (r < rows) shrink_block<1, J>(x + r * x_stride, x_stride, a, in, t + r * width, width);
 }
@@ -206,8 +214,9 @@ int lora_add(const TokenmillLoraStep& step, int64_t linear, const T* x, int64_t 
             return;
         }
         int64_t r = start;
-        for (; r + 4 <= end; r += 4)
-            expand_block<4>(t_rows + r * width, width, rank, b, b_stride, out + r * out_stride + col, out_stride);
+        for (; r + kBlockRows <= end; r += kBlockRows)
+            expand_block<kBlockRows>(t_rows + r * width, width, rank, b, b_stride, out + r * out_stride + col,
+                                     out_stride);
         for (; r + 2 <= end; r += 2)
             expand_block<2>(t_rows + r * width, width, rank, b, b_stride, out + r * out_stride + col, out_stride);
         if (r < end)
