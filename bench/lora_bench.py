@@ -35,6 +35,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel, load_model
 from engine.lora import load_weights, read_manifest
 from engine.sampling_params import SamplingParams
+from kernels import lora as lora_kernel
 
 RESULTS = ROOT / "bench" / "results"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -42,9 +43,11 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def make_adapters(loaded: LoadedModel, count: int, rank: int, root: Path) -> dict[str, Path]:
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=torch.float32)
+    # PEFT needs the modules' shapes only (the adapters are random): the config, as a quantized model's folder
+    # holds no float weights
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(loaded.folder), dtype=torch.float32)
     folders = {}
     for number in range(count):
         torch.manual_seed(number)
@@ -88,6 +91,7 @@ def measure(args: argparse.Namespace, loaded: LoadedModel, folders: dict[str, Pa
         register_s.append(time.perf_counter() - started)
     names = list(folders)
     manifest = read_manifest(next(iter(folders.values())))
+    lora_kernel.available(loaded.model.dtype)  # builds the native kernel once (cached after): not a load's cost
     started = time.perf_counter()
     weights = load_weights("probe", manifest, engine.adapters.dims, loaded.model.dtype)
     load_s = time.perf_counter() - started
@@ -101,6 +105,9 @@ def measure(args: argparse.Namespace, loaded: LoadedModel, folders: dict[str, Pa
         lora_rates.append(run_round(engine, list(spread), args.prompt_len, args.output_len, f"lora{number}"))
     base = statistics.median(base_rates)
     lora = statistics.median(lora_rates)
+    # each round's adapters against the base round just before it: steadier than the medians when the
+    # machine's load drifts over the run
+    pair_ratios = [lora_rate / base_rate for base_rate, lora_rate in zip(base_rates, lora_rates, strict=True)]
     return {
         "config": {
             "dtype": args.dtype,
@@ -118,6 +125,8 @@ def measure(args: argparse.Namespace, loaded: LoadedModel, folders: dict[str, Pa
         "base_tok_s_median": base,
         "lora_tok_s_median": lora,
         "ratio": lora / base,
+        "round_ratios": pair_ratios,
+        "round_ratio_median": statistics.median(pair_ratios),
         "target_ratio": 0.8,
         "register_s_median": statistics.median(register_s),
         "load_s": load_s,
@@ -159,7 +168,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS / "lora_bench.json")
     parser.add_argument(
         "--data-dir",
@@ -194,12 +203,20 @@ def main() -> None:
         EngineConfig(model=source, dtype=args.dtype, quantization=args.quantization, data_dir=args.data_dir)
     )
     folders = make_adapters(loaded, args.adapters, args.rank, work)
-    report = {"model": loaded.name, **measure(args, loaded, folders)}
+    load_before = os.getloadavg()[0]
+    measured = measure(args, loaded, folders)
+    # 1-minute load averages around the measurement, on os.cpu_count() CPUs: how shared the machine was
+    machine = {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
+    report = {"model": loaded.name, **measured, "machine": machine}
     print(
         f"base alone {report['base_tok_s_median']:7.1f} tok/s   {args.adapters} adapters "
-        f"{report['lora_tok_s_median']:7.1f} tok/s   ratio {report['ratio']:.2f} (target >= 0.8)\n"
+        f"{report['lora_tok_s_median']:7.1f} tok/s   ratio {report['ratio']:.2f} (target >= 0.8; "
+        f"per round {min(report['round_ratios']):.2f}-{max(report['round_ratios']):.2f}, "
+        f"median {report['round_ratio_median']:.2f})\n"
         f"adapter: register {report['register_s_median'] * 1e3:.0f} ms, load {report['load_s'] * 1e3:.0f} ms, "
-        f"{report['bytes_per_adapter'] / 2**20:.1f} MiB resident ({report['file_bytes_per_adapter'] / 2**20:.1f} MiB file)"
+        f"{report['bytes_per_adapter'] / 2**20:.1f} MiB resident ({report['file_bytes_per_adapter'] / 2**20:.1f} MiB file)\n"
+        f"machine: {machine['cpus']} CPUs, load average {machine['load_average_before']:.1f} before, "
+        f"{machine['load_average_after']:.1f} after"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
