@@ -7,8 +7,8 @@ int8/int4; the adapter stays float, in the activations' dtype, and the base's ro
 
 How a step adds the deltas, per fused linear of each layer (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`):
 - on the CPU, one native call for every adapter of the step (kernels/lora.py, kernels/csrc/lora_cpu.cpp):
-  each segment's shrink (its modules' A stacked: q, k and v share one) and expand, in one parallel region.
-  The layout it reads (`AdapterTable`) is made once per adapter, at load. In torch, a segment had cost
+  each segment's shrink (its modules' A stacked: q, k and v share one) and expand. The layout it reads
+  (`AdapterTable`) is made once per adapter, at load, over the same tensors. In torch, a segment had cost
   ~11 small matmuls a layer (25-45 us each, mostly thread-pool wake-ups and MKL's small-matrix path): 8 rows
   over 4 adapters doubled a SmolLM2-135M decode step. Natively the deltas cost about what reading the
   adapters' matrices costs (bench/lora_bench.py);

@@ -6,8 +6,8 @@
 // Why native code: in torch each segment costs a shrink matmul and an expand per module, ~11 small matmuls a
 // layer per adapter, each a thread-pool wake-up and MKL's small-matrix path (25-45 us each on the 2-core EPYC
 // machines, for ~1 us of arithmetic); 8 rows over 4 adapters doubled a decode step of SmolLM2-135M. Here a
-// fused linear is one call: every segment's dot products, then every segment's expand, in one parallel
-// region, reading each adapter's matrices once.
+// fused linear is one call: every segment's dot products, then every segment's expand (one parallel region
+// for a large call), reading each adapter's matrices once.
 //
 // Sums: float, in lanes (-ffp-contract=fast); bfloat16 activations round the shrunk values to bfloat16 (as
 // torch's matmul in that dtype) and add the delta to the output with one rounding.
@@ -72,8 +72,13 @@ constexpr int64_t kPrefetchFloats = 256;  // 1 KB ahead in a row of A
 constexpr int64_t kPrefetchRows = 4;  // rows of B ahead
 constexpr int kRankRows = 4;  // rows of A per shrink work item (each of them read once for all its x rows)
 constexpr int64_t kColumns = 4 * kLanes;  // output columns per expand work item: four vectors
-// Below this many multiply-adds a thread-pool wake-up costs more than the loops.
-constexpr int64_t kParallelWork = 1 << 18;
+// Below this many multiply-adds a call runs on the calling thread. A decode step's calls (8 rows over 4 rank-16
+// adapters of SmolLM2: 0.15-0.55 M each) are a read of the adapters' matrices, which one core streams at ~25
+// GB/s; waking OpenMP workers for each of the step's 120 calls (this library's libgomp pool, beside torch's)
+// cost more than a second core saved on the 2-core machines under load: bench/lora_bench.py, adapters' tok/s
+// over the base's, 2 threads against 1: 0.80 / 0.79 against 0.84 / 0.82 with OMP_WAIT_POLICY=PASSIVE, 0.60
+// against 0.92 with ACTIVE (the server's default, app/openmp.py). Prefill chunks (hundreds of rows) split.
+constexpr int64_t kParallelWork = 1 << 22;
 
 // t[r * width + j] = x_r . a_j for R rows of x and J rows of A: R*J independent vector sums.
 template <int R, int J, typename T>
