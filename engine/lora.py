@@ -2,13 +2,23 @@
 
 An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`). Each of its target modules
 adds `scaling * B @ (A @ x)` to the base linear's output. A step's rows are grouped by adapter (the runner
-orders them so each adapter's tokens are contiguous), and per group the low-rank products run as two small
-matmuls: shrink (x @ A.T, rank columns) then expand (into the base output's columns of that module). The base
-weights may be packed int8/int4; the adapter stays float, in the activations' dtype.
+orders them so each adapter's tokens are contiguous: `segments_of`). The base weights may be packed
+int8/int4; the adapter stays float, in the activations' dtype, and the base's rows get no delta at all.
+
+How a step adds the deltas, per fused linear of each layer (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`):
+- on the CPU, one native call for every adapter of the step (kernels/lora.py, kernels/csrc/lora_cpu.cpp):
+  each segment's shrink (its modules' A stacked: q, k and v share one) and expand. The layout it reads
+  (`AdapterTable`) is made once per adapter, at load, over the same tensors. In torch, a segment had cost
+  ~11 small matmuls a layer (25-45 us each, mostly thread-pool wake-ups and MKL's small-matrix path): 8 rows
+  over 4 adapters doubled a SmolLM2-135M decode step. Natively the deltas cost about what reading the
+  adapters' matrices costs (bench/lora_bench.py);
+- elsewhere (CUDA, no compiler, native kernels switched off), per segment in torch: a shrink matmul, then an
+  expand per module into its columns of the output.
 
 Model side, nothing is restructured: for a step with adapter rows, `lora_step` swaps each layer's fused
-linears (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`) for wrappers that add the adapters, and puts them
-back after; steps of the base alone run exactly as before (the fused native decode stack included).
+linears for wrappers that add the adapters (`LoraLinear`), and puts them back after. A decode step with packed
+weights still runs as the fused native decode stack (kernels/decode_stack.py), which calls the native kernel
+after each linear itself; steps of the base alone run exactly as before.
 
 `AdapterPool` keeps at most `max_loras` adapters resident, loads one on first use and evicts the least
 recently used one that no unfinished request holds.
@@ -30,6 +40,11 @@ from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
+
+import kernels
+from kernels import lora as native
+from kernels.decode_stack import DecodeStack
+from kernels.lora import AdapterTable, LoraStep, Piece
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -210,11 +225,11 @@ def check_against(manifest: AdapterManifest, dims: LoraDims, max_rank: int) -> N
 # ---- an adapter in memory -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FusedLora:
-    """One adapter's matrices for one fused linear: the modules' A stacked (one shrink matmul), then per module
-    its B (scaled, transposed) and where its rows of the shrunk activations and columns of the output lie."""
+    """One adapter's matrices for one fused linear: the modules' A stacked (one shrink), then per module its B
+    (scaled, transposed) and where its rows of the shrunk activations and columns of the output lie."""
 
-    a_t: torch.Tensor  # [in_features, sum of ranks]
-    pieces: tuple[tuple[int, int, int, int, torch.Tensor], ...]  # (rank start, rank end, col start, col end, B.T)
+    a: torch.Tensor  # [sum of ranks, in_features]: lora_A's rows, module after module
+    pieces: tuple[Piece, ...]  # (rank start, rank end, col start, col end, B.T)
 
 
 @dataclass(frozen=True)
@@ -222,6 +237,7 @@ class LoraWeights:
     name: str
     layers: tuple[dict[str, FusedLora], ...]  # per layer: fused linear attribute -> its matrices
     nbytes: int
+    table: AdapterTable | None = field(default=None, repr=False)  # the same matrices for the native kernel
 
 
 def load_weights(
@@ -231,10 +247,23 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device | None = None,
 ) -> LoraWeights:
-    """The adapter's matrices, laid out for LoraLinear, in the activations' dtype on the model's device."""
+    """The adapter's matrices, laid out for LoraLinear, in the activations' dtype on the model's device (and,
+    where the native kernel is built for the CPU and that dtype, as its table too: the same tensors)."""
     from safetensors.torch import load_file
 
     tensors = load_file(str(Path(manifest.path) / WEIGHTS_FILE))
+    return weights_from_tensors(name, tensors, manifest.scaling, dims, dtype, device)
+
+
+def weights_from_tensors(
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    scaling: float,
+    dims: LoraDims,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+) -> LoraWeights:
+    """`load_weights` from the tensors of a PEFT weights file (checked: `check_against`)."""
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
@@ -247,7 +276,7 @@ def load_weights(
         for attribute in LINEAR_ATTRIBUTES:
             members = [m for m, (attr, _) in sorted(FUSED.items(), key=lambda i: i[1][1]) if attr == attribute]
             a_parts: list[torch.Tensor] = []
-            pieces: list[tuple[int, int, int, int, torch.Tensor]] = []
+            pieces: list[Piece] = []
             rank_start = col_start = 0
             for module in members:
                 if module not in dims.modules:
@@ -258,16 +287,26 @@ def load_weights(
                     a, b = pair["A"].float(), pair["B"].float()
                     rank = a.shape[0]
                     a_parts.append(a)
-                    b_t = (b * manifest.scaling).t().contiguous().to(device=device, dtype=dtype)
+                    b_t = (b * scaling).t().contiguous().to(device=device, dtype=dtype)
                     pieces.append((rank_start, rank_start + rank, col_start, col_start + out, b_t))
                     rank_start += rank
                 col_start += out
             if a_parts:
-                a_t = torch.cat(a_parts).t().contiguous().to(device=device, dtype=dtype)
-                fused[attribute] = FusedLora(a_t, tuple(pieces))
-                nbytes += a_t.nbytes + sum(piece[4].nbytes for piece in pieces)
+                a = torch.cat(a_parts).contiguous().to(device=device, dtype=dtype)
+                fused[attribute] = FusedLora(a, tuple(pieces))
+                nbytes += a.nbytes + sum(piece[4].nbytes for piece in pieces)
         layers.append(fused)
-    return LoraWeights(name, tuple(layers), nbytes)
+    table = None
+    if (device is None or device.type == "cpu") and native.available(dtype):
+        table = AdapterTable(
+            [
+                None if (f := layer.get(attribute)) is None else (f.a, f.pieces)
+                for layer in layers
+                for attribute in LINEAR_ATTRIBUTES
+            ],
+            dtype,
+        )
+    return LoraWeights(name, tuple(layers), nbytes, table)
 
 
 # ---- one step: which token rows run which adapter ------------------------------------------------------
@@ -279,53 +318,116 @@ class LoraSegment:
 
 
 class LoraLinear:
-    """The base linear plus each segment's adapter: shrink, then expand into the module's output columns."""
+    """The base linear plus each segment's adapter: shrink, then expand into the module's output columns; in one
+    native call for all segments (`native`, kernels/lora.py) where the step has one, else per segment in torch."""
 
-    def __init__(self, base: BaseLinear, layer: int, attribute: str, segments: list[LoraSegment]) -> None:
+    def __init__(
+        self,
+        base: BaseLinear,
+        layer: int,
+        attribute: str,
+        segments: list[LoraSegment],
+        native: LoraStep | None = None,
+    ) -> None:
         self.base = base
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.layer = layer
         self.attribute = attribute
         self.segments = segments
+        self.native = native
+        self.linear_index = layer * len(LINEAR_ATTRIBUTES) + LINEAR_ATTRIBUTES.index(attribute)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        if self.native is not None and x.dim() == 2:
+            return self.native.add(self.linear_index, x, out)
         rows = x.reshape(-1, self.in_features)
         flat = out.view(-1, self.out_features)
+        if self.native is not None:
+            return self.native.add(self.linear_index, rows, flat).view(out.shape)
         for segment in self.segments:
             fused = segment.weights.layers[self.layer].get(self.attribute)
             if fused is None:
                 continue
-            shrunk = rows[segment.start : segment.end] @ fused.a_t
+            shrunk = rows[segment.start : segment.end] @ fused.a.t()
             target = flat[segment.start : segment.end]
             for rank_start, rank_end, col_start, col_end, b_t in fused.pieces:
                 target[:, col_start:col_end].addmm_(shrunk[:, rank_start:rank_end], b_t)
         return out
 
 
+def native_step(model: Any, segments: list[LoraSegment]) -> LoraStep | None:
+    """The step's segments for the native kernel, where it runs them all: CPU activations, native kernels on,
+    and every segment's adapter laid out for it."""
+    dtype = getattr(model, "dtype", None)
+    tables = [segment.weights.table for segment in segments]
+    if not segments or not kernels.native_cpu_enabled() or not isinstance(dtype, torch.dtype):
+        return None
+    if any(table is None or table.dtype != dtype for table in tables) or not native.available(dtype):
+        return None
+    return LoraStep([(s.start, s.end, t) for s, t in zip(segments, tables, strict=True) if t is not None])
+
+
+class _StackWithLora:
+    """The model's fused native decode stack, handed the step's adapters: it adds their deltas itself."""
+
+    def __init__(self, stack: DecodeStack, step: LoraStep) -> None:
+        self.stack = stack
+        self.step = step
+
+    def __call__(
+        self,
+        embedded: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.stack(embedded, positions, slot_mapping, block_tables, context_lens, lora=self.step)
+
+
 @contextmanager
 def lora_step(model: Any, segments: list[LoraSegment]) -> Iterator[None]:
-    """Runs the block with the model's layer linears adding `segments`' adapters, and the fused native decode
-    stack (which reads the packed weights itself and would skip them) turned off; restores both after."""
+    """Runs the block with the model's layer linears adding `segments`' adapters. The fused native decode stack
+    (which reads the packed weights itself) adds them too where the native kernel runs them (`native_step`),
+    else it is turned off for the block. Restores both after."""
     if not segments:
         yield
         return
-    swapped: list[tuple[Any, str, Any]] = []
+    step = native_step(model, segments)
+    swapped: list[tuple[Any, str, Any, LoraLinear]] = []  # (layer, attribute, base linear, its wrapper)
     for index, layer in enumerate(model.layers):
         for attribute in LINEAR_ATTRIBUTES:
             base = getattr(layer, attribute, None)
             if base is not None:
-                swapped.append((layer, attribute, base))
-                setattr(layer, attribute, LoraLinear(base, index, attribute, segments))
-    no_stack: Callable[..., None] = lambda *args, **kwargs: None  # noqa: E731
+                swapped.append((layer, attribute, base, LoraLinear(base, index, attribute, segments, step)))
+
+    def install(wrapped: bool) -> None:
+        for layer, attribute, base, wrapper in swapped:
+            setattr(layer, attribute, wrapper if wrapped else base)
+
     had_stack = "decode_stack" in vars(model)
-    model.decode_stack = no_stack
+    stack_of: Callable[..., DecodeStack | None] | None = getattr(model, "decode_stack", None)
+    if step is not None and stack_of is not None:
+
+        def stack_with_lora(*args: Any) -> _StackWithLora | None:
+            assert stack_of is not None and step is not None
+            install(False)  # the stack is built (once) from the base linears' packed weights
+            try:
+                stack = stack_of(*args)
+            finally:
+                install(True)
+            return None if stack is None else _StackWithLora(stack, step)
+
+        model.decode_stack = stack_with_lora
+    else:
+        model.decode_stack = lambda *args, **kwargs: None
+    install(True)
     try:
         yield
     finally:
-        for layer, attribute, base in swapped:
-            setattr(layer, attribute, base)
+        install(False)
         if not had_stack:
             del model.decode_stack
 

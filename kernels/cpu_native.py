@@ -43,6 +43,7 @@ FLAGS = {
     "elementwise_cpu": [*COMMON_FLAGS, "-ffp-contract=off"],
     "qlinear_cpu": [*COMMON_FLAGS, "-ffp-contract=fast", "-mprefer-vector-width=512"],
     "sample_cpu": [*COMMON_FLAGS, "-ffp-contract=fast", "-mprefer-vector-width=512"],
+    "lora_cpu": [*COMMON_FLAGS, "-ffp-contract=fast", "-mprefer-vector-width=512"],
     "decode_stack_cpu": COMMON_FLAGS,  # calls the kernels above, through pointers: no arithmetic of its own
 }
 DISABLE_ENV = "TOKENMILL_NATIVE_KERNELS"

@@ -19,8 +19,10 @@ from typing import cast
 
 import torch
 
+from kernels import lora as lora_kernel
 from kernels.cpu_native import library
 from kernels.cpu_native_ops import kernel_suffix
+from kernels.lora import LoraStep
 from kernels.qlinear import FORMAT_CODES, PackedWeight
 
 _KERNELS = (  # (field, library, function) in TokenmillKernels' order
@@ -68,7 +70,7 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("table_stride", _I64)] + [
-        (name, _P) for name in ("positions", "slots", "block_tables", "context_lens")
+        (name, _P) for name in ("positions", "slots", "block_tables", "context_lens", "lora_add", "lora")
     ]
 
 
@@ -199,8 +201,10 @@ class DecodeStack:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        """embedded [rows, hidden] in the stack's dtype, one row per sequence -> final-normed [rows, hidden]."""
+        """embedded [rows, hidden] in the stack's dtype, one row per sequence -> final-normed [rows, hidden].
+        `lora`: the step's LoRA adapters, their deltas added to each linear's output (kernels/lora.py)."""
         embedded = embedded.contiguous()
         positions = positions.to(torch.int64).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
@@ -208,8 +212,20 @@ class DecodeStack:
         lengths = context_lens.to(torch.int32).contiguous()
         rows = embedded.shape[0]
         out = torch.empty(rows, self.hidden, dtype=self.dtype)
+        lora_add = None
+        if lora is not None:
+            lora_add = lora_kernel.entry_address(self.dtype)
+            if lora_add is None or lora.dtype != self.dtype or lora.rows > rows:
+                raise ValueError("the LoRA step does not fit this decode step (its dtype, its rows)")
         step = _Step(
-            rows, tables.shape[1], positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), lengths.data_ptr()
+            rows,
+            tables.shape[1],
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            lengths.data_ptr(),
+            lora_add,
+            None if lora is None else lora.address,
         )
         entry = _entry(self.dtype)
         assert entry is not None

@@ -14,6 +14,8 @@
 //   normed, residual = rms_norm(hidden, post_attention_norm, residual)
 //   hidden = down_proj(silu_and_mul(gate_up_proj(normed)))
 // and at the end out = rms_norm(hidden, final_norm, residual).
+// With a step's LoRA adapters (`lora`, kernels/lora.py), each linear's output gets their deltas right after it
+// (kernels/csrc/lora_cpu.cpp, through its pointer), before anything reads it: q/k/v before the rotary.
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -32,6 +34,7 @@ struct KernelTypes {
                              int64_t, int64_t, int64_t);
     using PagedDecode = void (*)(const T*, const void*, const void*, const int32_t*, const int32_t*, T*, int64_t,
                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+    using LoraAdd = int (*)(const void*, int64_t, const T*, int64_t, int64_t, T*, int64_t, int64_t, int);
 };
 
 }  // namespace
@@ -77,6 +80,8 @@ struct TokenmillStep {
     const int64_t* slots;      // [rows]
     const int32_t* block_tables;  // [rows, table_stride]
     const int32_t* context_lens;  // [rows]
+    const void* lora_add;  // null, or kernels/csrc/lora_cpu.cpp's tokenmill_lora_add for the activations' type
+    const void* lora;      // its TokenmillLoraStep: the rows each adapter runs (rows sorted by adapter)
 };
 
 namespace {
@@ -90,9 +95,15 @@ void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedd
     const auto silu_and_mul = reinterpret_cast<typename K::SiluAndMul>(m.kernels.silu_and_mul);
     const auto store_kv = reinterpret_cast<typename K::StoreKv>(m.kernels.store_kv);
     const auto paged_decode = reinterpret_cast<typename K::PagedDecode>(m.kernels.paged_decode);
-    const auto linear = [&](const TokenmillLinear& w, const T* x, T* y) {
+    const auto lora_add = reinterpret_cast<typename K::LoraAdd>(s.lora_add);
+    int64_t layer_index = 0;
+    // which: the linear's place in the layer (qkv 0, o 1, gate_up 2, down 3), as kernels/lora.py numbers them
+    const auto linear = [&](const TokenmillLinear& w, const T* x, T* y, int64_t which) {
         qlinear(x, y, s.rows, w.in_features, w.out_features, static_cast<int>(w.format), w.packed, w.scales, w.mins,
                 w.group, w.bias, threads);
+        if (lora_add != nullptr)  // (an adapter that does not fit the shapes, which registration refuses, adds nothing)
+            lora_add(s.lora, layer_index * 4 + which, x, w.in_features, w.in_features, y, w.out_features,
+                     w.out_features, threads);
     };
     const int64_t rows = s.rows, hidden = m.hidden;
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
@@ -111,12 +122,13 @@ void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedd
 
     for (int64_t i = 0; i < m.layers; ++i) {
         const TokenmillLayer& layer = m.layer[i];
+        layer_index = i;
         const T* input_norm = static_cast<const T*>(layer.input_norm);
         if (i == 0)
             rms_norm(residual.data(), nullptr, input_norm, normed.data(), residual.data(), rows, hidden, eps, threads);
         else
             rms_norm(x.data(), residual.data(), input_norm, normed.data(), residual.data(), rows, hidden, eps, threads);
-        linear(layer.qkv, normed.data(), qkv.data());
+        linear(layer.qkv, normed.data(), qkv.data(), 0);
         T* q = qkv.data();
         T* k = q + q_size;
         T* v = k + kv_size;
@@ -127,12 +139,12 @@ void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedd
         paged_decode(q, layer.key_cache, layer.value_cache, s.block_tables, s.context_lens, attention.data(), rows,
                      m.heads, m.kv_heads, m.head_dim, m.block_size, m.pool_blocks, s.table_stride, qkv_width, scale,
                      threads);
-        linear(layer.o, attention.data(), x.data());
+        linear(layer.o, attention.data(), x.data(), 1);
         rms_norm(x.data(), residual.data(), static_cast<const T*>(layer.post_attention_norm), normed.data(),
                  residual.data(), rows, hidden, eps, threads);
-        linear(layer.gate_up, normed.data(), gate_up.data());
+        linear(layer.gate_up, normed.data(), gate_up.data(), 2);
         silu_and_mul(gate_up.data(), activated.data(), rows, m.ffn, threads);
-        linear(layer.down, activated.data(), x.data());
+        linear(layer.down, activated.data(), x.data(), 3);
     }
     rms_norm(x.data(), residual.data(), static_cast<const T*>(m.final_norm), out, residual.data(), rows, hidden, eps,
              threads);

@@ -10,12 +10,24 @@ from pathlib import Path
 import pytest
 import torch
 
+import engine.lora
 import engine.runner
 from engine.config import EngineConfig
 from engine.llm_engine import EngineRejected, LLMEngine
 from engine.loader import load_model
-from engine.lora import AdapterError, LoraLinear, LoraSegment, LoraWeights, segments_of
+from engine.lora import (
+    MODULES,
+    AdapterError,
+    LoraDims,
+    LoraLinear,
+    LoraSegment,
+    LoraWeights,
+    lora_step,
+    segments_of,
+    weights_from_tensors,
+)
 from engine.sampling_params import SamplingParams
+from kernels import lora as native_lora
 from tests.support.engine import QUESTIONS, chat_prompt, hf_greedy_tokens
 
 MAX_NEW = 12
@@ -133,13 +145,98 @@ def test_adapters_really_change_the_output(tiny, hf_greedy_lora):
     assert len(set(outputs.values())) == len(outputs), "the adapters must be told apart by their output"
 
 
-def test_mixed_batch_matches_hf_peft(tiny, adapter_dirs, hf_greedy_lora):
-    engine = lora_engine(tiny, adapter_dirs, num_kv_blocks=256)
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_mixed_batch_matches_hf_peft(tiny, adapter_dirs, hf_greedy_lora, path, monkeypatch):
+    """Both ways of adding the adapters: the native kernel, one call per fused linear for all of a step's
+    adapters (kernels/lora.py), and torch's matmuls per adapter (GPUs, no compiler, native kernels off)."""
+    if path == "torch":
+        monkeypatch.setattr(engine.lora, "native_step", lambda model, segments: None)
+    elif not native_lora.available(torch.float32):
+        pytest.skip("no C++ compiler: the native kernels can't be built here")
+    calls = count_native_calls(monkeypatch)
+    served = lora_engine(tiny, adapter_dirs, num_kv_blocks=256)
     jobs = mixed_jobs(tiny.tokenizer)
-    results = run_mixed(engine, jobs)
+    results = run_mixed(served, jobs)
     assert_each_matches_hf(jobs, results, hf_greedy_lora)
-    assert engine.blocks.num_used_blocks == 0
-    assert engine.adapters.users == {}
+    assert served.blocks.num_used_blocks == 0
+    assert served.adapters.users == {}
+    assert (calls["add"] > 0) == (path == "native")
+
+
+def count_native_calls(monkeypatch) -> dict[str, int]:
+    """Counts the native kernel's calls from Python (`add`) and decode steps the fused stack ran with adapters."""
+    calls = {"add": 0, "stack": 0}
+    add, stack_call = native_lora.LoraStep.add, engine.lora._StackWithLora.__call__
+
+    def counted_add(self, *args):
+        calls["add"] += 1
+        return add(self, *args)
+
+    def counted_stack(self, *args):
+        calls["stack"] += 1
+        return stack_call(self, *args)
+
+    monkeypatch.setattr(native_lora.LoraStep, "add", counted_add)
+    monkeypatch.setattr(engine.lora._StackWithLora, "__call__", counted_stack)
+    return calls
+
+
+def random_adapter(dims: LoraDims, rank: int, seed: int, dtype: torch.dtype, modules=MODULES) -> LoraWeights:
+    """An adapter as PEFT names its tensors, random, on every layer's `modules`."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(dims.num_layers):
+        for module in modules:
+            in_features, out_features = dims.modules[module]
+            part = "self_attn" if module in "qkvo" else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}_proj.lora_"
+            tensors[key + "A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.3
+            tensors[key + "B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.3
+    return weights_from_tensors(f"random-{seed}", tensors, 2.0, dims, dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,quantization", [(torch.float32, "int8"), (torch.bfloat16, "int4"), (torch.float32, "none")]
+)
+def test_base_rows_get_no_delta_and_the_fused_stack_adds_as_per_op(dtype, quantization, monkeypatch):
+    """One decode step over four sequences, rows 1-3 under two adapters (row 0 the base): the base's row equals a
+    step without adapters bit for bit; with packed weights the step runs as the fused native stack, the deltas
+    added inside it, and equals the per-op path (each linear wrapped) bit for bit."""
+    from tests.kernels import test_decode_stack as stack_test
+
+    if not native_lora.available(dtype):
+        pytest.skip("no C++ compiler: the native kernels can't be built here")
+    model = stack_test.tiny_model(dtype, quantization)
+    dims = LoraDims.of_model(model)
+    first = random_adapter(dims, 4, 1, dtype)
+    second = random_adapter(dims, 8, 2, dtype, modules=("q", "v", "o", "down"))
+    lengths = [3, 11, 20, 6]
+    tables = torch.arange(16, dtype=torch.int32).view(4, 4)
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, stack_test.SHAPE.vocab_size, (sum(lengths),), generator=generator)
+    caches = stack_test.caches(dtype, 16)
+    meta, positions = stack_test.metadata(tables, lengths, lengths)
+    model.forward(prompt, positions, meta, caches)  # the prompts, without adapters
+
+    lengths = [n + 1 for n in lengths]
+    ids = torch.randint(0, stack_test.SHAPE.vocab_size, (4,), generator=generator)
+    meta, positions = stack_test.metadata(tables, lengths, [1] * 4)
+    segments = [LoraSegment(1, 2, first), LoraSegment(2, 4, second)]
+    calls = count_native_calls(monkeypatch)
+
+    def decode(with_adapters: bool, stack: bool) -> torch.Tensor:
+        step_caches = [(k.clone(), v.clone()) for k, v in caches]  # clones keep the heads-major strides
+        with monkeypatch.context() as patch:
+            if not stack:
+                patch.setattr(model, "decode_stack", lambda hidden, kv_caches: None)
+            with lora_step(model, segments if with_adapters else []):
+                return model.forward(ids, positions, meta, step_caches)
+
+    fused, per_op, plain = decode(True, True), decode(True, False), decode(False, True)
+    assert calls["stack"] == (1 if quantization != "none" else 0)
+    assert torch.equal(fused[0], plain[0]), "the base's row got a delta"
+    assert not torch.equal(fused[1], plain[1]) and not torch.equal(fused[3], plain[3])
+    assert torch.equal(fused, per_op)
 
 
 def test_prefix_cache_never_shares_kv_between_adapters(tiny, adapter_dirs, hf_greedy_lora):
@@ -185,21 +282,28 @@ def test_a_broken_grouping_is_caught(tiny, adapter_dirs, hf_greedy_lora, monkeyp
         assert_each_matches_hf(jobs, results, hf_greedy_lora)
 
 
-def test_lora_on_int8_base_adds_the_float_low_rank_product():
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_lora_on_int8_base_adds_the_float_low_rank_product(path):
+    from engine.lora import FusedLora
+    from kernels import lora as native
     from kernels.qlinear import PackedLinear
 
+    if path == "native" and not native.available(torch.float32):
+        pytest.skip("no C++ compiler: the native kernels can't be built here")
     torch.manual_seed(0)
     base = PackedLinear(torch.randn(48, 32), "int8")
     a, b = torch.randn(4, 32), torch.randn(48, 4)
-    from engine.lora import FusedLora
-
-    fused = FusedLora(a.t().contiguous(), ((0, 4, 0, 48, (b * 0.5).t().contiguous()),))
-    weights = LoraWeights("x", ({"down_proj": fused},), 0)
+    pieces = ((0, 4, 0, 48, (b * 0.5).t().contiguous()),)
+    weights = LoraWeights("x", ({"down_proj": FusedLora(a, pieces)},), 0)
+    step = None
+    if path == "native":  # layer 0's down_proj: the fourth linear of the table
+        step = native.LoraStep([(1, 4, native.AdapterTable([None, None, None, (a, pieces)], torch.float32))])
     x = torch.randn(5, 32)
-    out = LoraLinear(base, 0, "down_proj", [LoraSegment(1, 4, weights)])(x)
+    out = LoraLinear(base, 0, "down_proj", [LoraSegment(1, 4, weights)], step)(x)
     expected = base(x)
     expected[1:4] += 0.5 * (x[1:4] @ a.t() @ b.t())
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[[0, 4]], base(x)[[0, 4]])  # the base's rows: exactly no delta
 
 
 def test_unknown_adapter_and_wrong_base_are_refused(tiny, tiny_llama_dir, tmp_path):
