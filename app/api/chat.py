@@ -73,15 +73,7 @@ async def chat_completion(
         plan, prompt_ids = await run_in_threadpool(prepare_chat, context.tokenizer, body)
         params = plan.constrain(chat_sampling_params(body, len(prompt_ids), context.sampling))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        headers = await context.gateway.admit(
-            principal,
-            model=context.access_name(principal, body.model),
-            prompt_tokens=len(prompt_ids),
-            max_tokens=params.max_tokens,
-            sequences=params.n,
-            request_id=request_id,
-            price=context.price,
-        )
+        headers = await context.admit(principal, body.model, request_id, len(prompt_ids), params)
     tracker = RequestTracker(
         context, principal, request_id=request_id, endpoint="chat.completions", accepted_at=accepted_at
     )

@@ -88,14 +88,9 @@ async def completion(
     request_id = f"cmpl-{uuid.uuid4().hex}"
     async with context.admission.turn(team_of(principal)):  # not first come, first served across teams
         prompts = await run_in_threadpool(prepare_prompts, context, body, request_id)
-        headers = await context.gateway.admit(
-            principal,
-            model=context.access_name(principal, body.model),
-            prompt_tokens=sum(len(p.ids) for p in prompts),
-            max_tokens=prompts[0].params.max_tokens,
-            sequences=prompts[0].params.n * len(prompts),
-            request_id=request_id,
-            price=context.price,
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+        headers = await context.admit(
+            principal, body.model, request_id, prompt_tokens, prompts[0].params, prompts=len(prompts)
         )
     tracker = RequestTracker(context, principal, request_id=request_id, endpoint="completions", accepted_at=accepted_at)
     tracker.priority = body.priority or 0

@@ -126,15 +126,7 @@ async def run_response(
             temperature=params.temperature,
             top_p=params.top_p,
         )
-        headers = await context.gateway.admit(
-            principal,
-            model=context.access_name(principal, body.model),
-            prompt_tokens=len(prompt_ids),
-            max_tokens=params.max_tokens,
-            sequences=params.n,
-            request_id=header.id,
-            price=context.price,
-        )
+        headers = await context.admit(principal, body.model, header.id, len(prompt_ids), params)
     tracker = RequestTracker(context, principal, request_id=header.id, endpoint="responses", accepted_at=accepted_at)
     try:
         check_fits(context, prompt_ids, params, prompt_param=PROMPT_PARAM, max_tokens_param=MAX_TOKENS_PARAM)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from app.observability.metrics import ModelMetrics
     from app.serving.token_text import TokenTexts
     from engine.async_engine import AsyncEngine
+    from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,29 @@ class ModelContext:
         """What the gateway checks access against: the name the caller used if its key lists it (an
         alias), else the registered name."""
         return requested if requested != self.model_name and principal.allows(requested) else self.model_name
+
+    async def admit(
+        self,
+        principal: Principal,
+        requested: str,
+        request_id: str,
+        prompt_tokens: int,
+        params: SamplingParams,
+        *,
+        prompts: int = 1,
+    ) -> dict[str, str]:
+        """The gateway's admission of a request for this model (access under the name the caller used, its
+        price), reserving what `prompts` prompts of `prompt_tokens` in all can cost under `params`; the
+        response headers (x-ratelimit-*)."""
+        return await self.gateway.admit(
+            principal,
+            model=self.access_name(principal, requested),
+            prompt_tokens=prompt_tokens,
+            max_tokens=params.max_tokens,
+            sequences=params.n * prompts,
+            request_id=request_id,
+            price=self.price,
+        )
 
     def release(self) -> None:
         if not self.released:
