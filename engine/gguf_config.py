@@ -13,8 +13,8 @@ can say what that was.
 
 What no GGUF records: Mistral's sliding window (the converter files Mistral under "llama" without it, and
 llama.cpp attends over the whole context), a Gemma's explicit layer_types other than its family's pattern,
-and Llama 3's rope scaling, which the converter bakes into a rope_freqs tensor (read by neither transformers
-nor this loader: such files run unscaled, as under transformers).
+and Llama 3's rope scaling as such: the converter bakes it into a rope_freqs tensor, each rotary frequency's
+divisor, which is read here as the same divisors under LongRoPE's name (transformers' GGUF reader ignores it).
 """
 
 from __future__ import annotations
@@ -138,6 +138,18 @@ def _rope(
             long_factor=values(tensors["rope_factors_long.weight"]),
             short_factor=values(tensors["rope_factors_short.weight"]),
             original_max_position_embeddings=int(original),
+        )
+    elif "rope_freqs.weight" in tensors and scaling in (None, "none"):
+        # Llama 3's rope scaling, which the converter keeps only as each rotary frequency's divisor (llama.cpp
+        # divides by it at every position): as LongRoPE with those divisors for both lengths and no attention
+        # factor, which is exactly that, in transformers' terms too (a converted folder loads as the model)
+        factors = values(tensors["rope_freqs.weight"])
+        rope.update(
+            rope_type="longrope",
+            long_factor=factors,
+            short_factor=factors,
+            attention_factor=1.0,
+            original_max_position_embeddings=int(key("context_length", 4096)),
         )
     elif scaling not in (None, "none") or "rope_factors_long.weight" in tensors:
         raise UnsupportedModel(

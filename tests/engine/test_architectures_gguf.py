@@ -120,7 +120,7 @@ def tiny_checkpoint(folder: Path, family: str, tokenizer: Any, changes: dict[str
     from transformers import AutoConfig, AutoModelForCausalLM
 
     # std 0.1: the int kernels quantize activations; 0.5 blows them up into greedy near-ties (tests/support/gguf_files)
-    settings = {**TINY, "vocab_size": len(tokenizer), **FAMILIES[family], "initializer_range": 0.1, **changes}
+    settings = {**TINY, "vocab_size": len(tokenizer), **FAMILIES.get(family, {}), "initializer_range": 0.1, **changes}
     settings.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     settings.update(pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2)
     settings = {name: value for name, value in settings.items() if value is not None}
@@ -232,6 +232,43 @@ def test_an_f32_gguf_gives_its_checkpoints_greedy_tokens(family, read):
 
         hf = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=torch.float32).eval()
         assert hf_greedy(hf, prompts[-1]) == expected[tuple(prompts[-1])]
+
+
+LLAMA3_ROPE = {  # Llama 3.1's rope scaling, its original context small enough that it matters at short positions
+    "rope_type": "llama3",
+    "rope_theta": 10_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize("read", ["stored", "converted"])
+def test_a_llama3_ggufs_rope_freqs_scale_its_rope(tmp_path_factory, read):
+    """The converter keeps Llama 3's rope scaling only as a rope_freqs tensor (each rotary frequency's divisor,
+    as llama.cpp applies it): read as stored or converted, the file gives the checkpoint's greedy tokens over a
+    ~200-token prompt (unscaled, it gave others), and the converted folder loads in transformers as that model."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.llama_cpp_tools import convert_to_gguf
+
+    root = tmp_path_factory.mktemp("gguf-llama3")
+    model = sentencepiece_model(tmp_path_factory.getbasetemp(), gemma=False)
+    tokenizer = sentencepiece_tokenizer(root / "hf", model, gemma=False)
+    checkpoint = tiny_checkpoint(root / "hf", "llama", tokenizer, {"rope_parameters": LLAMA3_ROPE})
+    (root / "gguf").mkdir()
+    path = convert_to_gguf(checkpoint, root / "gguf" / "tiny-llama3-F32.gguf", "f32", llama_cpp_tools())
+    prompt = chat_prompt(tokenizer, " ".join(QUESTIONS))
+    assert 200 <= len(prompt) <= 400, len(prompt)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = hf_greedy(hf, prompt)
+    config = EngineConfig(model=str(path), quantization="none", dtype="float32", data_dir=str(root / "data"))
+    loaded = load_stored_gguf(config, path, path.stem, "none") if read == "stored" else load_model(config)
+    assert engine_greedy(loaded, [prompt]) == [expected]
+    if read == "converted":
+        converted = AutoModelForCausalLM.from_pretrained(loaded.folder, dtype=torch.float32).eval()
+        assert hf_greedy(converted, prompt) == expected
 
 
 def test_mistral_gguf_has_no_window(gguf_files, tmp_path):
