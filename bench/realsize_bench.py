@@ -316,7 +316,7 @@ def bench_file(
 
 def memory_file(shape: ModelShape, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """--memory-only: each server alone on the file (llama-server, then tokenmill: neither's memory is beside
-    the other's), its peak RSS when /health first answers (the load: weights and KV pool) and after a short
+    the other's), its peak RSS once up and settled (the load: weights and KV pool) and after a short
     load (8 streams of a 300-token prompt and 64 tokens, at once); no speed is measured, so a busy machine does
     not matter."""
     gguf = gguf_for(shape, kind, Path(args.models))
@@ -357,6 +357,7 @@ def memory_file(shape: ModelShape, kind: str, args: argparse.Namespace) -> dict[
                 system = System(
                     TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s
                 )
+            settle(system.process)
             row: dict[str, Any] = {"load_peak_rss_bytes": peak_rss(system.process), "first_start_s": system.start_s}
             row["rss_up_bytes"] = peak_rss(system.process, "VmRSS")
             results = summarize(*asyncio.run(run_jobs(system, jobs, len(jobs))))
@@ -370,6 +371,18 @@ def memory_file(shape: ModelShape, kind: str, args: argparse.Namespace) -> dict[
             print(f"{gguf.name}: {name}: " + ", ".join(f"{key} {value}" for key, value in row.items()), flush=True)
     report["targets"] = memory_targets(report)
     return report
+
+
+def settle(process: Any, quiet_s: float = 3.0, limit_s: float = 120.0) -> None:
+    """Waits until the process's RSS has moved by less than 10 MB for `quiet_s` (tokenmill answers /health
+    while it still loads its default embedding model in the background: ~0.17 GB more)."""
+    started = last_change = time.monotonic()
+    last = peak_rss(process, "VmRSS")
+    while time.monotonic() - last_change < quiet_s and time.monotonic() - started < limit_s:
+        time.sleep(0.25)
+        now = peak_rss(process, "VmRSS")
+        if abs(now - last) > 10 * 2**20:
+            last, last_change = now, time.monotonic()
 
 
 def memory_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
