@@ -19,6 +19,7 @@ Speed does not depend on the weights' values, so random weights measure what a r
     python bench/realsize_bench.py --shapes llama-1b --kinds Q4_K_M,Q8_0 --passive
     python bench/realsize_bench.py --tokenmill-flags "--quantization int4" --tag int4
     python bench/realsize_bench.py --quick --out /tmp/realsize.json   # tiny shape, 1 round: proves it runs
+    python bench/realsize_bench.py --shapes llama-1b --memory-only     # peak RSS at load and serving only
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ GIB = 2**30
 GB = 1e9
 BOX_BYTES = 24 * GIB  # "accepted on a 24 GB box": the issue's machine
 LLAMA_SLOTS = 8  # -np 8 -c 8192: 1024 tokens per slot, room for the 515-token prompt and its output
+MEMORY_PROMPT_TOKENS = 300  # --memory-only: 8 streams' prompts together overfill one step's 2048 tokens
 FILLER = (
     "a farmer walks along the river at dawn and counts the boats that carry grain to the market town where "
     "traders argue about prices while children watch the water and the old bridge creaks under carts"
@@ -136,18 +138,28 @@ def registry_estimate(gguf: Path, data_dir: str, tokenmill_flags: str = "") -> d
         return {"error": "the registry can't tell this file's size from its headers"}
     return {
         "total_bytes": found.total_bytes,
+        "weights_bytes": found.weights_bytes,
+        "kv_bytes": found.kv_bytes,
         "describe": found.describe(),
         "accepted_on_24gb_box": found.total_bytes <= BOX_BYTES,
         "fits_here_now": found.total_bytes <= available_bytes(),
     }
 
 
-def peak_rss(process: Any) -> int:
-    """The process's peak resident set (VmHWM), bytes."""
+def peak_rss(process: Any, field: str = "VmHWM") -> int:
+    """The process's peak resident set (VmHWM; or another /proc/PID/status field, e.g. VmRSS), bytes."""
     for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def llama_kv_bytes(gguf: Path, context: int) -> int:
+    """The KV cache llama-server allocates for `-c context` (f16 keys and values for every layer), bytes."""
+    from engine.gguf_file import read_tensor_index
+
+    widths = [entry.shape[0] for entry in read_tensor_index(gguf) if entry.name.endswith("attn_k.weight")]
+    return 2 * context * sum(widths) * 2
 
 
 def folder_bytes(folder: Path) -> int:
@@ -302,6 +314,115 @@ def bench_file(
     return report
 
 
+def memory_file(shape: ModelShape, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """--memory-only: each server alone on the file (llama-server, then tokenmill: neither's memory is beside
+    the other's), its peak RSS once up and settled (the load: weights and KV pool) and after a short
+    load (8 streams of a 300-token prompt and 64 tokens, at once); no speed is measured, so a busy machine does
+    not matter."""
+    gguf = gguf_for(shape, kind, Path(args.models))
+    report: dict[str, Any] = {
+        "shape": asdict(shape) | {"parameters": shape.parameters},
+        "kind": kind,
+        "file": str(gguf),
+        "file_bytes": gguf.stat().st_size,
+        "llama_kv_bytes": llama_kv_bytes(gguf, 1024 * LLAMA_SLOTS),
+        "systems": {},
+        "skipped": {},
+    }
+    work = Path(tempfile.mkdtemp(prefix="realsize-", dir=CACHE))
+    data_dir = work / "data"
+    data_dir.mkdir()
+    report["registry_estimate"] = registry_estimate(gguf, str(data_dir), args.tokenmill_flags)
+    # 8 x 300 prompt tokens at once: tokenmill's first step is a full one (--max-num-batched-tokens 2048), its
+    # largest activations; each fits a llama-server slot (1024 tokens)
+    jobs = [Job(exact_prompt(MEMORY_PROMPT_TOKENS, seed), 64, 0.0) for seed in range(LLAMA_SLOTS)]
+    for name in (LLAMA, TOKENMILL):
+        with ExitStack() as stack:
+            if name == LLAMA:
+                if args.no_llama:
+                    report["skipped"][LLAMA] = "--no-llama"
+                    continue
+                system = start_llama_server(stack, find_tools().server, gguf, args.threads, LLAMA_SLOTS, args.passive)
+            else:
+                stack.callback(_remove, work)
+                why_not = _tokenmill_refused(report["registry_estimate"], args.max_tokenmill_gib)
+                if why_not:
+                    report["skipped"][TOKENMILL] = why_not
+                    continue
+                launched = launch_tokenmill(
+                    stack, str(data_dir), f"--model {gguf} {args.tokenmill_flags}", timeout=1800
+                )
+                card = served_model(launched.url, launched.headers)
+                report["tokenmill_model"] = card
+                system = System(
+                    TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s
+                )
+            settle(system.process)
+            row: dict[str, Any] = {"load_peak_rss_bytes": peak_rss(system.process), "first_start_s": system.start_s}
+            row["rss_up_bytes"] = peak_rss(system.process, "VmRSS")
+            results = summarize(*asyncio.run(run_jobs(system, jobs, len(jobs))))
+            row |= {
+                "peak_rss_bytes": peak_rss(system.process),
+                "rss_after_bytes": peak_rss(system.process, "VmRSS"),
+                "output_tokens": results["output_tokens"],
+                "failed": results["failed"],
+            }
+            report["systems"][name] = row
+            print(f"{gguf.name}: {name}: " + ", ".join(f"{key} {value}" for key, value in row.items()), flush=True)
+    report["targets"] = memory_targets(report)
+    return report
+
+
+def settle(process: Any, quiet_s: float = 3.0, limit_s: float = 120.0) -> None:
+    """Waits until the process's RSS has moved by less than 10 MB for `quiet_s` (tokenmill answers /health
+    while it still loads its default embedding model in the background: ~0.17 GB more)."""
+    started = last_change = time.monotonic()
+    last = peak_rss(process, "VmRSS")
+    while time.monotonic() - last_change < quiet_s and time.monotonic() - started < limit_s:
+        time.sleep(0.25)
+        now = peak_rss(process, "VmRSS")
+        if abs(now - last) > 10 * 2**20:
+            last, last_change = now, time.monotonic()
+
+
+def memory_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """#42's memory targets for a --memory-only file: serving peak against llama-server's, the load's peak
+    against the file and the KV pool, and the registry's estimate against the measured peak."""
+    mill, llama = report["systems"].get(TOKENMILL), report["systems"].get(LLAMA)
+    estimate = report["registry_estimate"]
+    rows = []
+    if mill:
+        pool = estimate.get("kv_bytes", float("nan"))
+        rows.append(("peak RSS serving <= 1.5x llama-server's", _ratio(mill, llama, "peak_rss_bytes"), 0.0, 1.5))
+        load_bound = report["file_bytes"] + pool
+        rows.append(("peak RSS at load <= 1.2x (file + KV pool)", mill["load_peak_rss_bytes"] / load_bound, 0.0, 1.2))
+        total = estimate.get("total_bytes", float("nan"))
+        rows.append(("registry estimate / measured peak in [1.0, 1.05]", total / mill["peak_rss_bytes"], 1.0, 1.05))
+    return [
+        {"target": name, "value": value, "unit": "x", "met": bool(low <= value <= high)}
+        for name, value, low, high in rows
+    ]
+
+
+def print_memory_report(files: list[dict[str, Any]]) -> None:
+    print(f"\n{'file':24} {'system':10} {'file GB':>8} {'KV GB':>6} {'load peak GB':>12} {'serving peak GB':>15}")
+    for report in files:
+        name = Path(report["file"]).name.removesuffix(".gguf")
+        pools = {TOKENMILL: report["registry_estimate"].get("kv_bytes", float("nan")), LLAMA: report["llama_kv_bytes"]}
+        for system, row in report["systems"].items():
+            print(
+                f"{name:24} {system:10} {report['file_bytes'] / GB:8.2f} {pools[system] / GB:6.2f} "
+                f"{row['load_peak_rss_bytes'] / GB:12.2f} {row['peak_rss_bytes'] / GB:15.2f}"
+            )
+        for system, why in report["skipped"].items():
+            print(f"{name:24} {system:10} skipped: {why}")
+        estimate = report["registry_estimate"]
+        print(f"{'':24} registry estimate: {estimate.get('describe') or estimate.get('error')}")
+        for target in report["targets"]:
+            value = "-" if target["value"] != target["value"] else f"{target['value']:.2f}{target['unit']}"
+            print(f"{'':24} target: {target['target']:58} {value:>9}  {'met' if target['met'] else 'MISSED'}")
+
+
 def _tokenmill_refused(estimate: dict[str, Any], limit_gib: float) -> str:
     """Why tokenmill is not started on this file: the registry estimates it over --max-tokenmill-gib (a float32
     copy of a 3B would take a shared machine down). Raise the limit where the estimate is known to overstate."""
@@ -449,6 +570,11 @@ def main() -> None:
     parser.add_argument("--models", default=str(MODELS), help="where the made GGUFs are cached")
     parser.add_argument("--no-8b-estimate", action="store_true", help="skip the 8B shape's registry estimate")
     parser.add_argument("--quick", action="store_true", help="a tiny shape, 1 round, a few tokens: proves it runs")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="no speed rounds: each server alone, peak RSS at load and after 8 streams (300-token prompts, 64 tokens)",
+    )
     parser.add_argument("--tag", default="", help="results go to realsize_bench-TAG.json/.png")
     parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     args = parser.parse_args()
@@ -464,6 +590,9 @@ def main() -> None:
         find_tools()
     except ToolsUnavailable as error:
         sys.exit(f"llama.cpp's tools are needed to make the GGUFs: {error}")
+    if args.memory_only:
+        memory_only(shapes, args)
+        return
     load_start = os.getloadavg()
     bandwidth = read_bandwidth(workload.bandwidth_bytes, args.threads)
     print(f"plain read bandwidth: {bandwidth['best_bytes_s'] / GB:.1f} GB/s (best pass)", flush=True)
@@ -508,6 +637,32 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     plot(files, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png').name}")
+
+
+def memory_only(shapes: list[str], args: argparse.Namespace) -> None:
+    files = [memory_file(SHAPES[shape], kind, args) for shape in shapes for kind in args.kinds.split(",")]
+    report: dict[str, Any] = {
+        "command": " ".join(sys.argv),
+        "tokenmill_flags": args.tokenmill_flags or "(defaults)",
+        "llama_server_flags": f"-t {args.threads} -tb {args.threads} -np {LLAMA_SLOTS} -c {1024 * LLAMA_SLOTS}",
+        "files": files,
+    }
+    if not args.no_8b_estimate and files:
+        with tempfile.TemporaryDirectory(prefix="realsize-8b-", dir=CACHE) as data_dir:
+            first = files[0]
+            report["estimate_8b"] = estimate_8b(Path(args.models), data_dir, Path(first["file"]), first["kind"])
+    print_memory_report(files)
+    if "estimate_8b" in report:
+        estimate = report["estimate_8b"]
+        print(
+            f"\n8B shape, registry estimate: {estimate.get('describe') or estimate.get('error')}; "
+            f"accepted on a 24 GB box: {estimate.get('accepted_on_24gb_box')}"
+        )
+    name = "realsize_memory" + (f"-{args.tag}" if args.tag else "") + ".json"
+    out = Path(args.out) if args.out else RESULTS / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
 
 
 def _remove(folder: Path) -> None:

@@ -16,6 +16,8 @@ Scales and minimums come from the block headers (Q4_K's 6-bit ones through gguf-
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -23,7 +25,7 @@ from gguf.quants import Q4_K
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.gguf_file import GGUFTensor
-from kernels.qlinear import Format, QuantizedRows, concat_quantized_rows, quantize_rows
+from kernels.qlinear import TILE_ROWS, Format, QuantizedRows, concat_quantized_rows, quantize_rows
 
 GROUP = 32
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # 4-bit codes: int4 holds them
@@ -126,17 +128,30 @@ def _rows(
     )
 
 
-CHUNK_VALUES = 1 << 22  # values per chunk of rows: float32 intermediates of 16 MB, not of the whole tensor
+CHUNK_VALUES = 1 << 20  # values per chunk of rows: float32 intermediates of 4 MB, not of the whole tensor
+
+
+def chunk_rows(tensor: GGUFTensor) -> int:
+    """Rows per chunk: about CHUNK_VALUES values, a whole number of the kernel's 64-row tiles."""
+    tiles = max(1, CHUNK_VALUES // max(1, tensor.shape[-1]) // TILE_ROWS)
+    return tiles * TILE_ROWS
+
+
+def stored_row_chunks(tensor: GGUFTensor, fmt: Format) -> Iterator[tuple[QuantizedRows, bool]]:
+    """The tensor as `fmt` rows in groups of 32, chunk of rows by chunk (kernels.qlinear.pack_quantized_chunks
+    packs them as they come), each with whether it holds the file's own values (else re-quantized from its
+    dequantized values). Neither the codes nor the float32 intermediates of a whole tensor ever exist: a
+    49k-token embedding is read 512 rows at a time."""
+    rows = tensor.shape[0]
+    step = chunk_rows(tensor)
+    for start in range(0, rows, step):
+        part = tensor.row_range(start, min(rows, start + step))
+        kept = exact_rows(part, fmt)
+        yield (kept, True) if kept is not None else (quantize_rows(part.dequantize(), fmt, GROUP), False)
+        part.release()  # its file pages, once packed (rows in file order: else the whole tensor's, at its end)
 
 
 def stored_rows(tensor: GGUFTensor, fmt: Format) -> tuple[QuantizedRows, bool]:
-    """The tensor as `fmt` rows in groups of 32, and whether they are the file's own values (else re-quantized
-    from its dequantized values). Re-quantizing goes in chunks of rows, so a 49k-token embedding's float32
-    intermediates never exist whole; the exact path reads bytes only, whole."""
-    kept = exact_rows(tensor, fmt)
-    if kept is not None:
-        return kept, True
-    rows = tensor.shape[0]
-    step = max(1, CHUNK_VALUES // max(1, tensor.shape[-1]))
-    parts = [tensor.row_range(start, min(rows, start + step)) for start in range(0, rows, step)]
-    return concat_quantized_rows([quantize_rows(part.dequantize(), fmt, GROUP) for part in parts]), False
+    """The whole tensor as `fmt` rows, and whether every value is the file's own (`stored_row_chunks` joined)."""
+    chunks = list(stored_row_chunks(tensor, fmt))
+    return concat_quantized_rows([rows for rows, _ in chunks]), all(exact for _, exact in chunks)

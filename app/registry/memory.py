@@ -3,10 +3,13 @@ against what this machine, or the container's cgroup, has available. A load that
 refused before it starts: otherwise the kernel's OOM killer takes the whole server, and every team's
 traffic on it, down with the load.
 
-A GGUF run quantized is read as stored: its estimate is the packed weights' resident size (from each
-tensor's type: engine/gguf_repack.py's formats) plus the transient of packing its largest matrix, then the
-KV pool (the file's pages are handed back tensor by tensor). Otherwise the estimate is the load's peak: the
-checkpoint as read from disk, beside the weights in the serving
+A GGUF run quantized is read as stored: its estimate is the serving process's peak, measured part by part
+(`stored_gguf_bytes`, `stored_gguf_runtime`): the server itself (python, torch, the tokenizer), the packed
+weights' resident size (from each tensor's type: engine/gguf_repack.py's formats), then the larger of the
+load's transient and the KV pool with a full step's activations. Served with default flags and 8 x 300-token
+prompts at once (bench/realsize_bench.py --memory-only), a 1B / 3B Q4_K_M estimated at 2.88 / 4.41 GB peaked
+at 2.71-2.86 / 4.21 GB. Otherwise the estimate is the load's peak: the checkpoint as read from disk, beside
+the weights in the serving
 dtype (fused and packed copies are made while the read ones are alive), then the KV pool (its block
 count or memory budget) and the CPU swap pool; or, the first time a GGUF is loaded, transformers'
 float32 model and the copies it saves, if that is more; plus a margin. Measured on SmolLM2 loaded
@@ -33,6 +36,7 @@ from engine.config import DTYPES, EngineConfig
 from engine.gguf_file import TensorEntry, read_tensor_index
 from engine.gguf_repack import CHUNK_VALUES, INT4_TYPES, WIDE_TYPES
 from engine.loader import converted_folder, resolve_quantization
+from engine.models.decoder import MLP_ROWS
 
 MARGIN = 1.1  # activations, the tokenizer, allocator slack
 FLOAT32_BYTES = 4
@@ -49,17 +53,32 @@ class Footprint:
 
 @dataclass(frozen=True)
 class Estimate:
-    read_bytes: int  # the checkpoint as read, before it becomes the serving weights
+    read_bytes: int  # the checkpoint as read, before it becomes the serving weights (stored: the load's transient)
     weights_bytes: int
     kv_bytes: int
     conversion_bytes: int = 0  # a GGUF's first load: transformers' float32 model and what it saves
+    # A GGUF run as stored is sized as the server's peak: the process itself (with the tokenizer) and the
+    # largest step's activations, then no margin beyond STORED_MARGIN
+    runtime_bytes: int = 0
+    activation_bytes: int = 0
+    stored: bool = False
 
     @property
     def total_bytes(self) -> int:
+        if self.stored:  # the load's transient is gone before the KV pool is made
+            serving = max(self.read_bytes, self.kv_bytes + self.activation_bytes)
+            return math.ceil((self.runtime_bytes + self.weights_bytes + serving) * STORED_MARGIN)
         load = self.read_bytes + self.weights_bytes + self.kv_bytes
         return math.ceil(max(load, self.conversion_bytes) * MARGIN)
 
     def describe(self) -> str:
+        if self.stored:
+            return (
+                f"about {self.total_bytes / GIB:.2f} GiB at its peak (the server and tokenizer "
+                f"{self.runtime_bytes / GIB:.2f} GiB, the weights {self.weights_bytes / GIB:.2f} GiB, the KV cache "
+                f"{self.kv_bytes / GIB:.2f} GiB, a full step's activations {self.activation_bytes / GIB:.2f} GiB, "
+                f"plus {STORED_MARGIN - 1:.0%})"
+            )
         parts = [
             f"the checkpoint as read {self.read_bytes / GIB:.2f} GiB",
             f"the weights {self.weights_bytes / GIB:.2f} GiB",
@@ -129,26 +148,61 @@ INT8_BYTES_PER_VALUE = 1 + 2 / 32  # 8-bit codes, float16 scale per 32
 _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
 
 
+# What a server holds besides the weights, the KV pool and its steps' activations: python, torch, the server's
+# modules, the default embedding model loaded beside the chat model, transformers' config and model code, the
+# kernels' libraries, thread stacks and allocator slack (`tokenmill serve --model FILE`, 1B Q4_K_M, settled
+# after start: RSS 2.49 GB less the packed weights 0.80 GB and the KV pool 1.07 GB, less the tokenizer), and
+# the tokenizer per vocabulary entry (SmolLM2's 49,152-token BPE took 0.10 GiB). Counted for every load (one
+# beside another model shares the process: its check is that much cautious).
+STORED_RUNTIME_BYTES = 500 * 2**20
+TOKENIZER_BYTES_PER_TOKEN = 2200
+# A step's activations, in elements of the activation dtype: ~8 x hidden a token (the residual, the normed
+# input, q/k/v, the attention's output) and the MLP's 3 x FFN a row for MLP_ROWS rows at a time
+# (engine/models/decoder.py; all of the step's rows for a mixture of experts); and what the allocator keeps of
+# them between steps. Served, 8 x 300-token prompts at once (a full 2048-token step): +0.22 to +0.36 GB over
+# the settled RSS at 1B (0.18 GB of it live in the step), +0.34 GB at 3B.
+ACTIVATION_KEPT = 1.75
+STORED_MARGIN = 1.02  # against a measured peak: never below it
+
+
 def stored_gguf_bytes(entries: list[TensorEntry], quantization: str) -> tuple[int, int]:
     """(resident bytes of the packed weights, the load's transient bytes) for a GGUF run as stored
     (engine/gguf_repack.py): int4 for 4-bit types under int4, else int8 in groups of 32, per fused linear; float
-    tensors (norms) in float32. The transient: the largest matrix's codes twice (chunks, then their
-    concatenation) and one chunk's float32 intermediates; the file's pages are handed back tensor by tensor."""
+    tensors (norms) in float32. Each linear is packed chunk of rows by chunk (no whole tensor's codes or float32
+    intermediates exist), the file's pages handed back as it goes; then every packed linear is copied into one
+    buffer (kernels.qlinear.move_together), one at a time: the transient is the largest linear's copy and
+    a chunk's intermediates (1B Q4_K_M: its tied head, 0.11 GB, and ~0.04 GB)."""
     groups: dict[str, list[TensorEntry]] = {}
-    resident = transient = 0
+    resident = 0
     for entry in entries:
         values = math.prod(entry.shape)
         if entry.type_name not in INT4_TYPES | WIDE_TYPES or len(entry.shape) < 2:
             resident += values * FLOAT32_BYTES
             continue
-        transient = max(transient, 2 * values + 16 * CHUNK_VALUES)
         block, _, role = entry.name.rpartition(".weight")[0].rpartition(".")
         groups.setdefault(f"{block}.{_FUSED.get(role, role)}", []).append(entry)
+    largest = 0
     for members in groups.values():
         wide = quantization == "int8" or any(member.type_name in WIDE_TYPES for member in members)
         per_value = INT8_BYTES_PER_VALUE if wide else INT4_BYTES_PER_VALUE
-        resident += math.ceil(sum(math.prod(member.shape) for member in members) * per_value)
-    return resident, transient
+        packed = math.ceil(sum(math.prod(member.shape) for member in members) * per_value)
+        resident += packed
+        largest = max(largest, packed)
+    return resident, largest + 40 * CHUNK_VALUES
+
+
+def stored_gguf_runtime(entries: list[TensorEntry], config: EngineConfig) -> tuple[int, int]:
+    """(the server and its tokenizer, the largest step's activations) for a GGUF run as stored, from its
+    shapes: the vocabulary and hidden width from the embedding, the MLP's width from its up projection."""
+    shapes = {entry.name: entry.shape for entry in entries}
+    vocab, hidden = shapes.get("token_embd.weight", (0, 0))[:2]
+    ups = [shape for name, shape in shapes.items() if ".ffn_up" in name and len(shape) >= 2]
+    ffn = max((shape[-2] for shape in ups), default=4 * hidden)
+    tokens = config.max_num_batched_tokens
+    mlp_rows = tokens if any(len(shape) == 3 for shape in ups) else min(tokens, MLP_ROWS)  # experts: unchunked
+    elements = tokens * 8 * hidden + mlp_rows * 3 * ffn
+    activations = math.ceil(elements * DTYPES[config.dtype].itemsize * ACTIVATION_KEPT)
+    return STORED_RUNTIME_BYTES + vocab * TOKENIZER_BYTES_PER_TOKEN, activations
 
 
 def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
@@ -170,6 +224,7 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
         except (OSError, ValueError, struct.error):
             return None
         stored = stored_gguf_bytes(entries, quantization)
+        runtime, activations = stored_gguf_runtime(entries, config)
         footprint = gguf_footprint(source)
     conversion = 0
     if stored is None:
@@ -191,7 +246,7 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     if config.preemption_mode == "swap":
         kv += (config.num_cpu_blocks or device_blocks) * bytes_per_block
     if stored is not None:
-        return Estimate(stored[1], stored[0], kv)
+        return Estimate(stored[1], stored[0], kv, runtime_bytes=runtime, activation_bytes=activations, stored=True)
     return Estimate(footprint.stored_bytes, footprint.parameters * element, kv, conversion)
 
 

@@ -8,21 +8,20 @@ class runs a safetensors folder and a GGUF file alike, and the loader decides wh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from engine.gguf_file import GGUFTensor
-from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, stored_rows
+from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, stored_row_chunks
 from kernels.linear import Linear
 from kernels.qlinear import (
     Format,
     PackedLinear,
     PackedWeight,
     QuantizedRows,
-    concat_quantized_rows,
-    pack_quantized,
+    pack_quantized_chunks,
     quantize_rows,
 )
 
@@ -124,12 +123,16 @@ def stored_format(parts: Sequence[Weight], fmt: Format) -> Format:
 
 def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:
     """Parts stacked along the output rows as `fmt` in groups of 32: a GGUF part from its own codes where the
-    format holds them (engine/gguf_repack.py), else re-quantized from its values; one part at a time."""
-    rows: list[QuantizedRows] = []
+    format holds them (engine/gguf_repack.py), else re-quantized from its values; packed chunk of rows by
+    chunk, each GGUF part's file pages handed back once it is packed."""
+    out_features = sum(part.shape[0] for part in parts)
+    return pack_quantized_chunks(_row_chunks(parts, fmt), out_features)
+
+
+def _row_chunks(parts: Sequence[Weight], fmt: Format) -> Iterator[QuantizedRows]:
     for part in parts:
         if isinstance(part, GGUFTensor):
-            rows.append(stored_rows(part, fmt)[0])
+            yield from (rows for rows, _ in stored_row_chunks(part, fmt))
             part.release()
         else:
-            rows.append(quantize_rows(dense(part), fmt, GROUP))
-    return pack_quantized(concat_quantized_rows(rows))
+            yield quantize_rows(dense(part), fmt, GROUP)

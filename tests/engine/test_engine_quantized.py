@@ -119,6 +119,33 @@ def test_packed_weights_lie_in_one_buffer_in_the_order_a_decode_step_reads_them(
     assert len({tensor.untyped_storage().data_ptr() for tensor in packed}) == 1
 
 
+def test_a_long_prefill_runs_the_mlp_a_few_hundred_rows_at_a_time_with_the_same_bits(quantized_float32):
+    """A 2048-token prefill step's MLP held 3 x FFN floats a row at once (a 1B: 0.2 GB); its rows now run
+    MLP_ROWS at a time, and the int kernels give every row the same bits however many run beside it."""
+    from engine.models.decoder import MLP_ROWS
+    from kernels.qlinear import PackedLinear
+
+    layer = quantized_float32.model.layers[0]
+    seen: list[int] = []
+
+    class Recording(PackedLinear):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.shape[0])
+            return super().__call__(x)
+
+    gate_up = layer.gate_up_proj
+    hidden = torch.randn(2 * MLP_ROWS + 37, gate_up.in_features)
+    whole = layer.down_proj(layer.activation(gate_up(hidden)))
+    recording = Recording(gate_up.weight)
+    layer.gate_up_proj = recording
+    try:
+        chunked = layer.mlp(hidden)
+    finally:
+        layer.gate_up_proj = gate_up
+    assert max(seen) <= MLP_ROWS and sum(seen) == hidden.shape[0]
+    assert torch.equal(chunked, whole)
+
+
 def test_packed_weights_keep_the_kv_cache_in_bfloat16_and_twice_the_tokens(quantized_float32):
     """Under float32 activations, packed weights store keys and values as bfloat16 (no token-exactness against
     HF is promised there): the same KV memory holds twice the blocks, and the greedy reply is unchanged in

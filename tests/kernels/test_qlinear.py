@@ -13,14 +13,18 @@ from kernels.qlinear import (
     FORMAT_CODES,
     PackedLinear,
     PackedWeight,
+    concat_quantized_rows,
     dequantize,
     embedding_rows,
     native_available,
+    pack_quantized,
+    pack_quantized_chunks,
     pack_weight,
     place_together,
     qlinear_native,
     qlinear_reference,
     quantize_activations,
+    quantize_rows,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -151,6 +155,20 @@ def test_weights_placed_together_hold_the_same_values_in_one_buffer() -> None:
     assert starts == sorted(starts)
     tensors = [t for weight in placed for t in (weight.packed, weight.scales, weight.mins) if t is not None]
     assert len({tensor.untyped_storage().data_ptr() for tensor in tensors}) == 1
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("chunks", [[64, 64], [100], [30, 20, 17], [128, 3, 61, 200], [5]])
+def test_rows_packed_chunk_by_chunk_are_the_rows_packed_whole(fmt: str, chunks: list[int]) -> None:
+    """A GGUF tensor is packed as its rows are read (engine/models/weights.py): the same bytes as packing them all
+    at once, whether the chunks end on a 64-row tile or not."""
+    parts = [quantize_rows(torch.randn(rows, 96), fmt, 32) for rows in chunks]  # type: ignore[arg-type]
+    whole = pack_quantized(concat_quantized_rows(parts))
+    chunked = pack_quantized_chunks(iter(parts), sum(chunks))
+    assert (chunked.format, chunked.out_features, chunked.in_features) == (fmt, sum(chunks), 96)
+    for name in ("packed", "scales", "mins"):
+        expected, got = getattr(whole, name), getattr(chunked, name)
+        assert (expected is None) == (got is None) and (got is None or torch.equal(expected, got)), name
 
 
 def test_weights_resident_int4_is_under_40_percent_of_bf16() -> None:
