@@ -61,8 +61,8 @@ class AsyncEngine:
         return cls(config, loaded or load_model(config))
 
     # ---- caller side (any thread / event loop) ------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.core.check_request(prompt_token_ids, params)
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, capacity: bool = True) -> None:
+        self.core.check_request(prompt_token_ids, params, capacity=capacity)
 
     async def generate(
         self,
@@ -71,11 +71,16 @@ class AsyncEngine:
         params: SamplingParams,
         tenancy: Tenancy = DEFAULT_TENANCY,
         adapter: str | None = None,
+        *,
+        capacity: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """`adapter`: a registered LoRA adapter's name (register_adapter); None runs the base model."""
+        """`adapter`: a registered LoRA adapter's name (register_adapter); None runs the base model.
+        `capacity=False`: the caller checked the queue's room already (check_request) and may have answered
+        the client since; a full queue now does not refuse it (max_waiting is overshot by the requests
+        between the two), so a stream whose 200 went out is never refused in its first event."""
         if self._stopping.is_set():
             raise EngineRejected("shutting_down", "the engine is shutting down")
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, capacity=capacity)
         outputs: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:

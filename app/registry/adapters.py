@@ -43,8 +43,13 @@ class AdapterEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tenancy: Tenancy = DEFAULT_TENANCY,
+        *,
+        capacity: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        async for output in self.base.generate(request_id, prompt_token_ids, params, tenancy, adapter=self.adapter):
+        outputs = self.base.generate(
+            request_id, prompt_token_ids, params, tenancy, adapter=self.adapter, capacity=capacity
+        )
+        async for output in outputs:
             yield output
 
     def stats(self) -> EngineStats:

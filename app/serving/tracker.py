@@ -219,7 +219,8 @@ async def engine_outputs(
     """The engine's outputs for one request; stopping early (disconnect, error) aborts it in the engine."""
     finished = False
     try:
-        generation = context.engine.generate(engine_request_id, prompt_ids, params, tracker.tenancy())
+        # The route checked the queue's room (check_fits) before it answered; a stream's 200 may be out now.
+        generation = context.engine.generate(engine_request_id, prompt_ids, params, tracker.tenancy(), capacity=False)
         assert isinstance(generation, AsyncGenerator)  # an async generator function's (typed AsyncIterator)
         async with aclosing(generation) as outputs:
             while True:

@@ -35,7 +35,7 @@ def two_replicas(request, make_gateway):
 class StopsEarly(FakeEngine):
     """Stops after 3 tokens whatever max_tokens allowed, as a model that says it all early does."""
 
-    async def generate(self, request_id, prompt_token_ids, params, tenancy=None):
+    async def generate(self, request_id, prompt_token_ids, params, tenancy=None, capacity=True):
         for i in range(3):
             last = i == 2
             deltas = [SequenceDelta(index, " tok", [3], None, "stop" if last else None) for index in range(params.n)]

@@ -142,7 +142,7 @@ def test_expired_responses_are_pruned(database_url):
 class FailingEngine(FakeEngine):
     """Writes two tokens, then its step fails."""
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None, capacity=True):
         yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
         yield RequestOutput(request_id, len(prompt_token_ids), 0, [SequenceDelta(0, " tok", [3], None, None)])
         raise RuntimeError("the engine step failed")

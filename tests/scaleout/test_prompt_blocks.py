@@ -25,7 +25,7 @@ class RecordingEngine(FakeEngine):
         self.tokenizer = tokenizer
         self.prompts: list[list[int]] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, tenancy=None):
+    async def generate(self, request_id, prompt_token_ids, params, tenancy=None, capacity=True):
         self.prompts.append(list(prompt_token_ids))
         async for output in super().generate(request_id, prompt_token_ids, params, tenancy):
             yield output

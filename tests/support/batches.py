@@ -28,7 +28,7 @@ class StoppableEngine(FakeEngine):
         super().__init__(token_delay_s=token_delay_s)
         self.running: set[str] = set()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None, capacity=True):
         self.tenancies.append(tenancy)
         total = params.max_tokens or 16
         self.running.add(request_id)

@@ -186,7 +186,7 @@ class FakeEngine:
         if self.queue_full:
             raise EngineRejected("queue_full", "too many requests are waiting")
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None):
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params, tenancy=None, capacity=True):
         self.tenancies.append(tenancy)
         total = params.max_tokens or 16
         for i in range(total):
