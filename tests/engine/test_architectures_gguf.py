@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.loader import LoadedModel, load_model, load_stored_gguf
 from engine.sampling_params import SamplingParams
 from tests.engine.test_architectures import FAMILIES, GEMMA_WINDOW, TINY, WINDOW
-from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
+from tests.support.engine import QUESTIONS, chat_prompt, hf_greedy_tokens, make_engine, run_to_completion
 from tests.support.gguf_files import llama_cpp_tools
 
 NEW_TOKENS = 12
@@ -177,15 +177,7 @@ def gguf_files(tmp_path_factory, smollm2) -> dict[str, tuple[Path, Path]]:
 
 
 def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=model.config.pad_token_id,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy_tokens(model, prompt, NEW_TOKENS, pad_token_id=model.config.pad_token_id)
 
 
 def engine_greedy(loaded: LoadedModel, prompts: list[list[int]], quantization: str = "none") -> list[list[int]]:
