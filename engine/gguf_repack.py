@@ -2,12 +2,15 @@
 
 Which file values survive:
 - Q4_0 (d * (q - 8)) and Q4_1 (d * q + m) are int4's own form: kept exactly (scale d, minimum -8d or m).
-- Q4_K (d * sc * q - dmin * m per 32 inputs): int4 with scale d*sc and minimum -dmin*m rounded to float16,
-  a relative change of at most 2^-11 per group (the codes q are kept).
+- Q4_K (d * sc * q - dmin * m per 32 inputs) and Q6_K (d * sc * (q - 32) per 16): int4k and int6k, the file's
+  codes, 6-bit / 8-bit scales and float16 super-block scales as they are: kept exactly, in 4.625 and 6.5625 bits
+  a weight. A Q4_K fused with a Q4_0/Q4_1 part goes to int4 instead: scale d*sc and minimum -dmin*m rounded to
+  float16, a relative change of at most 2^-11 per group (the codes q are kept).
 - Q8_0 (d * q) and Q5_0 (d * (q - 16)) are int8 in groups of 32 with scale d: kept exactly. Q4_0 into int8
   (a linear fused with a wider part) likewise.
-- Q5_1, Q5_K and Q6_K have offsets or 16-input scales int8 can't hold: re-quantized to int8 in groups of 32
-  (8 bits where the file has 5 or 6: the change is a fraction of the file's own rounding).
+- Q5_1 and Q5_K have offsets int8 can't hold, nor can it Q6_K's 16-input scales where a Q6_K is fused with
+  another type (Q4_K_M's q/k/v where v is Q6_K): re-quantized to int8 in groups of 32 (8 bits where the file has
+  5 or 6: the change is a fraction of the file's own rounding).
 
 The codes of the plain layouts (Q4_0, Q4_1, Q4_K nibbles, Q8_0 bytes) are read straight from the bytes; Q5_0's,
 whose fifth bits lie apart, with gguf-py's own dequantizer on blocks rewritten to scale 1 (it then returns q).
@@ -16,12 +19,12 @@ Scales and minimums come from the block headers (Q4_K's 6-bit ones through gguf-
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import Q4_K
+from gguf.quants import Q4_K, Q6_K
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.gguf_file import GGUFTensor
@@ -31,6 +34,38 @@ GROUP = 32
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # 4-bit codes: int4 holds them
 WIDE_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"})  # more than 4 bits: int8, never fewer bits
 EXACT_INT8_TYPES = frozenset({"Q8_0", "Q5_0", "Q4_0"})
+K_QUANT_FORMATS: dict[str, Format] = {"Q4_K": "int4k", "Q6_K": "int6k"}  # a linear all of one of these types
+# the matrices a layer fuses into one linear (engine/models/decoder.py), by their GGUF names
+FUSED_ROLES = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+
+
+def linear_format(stored_types: Collection[str], quantization: str) -> Format:
+    """The packed format of one linear (fused or not) whose parts the file stores as `stored_types`, under
+    int4 (the file as stored) or int8: int4k / int6k where every part is Q4_K / Q6_K (their blocks as they
+    are), int4 where every part has 4-bit codes, else int8 for the whole linear, so no stored value loses bits
+    (Q4_K_M's q/k/v where v is Q6_K). A float part ("F32") packs as int4 under int4, as any float weight."""
+    types = set(stored_types)
+    if quantization == "int4":
+        if len(types) == 1 and next(iter(types)) in K_QUANT_FORMATS:
+            return K_QUANT_FORMATS[next(iter(types))]
+        if not types & WIDE_TYPES:
+            return "int4"
+    return "int8"
+
+
+def packed_linears(names_and_types: Iterable[tuple[str, str, int]], quantization: str) -> list[tuple[Format, int]]:
+    """(format, values) of each packed linear a GGUF's quantized matrices make, from (tensor name, type, values)
+    of its quantized matrices: a layer's q/k/v and gate/up are fused, as the model builds them."""
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for name, type_name, values in names_and_types:
+        block, _, role = name.rpartition(".weight")[0].rpartition(".")
+        groups.setdefault(f"{block}.{FUSED_ROLES.get(role, role)}", []).append((type_name, values))
+    return [
+        (linear_format({type_name for type_name, _ in members}, quantization), sum(values for _, values in members))
+        for members in groups.values()
+    ]
+
+
 _ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
 
 
@@ -80,12 +115,45 @@ def _set(blocks: np.ndarray, start: int, value: np.ndarray) -> None:
     blocks[:, :, start : start + len(value)] = value
 
 
+def _k_quant_rows(tensor: GGUFTensor, fmt: Format) -> QuantizedRows:
+    """A Q4_K tensor as int4k rows, or a Q6_K one as int6k: the blocks' own fields, rearranged."""
+    blocks, _ = _blocks(tensor)
+    rows, count = blocks.shape[:2]
+    if fmt == "int4k":
+        sub_scales, sub_mins = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, :, 4:16]).reshape(-1, 12))
+        supers = np.stack((_f16(blocks, 0), _f16(blocks, 2)), axis=-1)  # d, dmin
+        codes = _nibbles(blocks[:, :, 16:], 32)
+        scales, mins = sub_scales.reshape(rows, -1), sub_mins.reshape(rows, -1)
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d (gguf.quants.Q6_K)
+        low = blocks[:, :, :128].reshape(rows, count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        high = blocks[:, :, 128:192].reshape(rows, count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+            4, 1
+        )
+        codes = ((low & 0x0F).reshape(rows, count, 2, 128) | ((high & 3) << 4).reshape(rows, count, 2, 128)).reshape(
+            rows, -1
+        )
+        scales, mins = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).reshape(rows, -1), None
+        supers = _f16(blocks, 208)[..., None]
+    assert Q6_K.block_size == 256 and Q4_K.block_size == 256
+    return QuantizedRows(
+        fmt,
+        torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
+        tensor.shape[1],
+        GROUP,
+        torch.from_numpy(np.ascontiguousarray(supers)),
+    )
+
+
 def exact_rows(tensor: GGUFTensor, fmt: Format) -> QuantizedRows | None:
     """The tensor's own codes and scales as `fmt` rows in groups of 32, or None where `fmt` can't hold them."""
     kind = tensor.type_name
     if len(tensor.shape) != 2:
         return None
     in_features = tensor.shape[1]
+    if (fmt, kind) in (("int4k", "Q4_K"), ("int6k", "Q6_K")):
+        return _k_quant_rows(tensor, fmt)
     if fmt == "int4" and kind in ("Q4_0", "Q4_1"):
         blocks, _ = _blocks(tensor)
         scales = _f16(blocks, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -37,7 +38,7 @@ from engine.gguf_file import (
     hf_named_tensors,
     read_tensor_index,
 )
-from engine.gguf_repack import INT4_TYPES, WIDE_TYPES
+from engine.gguf_repack import INT4_TYPES, K_QUANT_FORMATS, WIDE_TYPES, packed_linears
 from engine.models import DecoderForCausalLM, DecoderShape, UnsupportedModel, model_for
 from engine.models.weights import Weight
 
@@ -215,7 +216,7 @@ def stored_quantization(entries: list[TensorEntry]) -> str:
     layer_types = {entry.type_name for entry in entries if entry.name.startswith("blk.") and len(entry.shape) >= 2}
     if layer_types - SUPPORTED_TYPES:
         return "int4"  # a type it can't run (IQ*, Q2_K, ...): the load stops naming it, before allocating
-    if layer_types & INT4_TYPES:
+    if layer_types & (INT4_TYPES | K_QUANT_FORMATS.keys()):  # int4: as stored (Q6_K's own int6k included)
         return "int4"
     if layer_types & WIDE_TYPES:
         return "int8"
@@ -223,11 +224,21 @@ def stored_quantization(entries: list[TensorEntry]) -> str:
 
 
 def describe_format(path: Path, entries: list[TensorEntry], quantization: str) -> str:
-    """What a GGUF's weights run as, e.g. "gguf Q4_K/Q6_K -> int4/int8"."""
+    """What a GGUF's weights run as, e.g. "gguf Q4_K/Q6_K -> int4k/int6k/int8" (the packed formats by the values
+    they hold, most first)."""
     counts = Counter(entry.type_name for entry in entries if len(entry.shape) >= 2)
     stored = "/".join(name for name, _ in counts.most_common() if name not in FLOAT_TYPES or len(counts) == 1)
-    runs = {"int4": "int4/int8", "int8": "int8"}.get(quantization, "float")
-    return f"gguf {stored or 'F32'} -> {runs}"
+    if quantization not in ("int4", "int8"):
+        return f"gguf {stored or 'F32'} -> float"
+    quantized = [
+        (entry.name, entry.type_name, math.prod(entry.shape))
+        for entry in entries
+        if entry.type_name in INT4_TYPES | WIDE_TYPES and len(entry.shape) >= 2
+    ]
+    formats: Counter[str] = Counter()
+    for fmt, values in packed_linears(quantized, quantization):
+        formats[fmt] += values
+    return f"gguf {stored or 'F32'} -> {'/'.join(fmt for fmt, _ in formats.most_common()) or quantization}"
 
 
 def _stored_types(path: Path) -> str:

@@ -12,6 +12,9 @@ Formats (`pack_weight`):
 - "int4": asymmetric, q in 0..15 with a float16 scale and minimum per output row and 32 inputs, as in
   GGUF's Q4_1. SmolLM2's GGUF holds its layers as Q4_1 and its embedding as Q8_0, so re-quantizing the
   dequantized weights this way gives back those same values (within float16 rounding of the scales).
+- "int4k", "int6k": GGUF's Q4_K and Q6_K as the file holds them (engine/gguf_repack.py), codes, 6-bit / 8-bit
+  group scales and float16 super-block scales per 256 inputs: 4.625 and 6.5625 bits a weight, where int4 took
+  5 and int8 8.5, and the file's values exactly. Made only from a GGUF's blocks, never from floats.
 
 The int formats multiply in integers: x is quantized per row and block of 32 inputs to two int8 digits,
 about 16-bit precision (`quantize_activations`). The torch reference (`qlinear_reference`: dequantize, then matmul in
@@ -32,9 +35,19 @@ import torch
 from kernels.cpu_native import library
 from kernels.huge_pages import huge_page_buffer
 
-Format = Literal["bf16", "int8", "int4"]
+Format = Literal["bf16", "int8", "int4", "int4k", "int6k"]
 QUANTIZATIONS = ("none", "int8", "int4")
-FORMAT_CODES: dict[str, int] = {"bf16": 0, "int8": 1, "int4": 2}
+FORMAT_CODES: dict[str, int] = {"bf16": 0, "int8": 1, "int4": 2, "int4k": 3, "int6k": 4}
+K_FORMATS = ("int4k", "int6k")  # super blocks of SUPER_GROUPS groups; `scales` holds all their scales as bytes
+SUPER_GROUPS = 8
+# packed bytes per weight value (before padding rows to a tile): codes, then group and super-block scales
+BYTES_PER_VALUE: dict[str, float] = {
+    "bf16": 2.0,
+    "int8": 1 + 2 / 32,
+    "int4": 0.5 + 4 / 32,
+    "int4k": 0.5 + 2 / 32 + 4 / 256,
+    "int6k": 0.75 + 1 / 16 + 2 / 256,
+}
 LANES = 16  # output rows per packed block: one float32 vector of 16 lanes
 TILE_ROWS = 64  # the kernel works in tiles of 4 blocks; output rows are padded to a multiple
 INT4_GROUP = 32
@@ -50,8 +63,11 @@ class PackedWeight:
     out_features: int
     in_features: int
     group: int  # inputs per scale: a multiple of X_BLOCK (in_features for bf16)
-    packed: torch.Tensor  # bf16 [blocks, K, 16] | uint8 [blocks, Kp/4, 16, 4] | uint8 [blocks, Kp/32, 4, 16, 4]
-    scales: torch.Tensor | None  # float16 [blocks, groups, 16]
+    # bf16 [blocks, K, 16] | int8: uint8 [blocks, Kp/4, 16, 4] | int4, int4k: uint8 [blocks, Kp/32, 4, 16, 4]
+    # | int6k: uint8 [blocks, Kp/32, 384] (the low nibbles as int4's, then the high bits)
+    packed: torch.Tensor
+    # float16 [blocks, groups, 16] | int4k: uint8 [blocks, Kp/256, 320] | int6k: uint8 [blocks, Kp/256, 288]
+    scales: torch.Tensor | None
     mins: torch.Tensor | None  # float16 [blocks, groups, 16], int4 only
 
     @property
@@ -86,14 +102,18 @@ class QuantizedRows:
 
     int8: `values` int8 in [-127, 127], value = scale * q; int4: `values` uint8 in 0..15, value = scale * q + min.
     One float16 scale (and minimum) per row and `group` inputs. A GGUF tensor's blocks give these directly
-    (engine/gguf_repack.py), so packing them keeps the file's values; `quantize_rows` makes them from floats."""
+    (engine/gguf_repack.py), so packing them keeps the file's values; `quantize_rows` makes them from floats.
+    int4k (Q4_K): `values` 0..15, `scales` / `mins` uint8 sc, m per 32 inputs, `supers` float16 [rows, K/256, 2]
+    (d, dmin): value = d * sc * q - dmin * m. int6k (Q6_K): `values` 0..63, `scales` int8 sc per 16 inputs,
+    `supers` float16 [rows, K/256, 1] (d): value = d * sc * (q - 32)."""
 
     format: Format
     values: torch.Tensor  # [out_features, groups * group]
-    scales: torch.Tensor  # float16 [out_features, groups]
-    mins: torch.Tensor | None  # float16 [out_features, groups], int4 only
+    scales: torch.Tensor  # float16 [out_features, groups] (int4k: uint8; int6k: int8 [out_features, 2 * groups])
+    mins: torch.Tensor | None  # float16 [out_features, groups], int4 only (int4k: uint8)
     in_features: int
     group: int
+    supers: torch.Tensor | None = None  # int4k, int6k: float16 [out_features, groups / 8, 2 or 1]
 
     @property
     def out_features(self) -> int:
@@ -110,18 +130,21 @@ def concat_quantized_rows(parts: Sequence[QuantizedRows]) -> QuantizedRows:
     ):
         raise ValueError("fused parts must share format, group and in_features")
     mins = None if first.mins is None else torch.cat([cast(torch.Tensor, part.mins) for part in parts])
+    supers = None if first.supers is None else torch.cat([cast(torch.Tensor, part.supers) for part in parts])
     return replace(
         first,
         values=torch.cat([part.values for part in parts]),
         scales=torch.cat([part.scales for part in parts]),
         mins=mins,
+        supers=supers,
     )
 
 
 def row_slice(rows: QuantizedRows, start: int, stop: int) -> QuantizedRows:
     """Output rows start..stop-1 (views)."""
     mins = None if rows.mins is None else rows.mins[start:stop]
-    return replace(rows, values=rows.values[start:stop], scales=rows.scales[start:stop], mins=mins)
+    supers = None if rows.supers is None else rows.supers[start:stop]
+    return replace(rows, values=rows.values[start:stop], scales=rows.scales[start:stop], mins=mins, supers=supers)
 
 
 def quantize_rows(weight: torch.Tensor, fmt: Format, group: int | None = None) -> QuantizedRows:
@@ -162,8 +185,57 @@ def _padded_rows(tensor: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+def _nibble_chunks(values: torch.Tensor, groups: int) -> torch.Tensor:
+    """uint8 [Np, groups * 32] codes' low 4 bits in int4's layout, [Np/16, groups, 4, 16, 4]: byte (c, lane, j)
+    holds input 4c + j of a group in its low nibble and input 16 + 4c + j in its high one."""
+    padded_rows = values.shape[0]
+    halves = (values & 15).view(padded_rows, groups, 2, 4, 4)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(padded_rows // LANES, LANES, groups, 4, 4)
+    return nibbles.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _super_bytes(*parts: torch.Tensor) -> torch.Tensor:
+    """Per-row tensors [Np, supers, n] (any dtype) as the kernel's bytes per block and super block,
+    [Np/16, supers, total]: each part's values lane by lane ([n][16]), the parts one after another."""
+    laid = []
+    for part in parts:
+        rows, supers, count = part.shape
+        lanes = part.reshape(rows // LANES, LANES, supers, count).permute(0, 2, 3, 1).contiguous()
+        laid.append(lanes.view(torch.uint8).reshape(rows // LANES, supers, -1))
+    return torch.cat(laid, dim=2)
+
+
+def _pack_k_quant(rows: QuantizedRows) -> PackedWeight:
+    """int4k / int6k rows in the kernel's layout (kernels/csrc/qlinear_cpu.cpp describes it)."""
+    assert rows.supers is not None
+    groups = rows.values.shape[1] // X_BLOCK
+    supers = groups // SUPER_GROUPS
+    values = _padded_rows(rows.values)
+    padded_rows = values.shape[0]
+    d = _padded_rows(rows.supers)
+    if rows.format == "int4k":
+        assert rows.mins is not None
+        sc = _padded_rows(rows.scales).view(padded_rows, supers, SUPER_GROUPS)
+        m = _padded_rows(rows.mins).view(padded_rows, supers, SUPER_GROUPS)
+        scales = _super_bytes(sc, m, d[:, :, :1].contiguous(), d[:, :, 1:].contiguous())
+        return PackedWeight(
+            "int4k", rows.out_features, rows.in_features, X_BLOCK, _nibble_chunks(values, groups), scales, None
+        )
+    sc = _padded_rows(rows.scales).view(padded_rows, supers, 2 * SUPER_GROUPS)
+    scales = _super_bytes(sc, d)
+    # the high 2 bits of inputs 16h + 4c + j at bits 4-5, 6-7, 0-1, 2-3 for c = 0..3 of byte (h, lane, j)
+    high = ((values >> 4) & 3).view(padded_rows, groups, 2, 4, 4)
+    shifted = high[:, :, :, 0] << 4 | high[:, :, :, 1] << 6 | high[:, :, :, 2] | high[:, :, :, 3] << 2
+    high_bytes = shifted.view(padded_rows // LANES, LANES, groups, 2, 4).permute(0, 2, 3, 1, 4)
+    low = _nibble_chunks(values, groups).view(padded_rows // LANES, groups, 256)
+    packed = torch.cat((low, high_bytes.reshape(padded_rows // LANES, groups, 128)), dim=2).contiguous()
+    return PackedWeight("int6k", rows.out_features, rows.in_features, X_BLOCK, packed, scales, None)
+
+
 def pack_quantized(rows: QuantizedRows) -> PackedWeight:
     """QuantizedRows in the kernel's layout (output rows padded to a tile with zero rows)."""
+    if rows.format in K_FORMATS:
+        return _pack_k_quant(rows)
     out_features, group = rows.out_features, rows.group
     padded_in = rows.values.shape[1]
     groups = padded_in // group
@@ -176,10 +248,7 @@ def pack_quantized(rows: QuantizedRows) -> PackedWeight:
         packed = offset.permute(0, 2, 1, 3).contiguous()
         return PackedWeight("int8", out_features, rows.in_features, group, packed, scales, None)
     assert rows.mins is not None
-    # input r of a group: nibble r // 16, chunk (r % 16) // 4, byte r % 4 of the lane's 4
-    halves = values.view(padded_rows, groups, 2, 4, 4)
-    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(padded_rows // LANES, LANES, groups, 4, 4)
-    packed = nibbles.permute(0, 2, 3, 1, 4).contiguous()
+    packed = _nibble_chunks(values, groups)
     return PackedWeight(
         "int4", out_features, rows.in_features, group, packed, scales, _blocked(_padded_rows(rows.mins))
     )
@@ -309,10 +378,40 @@ def move_together(linears: Sequence[PackedLinear]) -> None:
         del weight
 
 
+def _k_quant_rows(weight: PackedWeight, blocks: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+    """int4k / int6k rows as float32 [rows, Kp] (the packed rows kernel's values and roundings)."""
+    count, groups = len(blocks), weight.groups
+    supers, each = groups // SUPER_GROUPS, torch.arange(count)
+    assert weight.scales is not None
+    bytes_ = weight.scales[blocks]  # [rows, supers, 320 | 288]
+    small_rows = 2 * SUPER_GROUPS  # sc and m (int4k) or the halves' sc (int6k): 16 rows of 16 lanes' bytes
+    small = bytes_[:, :, : small_rows * LANES].reshape(count, supers, small_rows, LANES)[each, :, :, lanes]
+    halves = bytes_[:, :, small_rows * LANES :].contiguous().view(torch.float16)
+    d = halves.reshape(count, supers, -1, LANES)[each, :, :, lanes].float()  # [rows, supers, 2 | 1]
+    if weight.format == "int4k":
+        nibbles = weight.packed[blocks, :, :, lanes, :]  # [rows, groups, 4, 4]
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=2).reshape(count, groups, 32).float()
+        sc, m = small[:, :, :SUPER_GROUPS].float(), small[:, :, SUPER_GROUPS:].float()
+        scale = (d[:, :, :1] * sc).reshape(count, groups, 1)
+        minimum = -(d[:, :, 1:] * m).reshape(count, groups, 1)
+        return (q * scale + minimum).reshape(count, -1)
+    group_bytes = weight.packed[blocks].view(count, groups, 6, LANES, 4)[each, :, :, lanes]  # [rows, groups, 6, 4]
+    nibbles, high = group_bytes[:, :, :4], group_bytes[:, :, 4:]
+    shifts = torch.tensor([4, 6, 0, 2], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    high_bits = (high.unsqueeze(3) >> shifts) & 3  # [rows, groups, half, c, j]: input 16 * half + 4c + j
+    low = torch.stack((nibbles & 15, nibbles >> 4), dim=2)
+    q = (low | (high_bits << 4)).reshape(count, groups, 2, 16).float() - 32
+    sc = small.contiguous().view(torch.int8).float().view(count, supers, SUPER_GROUPS, 2)
+    scale = (d.view(count, supers, 1, 1) * sc).reshape(count, groups, 2, 1)
+    return (q * scale).reshape(count, -1)
+
+
 def _dequantized_rows(weight: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
     """float32 [len(rows), in_features]: the given output rows (weight rows) from the packed form."""
     blocks, lanes = rows // LANES, rows % LANES
     count = len(rows)
+    if weight.format in K_FORMATS:
+        return _k_quant_rows(weight, blocks, lanes)[:, : weight.in_features]
     if weight.format == "bf16":
         return weight.packed[blocks, :, lanes].float()
     if weight.format == "int8":

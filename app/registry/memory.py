@@ -34,9 +34,10 @@ from app.registry.inspection import default_source_path
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
 from engine.gguf_file import TensorEntry, read_tensor_index
-from engine.gguf_repack import CHUNK_VALUES, INT4_TYPES, WIDE_TYPES
+from engine.gguf_repack import CHUNK_VALUES, INT4_TYPES, WIDE_TYPES, packed_linears
 from engine.loader import converted_folder, resolve_quantization
 from engine.models.decoder import MLP_ROWS
+from kernels.qlinear import BYTES_PER_VALUE
 
 MARGIN = 1.1  # activations, the tokenizer, allocator slack
 FLOAT32_BYTES = 4
@@ -142,12 +143,6 @@ def gguf_footprint(path: Path) -> Footprint | None:
     return Footprint(parameters, layers, kv_width, parameters * FLOAT32_BYTES)  # as converted: float32
 
 
-INT4_BYTES_PER_VALUE = 0.5 + 4 / 32  # 4-bit codes, float16 scale and minimum per 32 (kernels/qlinear.py)
-INT8_BYTES_PER_VALUE = 1 + 2 / 32  # 8-bit codes, float16 scale per 32
-# the matrices a layer fuses into one linear: one of them stored wide makes the whole linear int8
-_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
-
-
 # What a server holds besides the weights, the KV pool and its steps' activations: python, torch, the server's
 # modules, the default embedding model loaded beside the chat model, transformers' config and model code, the
 # kernels' libraries, thread stacks and allocator slack (`tokenmill serve --model FILE`, 1B Q4_K_M, settled
@@ -167,25 +162,23 @@ STORED_MARGIN = 1.02  # against a measured peak: never below it
 
 def stored_gguf_bytes(entries: list[TensorEntry], quantization: str) -> tuple[int, int]:
     """(resident bytes of the packed weights, the load's transient bytes) for a GGUF run as stored
-    (engine/gguf_repack.py): int4 for 4-bit types under int4, else int8 in groups of 32, per fused linear; float
-    tensors (norms) in float32. Each linear is packed chunk of rows by chunk (no whole tensor's codes or float32
-    intermediates exist), the file's pages handed back as it goes; then every packed linear is copied into one
+    (engine/gguf_repack.py): each fused linear in its packed format (int4k / int6k for Q4_K / Q6_K as stored, int4
+    for other 4-bit types under int4, else int8 in groups of 32); float tensors (norms) in float32. Each linear
+    is packed chunk of rows by chunk (no whole tensor's codes or float32 intermediates exist), the file's pages
+    handed back as it goes; then every packed linear is copied into one
     buffer (kernels.qlinear.move_together), one at a time: the transient is the largest linear's copy and
-    a chunk's intermediates (1B Q4_K_M: its tied head, 0.11 GB, and ~0.04 GB)."""
-    groups: dict[str, list[TensorEntry]] = {}
+    a chunk's intermediates (1B Q4_K_M: its tied head, 0.08 GB, and ~0.04 GB)."""
     resident = 0
+    quantized = []
     for entry in entries:
         values = math.prod(entry.shape)
         if entry.type_name not in INT4_TYPES | WIDE_TYPES or len(entry.shape) < 2:
             resident += values * FLOAT32_BYTES
             continue
-        block, _, role = entry.name.rpartition(".weight")[0].rpartition(".")
-        groups.setdefault(f"{block}.{_FUSED.get(role, role)}", []).append(entry)
+        quantized.append((entry.name, entry.type_name, values))
     largest = 0
-    for members in groups.values():
-        wide = quantization == "int8" or any(member.type_name in WIDE_TYPES for member in members)
-        per_value = INT8_BYTES_PER_VALUE if wide else INT4_BYTES_PER_VALUE
-        packed = math.ceil(sum(math.prod(member.shape) for member in members) * per_value)
+    for fmt, values in packed_linears(quantized, quantization):
+        packed = math.ceil(values * BYTES_PER_VALUE[fmt])
         resident += packed
         largest = max(largest, packed)
     return resident, largest + 40 * CHUNK_VALUES

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.gguf_file import GGUFTensor
-from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, stored_row_chunks
+from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, linear_format, stored_row_chunks
 from kernels.linear import Linear
 from kernels.qlinear import (
     Format,
@@ -92,7 +92,7 @@ def make_head(weight: Weight, quantization: str) -> PackedLinear:
     the file stores it so under int4."""
     head_format, head_group = HEAD_FORMATS[quantization]
     if not isinstance(weight, torch.Tensor) and is_gguf(weight):
-        fmt: Format = "int4" if quantization == "int4" and weight.stored_type in INT4_TYPES else "int8"
+        fmt: Format = stored_format([weight], "int4") if quantization == "int4" else "int8"
         return PackedLinear(pack_stored([weight], fmt))
     return PackedLinear(dense(weight), head_format, group=head_group)
 
@@ -115,10 +115,10 @@ def is_gguf(weight: StoredTensor) -> bool:
 
 
 def stored_format(parts: Sequence[Weight], fmt: Format) -> Format:
-    """int4 unless a part is stored with more than 4 bits (Q5_*, Q6_K, Q8_0): then int8 for the whole fused
-    linear, so no stored value loses bits (Q4_K_M keeps attn_v and half the ffn_down in Q6_K)."""
-    stored_types = {part.stored_type for part in parts if not isinstance(part, torch.Tensor)}
-    return "int8" if fmt == "int4" and stored_types & WIDE_TYPES else fmt
+    """The packed format of a (fused) linear of `parts` under int4 (a GGUF as stored) or int8
+    (engine.gguf_repack.linear_format: int4k / int6k / int4 where the file's values fit, else int8)."""
+    stored_types = {part.stored_type if not isinstance(part, torch.Tensor) else "F32" for part in parts}
+    return linear_format(stored_types, fmt) if fmt in ("int4", "int8") else fmt
 
 
 def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:

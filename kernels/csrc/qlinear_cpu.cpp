@@ -10,7 +10,16 @@
 //   int4: uint8 [blocks][Kp/32][4][16][4]: byte (c, lane, j) holds q[k = 4c + j] in its low nibble and
 //         q[k = 16 + 4c + j] in its high nibble, for the 32 k of one group; fp16 scale and min
 //         [blocks][groups][16]; w = q * scale + min, q in 0..15 (GGUF Q4_1 style), groups of 32.
-// Kp = groups * group >= K (zero padded), a multiple of 32.
+//   int4k: GGUF's Q4_K as stored: int4's codes, and per 256 inputs (a super block of 8 groups) a float16 d and
+//         dmin per lane with each group's 6-bit scale sc and minimum m as bytes: w = d * sc * q - dmin * m.
+//         Scales [blocks][K/256][sc 8x16 | m 8x16 | d 16 x f16 | dmin 16 x f16] (320 bytes): 4.625 bits a weight
+//         against int4's 5, and d * sc, dmin * m are exact in float32 (int4's float16 scale rounds them).
+//   int6k: GGUF's Q6_K as stored: q in 0..63, w = d * sc * (q - 32), sc an int8 per 16 inputs, d a float16 per
+//         256. Per block and group of 32, 384 bytes: int4's layout of the low 4 bits (256), then the high 2 bits
+//         of inputs 0-15 (64) and of 16-31 (64), byte (lane, j) holding those of chunks c = 0..3 at bits 4-5,
+//         6-7, 0-1, 2-3 (so each is one shift and a mask from bits 4-5). Scales [blocks][K/256][sc 8 groups x 2
+//         halves x 16 | d 16 x f16] (288 bytes): 6.5625 bits a weight, where int8 took 8.5.
+// Kp = groups * group >= K (zero padded), a multiple of 32 (of 256 for int4k and int6k).
 // The int formats run as integer dot products (AVX512-VNNI: one vpdpbusd multiplies 64 weight bytes by 4
 // bytes of x). x is quantized per row and block of 32 inputs as two int8 digits, x ~ s*(hi + lo/254) with
 // s = max|x|/127: hi = round(x/s), lo = round((x - s*hi) / (s/254)). One digit (llama.cpp's Q8 activations)
@@ -93,6 +102,12 @@ struct Vec {
     static Vec load_f16(const uint16_t* p) {
         return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
     }
+    static Vec load_u8(const uint8_t* p) {
+        return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+    }
+    static Vec load_i8(const int8_t* p) {
+        return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+    }
     static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
     static Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
     static Vec from_halves(__m256 low, __m256 high) {  // lanes 0-7, lanes 8-15
@@ -115,6 +130,15 @@ struct Vec {
     static Vec load_f16(const uint16_t* p) {
         return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+    }
+    static __m256 bytes8(__m256i wide) { return _mm256_cvtepi32_ps(wide); }
+    static Vec load_u8(const uint8_t* p) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return {bytes8(_mm256_cvtepu8_epi32(bytes)), bytes8(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+    }
+    static Vec load_i8(const int8_t* p) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return {bytes8(_mm256_cvtepi8_epi32(bytes)), bytes8(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
     }
     static Vec fma(Vec x, Vec y, Vec z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
     static Vec mul(Vec x, Vec y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
@@ -148,6 +172,14 @@ struct Vec {
         for (int i = 0; i < kLanes; ++i) out.v[i] = half_to_float(p[i]);
         return out;
     }
+    template <typename Byte>
+    static Vec load_bytes(const Byte* p) {
+        Vec out;
+        for (int i = 0; i < kLanes; ++i) out.v[i] = static_cast<float>(p[i]);
+        return out;
+    }
+    static Vec load_u8(const uint8_t* p) { return load_bytes(p); }
+    static Vec load_i8(const int8_t* p) { return load_bytes(p); }
     static Vec fma(Vec x, Vec y, Vec z) {
         Vec out;
         for (int i = 0; i < kLanes; ++i) out.v[i] = x.v[i] * y.v[i] + z.v[i];
@@ -169,9 +201,18 @@ struct IVec {
     __m512i v;
     static IVec zero() { return {_mm512_setzero_si512()}; }
     static __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+    static void store(__m512i bytes, uint8_t* p) { _mm512_storeu_si512(p, bytes); }
     static __m512i low_nibbles(__m512i bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi8(15)); }
     static __m512i high_nibbles(__m512i bytes) {
         return _mm512_and_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+    }
+    // int6k: chunk c's high 2 bits (bits 4-5, 6-7, 0-1, 2-3 of `high` for c = 0..3) above 4-bit codes
+    static __m512i six_bits(__m512i nibbles, __m512i high, int c) {
+        const __m512i moved = c == 0   ? high
+                              : c == 1 ? _mm512_srli_epi16(high, 2)
+                              : c == 2 ? _mm512_slli_epi16(high, 4)
+                                       : _mm512_slli_epi16(high, 2);
+        return _mm512_or_si512(nibbles, _mm512_and_si512(moved, _mm512_set1_epi8(0x30)));
     }
     static __m512i quad(const int8_t* x) {
         int32_t bits;
@@ -203,6 +244,10 @@ struct IVec {  // int32 sums of lanes 0-7 and 8-15
         return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
     }
+    static void store(const Bytes64& bytes, uint8_t* p) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bytes.a);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), bytes.b);
+    }
     static Bytes64 low_nibbles(Bytes64 bytes) {
         const __m256i mask = _mm256_set1_epi8(15);
         return {_mm256_and_si256(bytes.a, mask), _mm256_and_si256(bytes.b, mask)};
@@ -211,6 +256,16 @@ struct IVec {  // int32 sums of lanes 0-7 and 8-15
         const __m256i mask = _mm256_set1_epi8(15);
         return {_mm256_and_si256(_mm256_srli_epi16(bytes.a, 4), mask),
                 _mm256_and_si256(_mm256_srli_epi16(bytes.b, 4), mask)};
+    }
+    static __m256i moved(__m256i high, int c) {
+        const __m256i bits = c == 0   ? high
+                             : c == 1 ? _mm256_srli_epi16(high, 2)
+                             : c == 2 ? _mm256_slli_epi16(high, 4)
+                                      : _mm256_slli_epi16(high, 2);
+        return _mm256_and_si256(bits, _mm256_set1_epi8(0x30));
+    }
+    static Bytes64 six_bits(Bytes64 nibbles, Bytes64 high, int c) {  // as the AVX-512 IVec's
+        return {_mm256_or_si256(nibbles.a, moved(high.a, c)), _mm256_or_si256(nibbles.b, moved(high.b, c))};
     }
     Vec to_float(int32_t offset) const {
         const __m256i bias = _mm256_set1_epi32(offset);
@@ -278,6 +333,7 @@ struct IVec {
         std::memcpy(out.b, p, 64);
         return out;
     }
+    static void store(const Bytes64& bytes, uint8_t* p) { std::memcpy(p, bytes.b, 64); }
     static Bytes64 low_nibbles(Bytes64 bytes) {
         for (uint8_t& b : bytes.b) b &= 15;
         return bytes;
@@ -285,6 +341,11 @@ struct IVec {
     static Bytes64 high_nibbles(Bytes64 bytes) {
         for (uint8_t& b : bytes.b) b >>= 4;
         return bytes;
+    }
+    static Bytes64 six_bits(Bytes64 nibbles, const Bytes64& high, int c) {  // as the AVX-512 IVec's
+        static constexpr int kShift[4] = {4, 6, 0, 2};
+        for (int i = 0; i < 64; ++i) nibbles.b[i] |= static_cast<uint8_t>(((high.b[i] >> kShift[c]) & 3) << 4);
+        return nibbles;
     }
     static Quad quad(const int8_t* x) { return {{x[0], x[1], x[2], x[3]}}; }
     void dot(const Bytes64& w, const Quad& x4) {
@@ -304,7 +365,12 @@ struct IVec {
 };
 #endif
 
-enum Format : int { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+enum Format : int { kBf16 = 0, kInt8 = 1, kInt4 = 2, kInt4K = 3, kInt6K = 4 };
+constexpr int64_t kSuperGroups = 8;       // int4k, int6k: groups of 32 per super block of 256 inputs
+constexpr int64_t kInt4KSuperBytes = 320;  // per block and super block: sc, m, d, dmin (see the top)
+constexpr int64_t kInt6KSuperBytes = 288;  // sc, d
+constexpr int64_t kInt6KGroupBytes = 384;  // per block and group: low nibbles, then the high bits
+constexpr bool four_bit(Format f) { return f == kInt4 || f == kInt4K; }
 
 // Per row of x and block of 32 inputs, the terms of the epilogue, computed once per call, not per output block
 // (a division per row, block and output block was the epilogue's slowest step).
@@ -312,8 +378,14 @@ struct XBlockTerms {
     float low_scale;  // s / 254, the step of the low digit: x ~ low_scale * (254 * hi + lo)
     float sum;        // low_scale * the block's sum of 254 * hi + lo: for int4's min term
     int32_t offset;   // 128 * the block's sum of 254 * hi + lo: int8's +128 bias on q
-    int32_t padding;  // to 16 bytes
+    int32_t first_half;  // the sum of 254 * hi + lo over inputs 0-15: int6k's -32 on q, per 16 inputs
 };
+
+// int6k's x term of one half (16 inputs) of an x block: 32 * its digit sum (q - 32 = the stored q, less 32)
+inline int32_t int6k_offset(const XBlockTerms& x, int half) {
+    return 32 * (half == 0 ? x.first_half : x.offset / 128 - x.first_half);
+}
+
 
 // acc + the int32 sums of one x block (254 * high + low digit), times the weight scale (+ int4's min term)
 template <Format F>
@@ -336,6 +408,25 @@ struct Problem {
     const uint16_t* mins;
     const float* bias;  // [N] or null
 };
+
+// int4k: group g's scale d * sc and minimum -dmin * m per lane (both exact in float32)
+inline void int4k_scales(const Problem& p, int64_t block, int64_t g, Vec& scale, Vec& minimum) {
+    const uint8_t* super = reinterpret_cast<const uint8_t*>(p.scales) +
+                           (block * (p.groups / kSuperGroups) + g / kSuperGroups) * kInt4KSuperBytes;
+    const int64_t j = g % kSuperGroups;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(super + 2 * kSuperGroups * kLanes);
+    scale = Vec::mul(Vec::load_u8(super + j * kLanes), Vec::load_f16(d));
+    minimum = Vec::mul(Vec::load_u8(super + (kSuperGroups + j) * kLanes),
+                       Vec::mul(Vec::load_f16(d + kLanes), Vec::broadcast(-1.f)));
+}
+
+// int6k: the scale d * sc of half `half` (16 inputs) of group g per lane
+inline Vec int6k_scale(const Problem& p, int64_t block, int64_t g, int half) {
+    const uint8_t* super = reinterpret_cast<const uint8_t*>(p.scales) +
+                           (block * (p.groups / kSuperGroups) + g / kSuperGroups) * kInt6KSuperBytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(super) + ((g % kSuperGroups) * 2 + half) * kLanes;
+    return Vec::mul(Vec::load_i8(sc), Vec::load_f16(reinterpret_cast<const uint16_t*>(super + 2 * kSuperGroups * kLanes)));
+}
 
 #if defined(TOKENMILL_AVX2_INT)
 constexpr bool kWideX = true;
@@ -382,8 +473,30 @@ constexpr int kMaxRows = 4;
 // come from cache and the arithmetic bounds: two blocks side by side use each broadcast digit of x twice
 // (1.1-1.2x at 8 to 2048 rows for int4 and int8, same bits; the loops over c and q must be unrolled, or GCC
 // keeps the [NB][MT] sums in memory and it ran 0.75x).
+// int6k's codes of NB blocks as whole bytes, [NB][groups][half][c][16 lanes][4] (512 bytes a block and group): with
+// many rows each 4-row pass over a block would rebuild them from nibbles and bit pairs (a 256-row prefill ran 1.56x
+// int8's time); built once per block, the passes read bytes, as int8's do.
+template <int NB>
+void decode_int6k(const Problem& p, int64_t block, uint8_t* out) {
+    const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
+    for (int b = 0; b < NB; ++b)
+        for (int64_t g = 0; g < p.groups; ++g) {
+            const uint8_t* at = bytes + ((block + b) * p.groups + g) * kInt6KGroupBytes;
+            uint8_t* to = out + (b * p.groups + g) * 512;
+            for (int half = 0; half < 2; ++half) {
+                const auto high = IVec::load(at + 256 + 64 * half);
+                for (int c = 0; c < 4; ++c) {
+                    const auto packed = IVec::load(at + 64 * c);
+                    IVec::store(IVec::six_bits(half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed),
+                                               high, c),
+                                to + (half * 4 + c) * 64);
+                }
+            }
+        }
+}
+
 template <Format F, int MT, int NB = 1>
-void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
+void block_sums(const Problem& p, int64_t block, int64_t row, float* result, const uint8_t* decoded = nullptr) {
     Vec acc[NB][MT];
     for (auto& sums : acc)
         for (Vec& sum : sums) sum = Vec::zero();
@@ -419,6 +532,46 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
                             for (int b = 0; b < NB; ++b) sums[b][m].dot(w[b], x);
                         }
                     }
+                } else if constexpr (F == kInt6K) {
+                    // half 0 (inputs 0-15: the low nibbles) to its own scale, then half 1 (the high nibbles)
+                    for (int half = 0; half < 2; ++half) {
+                        if (half == 1) {
+                            for (auto& row_sums : sums)
+                                for (DigitSums& sum : row_sums) sum = DigitSums::zero();
+                        }
+                        decltype(IVec::load(bytes)) high[NB];
+                        if (decoded == nullptr)
+                            for (int b = 0; b < NB; ++b)
+                                high[b] = IVec::load(bytes + ((block + b) * p.groups + xb) * kInt6KGroupBytes + 256 + 64 * half);
+#pragma GCC unroll 4
+                        for (int c = 0; c < 4; ++c) {
+                            decltype(widened(IVec::load(bytes))) w[NB];
+                            for (int b = 0; b < NB; ++b) {
+                                if (decoded != nullptr) {  // decode_int6k's bytes
+                                    w[b] = widened(IVec::load(decoded + ((b * p.groups + xb) * 8 + half * 4 + c) * 64));
+                                    continue;
+                                }
+                                const uint8_t* at = bytes + ((block + b) * p.groups + xb) * kInt6KGroupBytes + 64 * c;
+                                __builtin_prefetch(at + kPrefetchAhead);
+                                const auto packed = IVec::load(at);
+                                w[b] = widened(IVec::six_bits(
+                                    half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed), high[b], c));
+                            }
+                            for (int m = 0; m < MT; ++m) {
+                                const auto digits = x_digits(p, (row + m) * p.Kp + xb * kXBlock + 4 * c + 16 * half);
+                                for (int b = 0; b < NB; ++b) sums[b][m].dot(w[b], digits);
+                            }
+                        }
+                        for (int b = 0; b < NB; ++b) {
+                            const Vec scale = int6k_scale(p, block + b, xb, half);
+                            for (int m = 0; m < MT; ++m) {
+                                const XBlockTerms& x = p.x_terms[(row + m) * (p.Kp / kXBlock) + xb];
+                                acc[b][m] = Vec::fma(sums[b][m].total().to_float(int6k_offset(x, half)),
+                                                     Vec::mul(scale, Vec::broadcast(x.low_scale)), acc[b][m]);
+                            }
+                        }
+                    }
+                    continue;  // the epilogue is done, per half
                 } else {
 #pragma GCC unroll 4
                     for (int c = 0; c < 4; ++c) {
@@ -443,12 +596,18 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result) {
                     }
                 }
                 for (int b = 0; b < NB; ++b) {
-                    const int64_t at = ((block + b) * p.groups + g) * kLanes;
-                    const Vec scale = Vec::load_f16(p.scales + at);
-                    const Vec minimum = F == kInt4 ? Vec::load_f16(p.mins + at) : Vec::zero();
+                    Vec scale, minimum = Vec::zero();
+                    if constexpr (F == kInt4K) {
+                        int4k_scales(p, block + b, g, scale, minimum);
+                    } else {
+                        const int64_t at = ((block + b) * p.groups + g) * kLanes;
+                        scale = Vec::load_f16(p.scales + at);
+                        if constexpr (F == kInt4) minimum = Vec::load_f16(p.mins + at);
+                    }
+                    constexpr Format sums_as = F == kInt4K ? kInt4 : F;  // int4k's sums are int4's
                     for (int m = 0; m < MT; ++m)
-                        acc[b][m] = add_x_block<F>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb], sums[b][m].total(),
-                                                   scale, minimum, acc[b][m]);
+                        acc[b][m] = add_x_block<sums_as>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb],
+                                                         sums[b][m].total(), scale, minimum, acc[b][m]);
                 }
             }
         }
@@ -474,16 +633,29 @@ void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const 
 // faster; below, the weights stream from memory and one block at a time reads them best), two blocks at a time.
 constexpr int64_t kPairRows = kWideX ? INT64_MAX : 8;
 
+// From this many rows int6k decodes a block's codes once (decode_int6k); below, the passes rebuild them in
+// registers, which costs less than writing and re-reading the bytes while a decode step's weights stream from memory.
+constexpr int64_t kDecodeRows = 16;
+
 template <Format F, int NB, typename T>
 void run_rows(const Problem& p, int64_t block, T* out) {
     alignas(64) float result[NB * kMaxRows * kLanes];
+    const uint8_t* decoded = nullptr;
+    if constexpr (F == kInt6K) {
+        if (p.rows >= kDecodeRows) {
+            static thread_local std::vector<uint8_t> scratch;
+            scratch.resize(static_cast<size_t>(NB * p.groups * 512));
+            decode_int6k<NB>(p, block, scratch.data());
+            decoded = scratch.data();
+        }
+    }
     for (int64_t row = 0; row < p.rows; row += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - row));
         switch (rows) {
-            case 4: block_sums<F, 4, NB>(p, block, row, result); break;
-            case 3: block_sums<F, 3, NB>(p, block, row, result); break;
-            case 2: block_sums<F, 2, NB>(p, block, row, result); break;
-            default: block_sums<F, 1, NB>(p, block, row, result); break;
+            case 4: block_sums<F, 4, NB>(p, block, row, result, decoded); break;
+            case 3: block_sums<F, 3, NB>(p, block, row, result, decoded); break;
+            case 2: block_sums<F, 2, NB>(p, block, row, result, decoded); break;
+            default: block_sums<F, 1, NB>(p, block, row, result, decoded); break;
         }
         for (int b = 0; b < NB; ++b)
             write_rows(p, row, rows, (block + b) * kLanes, result + b * rows * kLanes, out);
@@ -523,8 +695,9 @@ void quantize_row_scalar(const T* x, int64_t K, int64_t Kp, int8_t* high_digits,
             amax = std::max(amax, std::fabs(block[i]));
         }
         const float scale = amax / 127.f, low_scale = scale / 254.f;
-        int32_t sum = 0;
+        int32_t sum = 0, first_half = 0;
         for (int i = 0; i < kXBlock; ++i) {
+            if (i == kXBlock / 2) first_half = sum;
             int32_t high = 0, low = 0;
             if (scale != 0.f) {
                 const float rounded = std::nearbyint(block[i] / scale);
@@ -536,7 +709,7 @@ void quantize_row_scalar(const T* x, int64_t K, int64_t Kp, int8_t* high_digits,
             low_digits[xb * kXBlock + i] = static_cast<int8_t>(low);
             sum += 254 * high + low;
         }
-        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
+        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, first_half};
     }
 }
 
@@ -561,6 +734,7 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
                                     _mm512_reduce_max_ps(_mm512_abs_ps(halves[1])));
         const float scale = amax / 127.f, low_scale = scale / 254.f;
         __m512i sums = _mm512_setzero_si512();
+        int32_t first_half = 0;
         for (int half = 0; half < 2; ++half) {
             __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
             if (scale != 0.f) {
@@ -576,9 +750,10 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
             _mm_storeu_si128(reinterpret_cast<__m128i*>(high_digits + k + half * kLanes), _mm512_cvtepi32_epi8(high));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(low_digits + k + half * kLanes), _mm512_cvtepi32_epi8(low));
             sums = _mm512_add_epi32(sums, _mm512_add_epi32(_mm512_mullo_epi32(high, _mm512_set1_epi32(254)), low));
+            if (half == 0) first_half = _mm512_reduce_add_epi32(sums);
         }
         const int32_t sum = _mm512_reduce_add_epi32(sums);
-        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
+        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, first_half};
     }
 }
 #elif defined(TOKENMILL_AVX2_INT)
@@ -594,6 +769,13 @@ inline void store_digits(const __m256i (&digits)[4], int8_t* out) {
     // the packs interleave the 128-bit halves: 32-bit groups come out as 0 2 4 6 1 3 5 7
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+inline int32_t sum8(__m256i sums) {
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_unpackhi_epi64(sum4, sum4));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 1));
+    return _mm_cvtsi128_si32(sum4);
 }
 
 // The scalar loop's digits with 8-lane arithmetic: the same IEEE division, round-to-nearest-even and single-
@@ -621,6 +803,7 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
         const float scale = _mm_cvtss_f32(amax4) / 127.f, low_scale = scale / 254.f;
         __m256i high[4], low[4];
         __m256i sums = _mm256_setzero_si256();
+        int32_t first_half = 0;
         for (int i = 0; i < 4; ++i) {
             high[i] = low[i] = _mm256_setzero_si256();
             if (scale != 0.f) {
@@ -632,14 +815,12 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
                 low[i] = _mm256_cvtps_epi32(_mm256_min_ps(limit, _mm256_max_ps(negative_limit, low_rounded)));
             }
             sums = _mm256_add_epi32(sums, _mm256_add_epi32(_mm256_mullo_epi32(high[i], _mm256_set1_epi32(254)), low[i]));
+            if (i == 1) first_half = sum8(sums);  // inputs 0-15
         }
         store_digits(high, high_digits + k);
         store_digits(low, low_digits + k);
-        __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        sum4 = _mm_add_epi32(sum4, _mm_unpackhi_epi64(sum4, sum4));
-        sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 1));
-        const int32_t sum = _mm_cvtsi128_si32(sum4);
-        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, 0};
+        const int32_t sum = sum8(sums);
+        terms[xb] = {low_scale, low_scale * static_cast<float>(sum), 128 * sum, first_half};
     }
 }
 #else
@@ -687,11 +868,45 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     // with whole tiles two threads split 9 as 5 + 4 and 15 as 8 + 7; halves split them evenly). Whole tiles
     // from 3 rows, as before, ran a step's matmuls 2-4% slower at 4 to 64 rows (2-core EPYC Zen 4).
     using Blocks = void (*)(const Problem&, int64_t, int64_t, T*);
-    const Blocks run = format == kBf16 ? run_blocks<kBf16, T> : format == kInt8 ? run_blocks<kInt8, T> : run_blocks<kInt4, T>;
+    const Blocks run = format == kBf16    ? run_blocks<kBf16, T>
+                       : format == kInt8  ? run_blocks<kInt8, T>
+                       : format == kInt4K ? run_blocks<kInt4K, T>
+                       : format == kInt6K ? run_blocks<kInt6K, T>
+                                          : run_blocks<kInt4, T>;
     const int64_t unit = kTileBlocks / 2;
     const int64_t units = tiles * kTileBlocks / unit;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; ++u) run(p, u * unit, unit, out);
+}
+
+// One value of an int4k or int6k weight (output row block * 16 + lane, input k), as _dequantized_rows makes it.
+__attribute__((optimize("fp-contract=off"))) float k_quant_value(int format, const uint8_t* bytes,
+                                                                 const uint8_t* scales, int64_t block, int64_t lane,
+                                                                 int64_t k, int64_t Kp) {
+    const int64_t g = k / kXBlock, within = k % kXBlock, c = within % 16 / 4, half = within / 16;
+    const int64_t super = block * (Kp / (kSuperGroups * kXBlock)) + g / kSuperGroups, j = g % kSuperGroups;
+    const auto f16 = [](const uint8_t* at) {
+        uint16_t bits;
+        std::memcpy(&bits, at, sizeof(bits));
+        return half_to_float(bits);
+    };
+    if (format == kInt4K) {
+        const uint8_t byte = bytes[(((block * (Kp / kXBlock) + g) * 4 + c) * kLanes + lane) * 4 + within % 4];
+        const uint8_t* s = scales + super * kInt4KSuperBytes;
+        const float scale = f16(s + 2 * kSuperGroups * kLanes + 2 * lane) * static_cast<float>(s[j * kLanes + lane]);
+        const float minimum = -(f16(s + 2 * kSuperGroups * kLanes + 2 * (kLanes + lane)) *
+                                static_cast<float>(s[(kSuperGroups + j) * kLanes + lane]));
+        return static_cast<float>(half == 0 ? byte & 15 : byte >> 4) * scale + minimum;
+    }
+    const uint8_t* group_bytes = bytes + (block * (Kp / kXBlock) + g) * kInt6KGroupBytes;
+    const uint8_t byte = group_bytes[(c * kLanes + lane) * 4 + within % 4];
+    const uint8_t high = group_bytes[256 + half * 64 + lane * 4 + within % 4];
+    static constexpr int kShift[4] = {4, 6, 0, 2};
+    const int q = (half == 0 ? byte & 15 : byte >> 4) | (((high >> kShift[c]) & 3) << 4);
+    const uint8_t* s = scales + super * kInt6KSuperBytes;
+    const float scale = f16(s + 2 * kSuperGroups * kLanes + 2 * lane) *
+                        static_cast<float>(static_cast<int8_t>(s[(j * 2 + half) * kLanes + lane]));
+    return static_cast<float>(q - 32) * scale;
 }
 
 // Rows `ids` of a packed weight as float32 [count][K]: a tied embedding is held only in the head's packed form.
@@ -710,6 +925,10 @@ __attribute__((optimize("fp-contract=off"))) void packed_rows(const int64_t* ids
                 continue;
             }
             const uint8_t* bytes = static_cast<const uint8_t*>(packed);
+            if (format == kInt4K || format == kInt6K) {
+                row[k] = k_quant_value(format, bytes, reinterpret_cast<const uint8_t*>(scales), block, lane, k, Kp);
+                continue;
+            }
             const int64_t at = (block * groups + k / group) * kLanes + lane;
             float q;
             if (format == kInt8) {

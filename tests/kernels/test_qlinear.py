@@ -11,8 +11,10 @@ import torch
 from kernels import cpu_native
 from kernels.qlinear import (
     FORMAT_CODES,
+    K_FORMATS,
     PackedLinear,
     PackedWeight,
+    QuantizedRows,
     concat_quantized_rows,
     dequantize,
     embedding_rows,
@@ -35,6 +37,23 @@ SHAPES = [(37, 75), (100, 33), (130, 161), (960, 576)]
 FORMATS = ["bf16", "int8", "int4"]
 
 
+def k_quant_rows(fmt: str, out_features: int, in_features: int, generator: torch.Generator) -> QuantizedRows:
+    """Random int4k (Q4_K) or int6k (Q6_K) rows: codes, 6-bit / int8 group scales, float16 super-block scales."""
+    groups, supers = in_features // 32, in_features // 256
+
+    def integers(low: int, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=generator)
+
+    d = (torch.rand(out_features, supers, 2 if fmt == "int4k" else 1, generator=generator) * 0.02).half()
+    if fmt == "int4k":
+        scales, mins = integers(0, 64, out_features, groups).byte(), integers(0, 64, out_features, groups).byte()
+        return QuantizedRows(
+            "int4k", integers(0, 16, out_features, in_features).byte(), scales, mins, in_features, 32, d
+        )
+    scales = integers(-128, 128, out_features, 2 * groups).to(torch.int8)
+    return QuantizedRows("int6k", integers(0, 64, out_features, in_features).byte(), scales, None, in_features, 32, d)
+
+
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30))
 
@@ -54,6 +73,31 @@ def test_native_matches_reference_for_every_row_count(fmt: str, shape: tuple[int
         assert out.shape == (rows, out_features) and out.dtype == dtype
         # float32: the sums differ only in order and in float32 rounding; bfloat16: plus the output's rounding
         assert relative_error(out, expected) < (5e-5 if dtype == torch.float32 else 1e-2), (fmt, rows)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("shape", [(100, 256), (130, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_quant_formats_native_matches_their_values(fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """int4k / int6k (GGUF's Q4_K / Q6_K as stored): the kernel against the reference at one row, at the 4-row
+    passes, from 8 rows (two blocks side by side) and at 64 (int6k's codes decoded once per block), and the
+    reference's weight against the formula the blocks hold (w = d * sc * q - dmin * m; d * sc * (q - 32))."""
+    generator = torch.Generator().manual_seed(sum(shape))
+    rows = k_quant_rows(fmt, *shape, generator)
+    weight = pack_quantized(rows)
+    assert weight.nbytes() < (0.6 if fmt == "int4k" else 0.85) * shape[1] * (-(-shape[0] // 64) * 64)
+    d = rows.supers.float().repeat_interleave(8 if fmt == "int4k" else 16, dim=1)  # type: ignore[union-attr]
+    if fmt == "int4k":
+        scale, minimum = d[..., 0] * rows.scales.float(), d[..., 1] * rows.mins.float()  # type: ignore[union-attr]
+        expected_weight = rows.values.float() * scale.repeat_interleave(32, 1) - minimum.repeat_interleave(32, 1)
+    else:
+        scale = d[..., 0] * rows.scales.float()
+        expected_weight = (rows.values.float() - 32) * scale.repeat_interleave(16, 1)
+    assert torch.equal(dequantize(weight), expected_weight)
+    for count in [*range(1, 18), 64]:
+        x = torch.randn(count, shape[1], generator=generator).to(dtype)
+        out = qlinear_native(x, weight)
+        assert relative_error(out, qlinear_reference(x.float(), weight)) < (5e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -107,6 +151,13 @@ def test_gguf_q4_1_and_q8_0_values_come_back_unchanged() -> None:
     q8[..., 0] = 127
     q8_0 = (q8 * scale).view(64, 128)
     assert torch.allclose(dequantize(pack_weight(q8_0, "int8", group=32)), q8_0, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_k_quant_embedding_rows_are_the_dequantized_rows(fmt: str) -> None:
+    weight = pack_quantized(k_quant_rows(fmt, 100, 512, torch.Generator().manual_seed(5)))
+    ids = torch.tensor([0, 99, 17, 17, 64])
+    assert torch.equal(embedding_rows(weight, ids), dequantize(weight)[ids])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -171,6 +222,15 @@ def test_rows_packed_chunk_by_chunk_are_the_rows_packed_whole(fmt: str, chunks: 
         assert (expected is None) == (got is None) and (got is None or torch.equal(expected, got)), name
 
 
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_k_quant_rows_packed_chunk_by_chunk_are_the_rows_packed_whole(fmt: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    parts = [k_quant_rows(fmt, rows, 256, generator) for rows in (30, 20, 17, 100)]
+    whole = pack_quantized(concat_quantized_rows(parts))
+    chunked = pack_quantized_chunks(iter(parts), 167)
+    assert torch.equal(whole.packed, chunked.packed) and torch.equal(whole.scales, chunked.scales)  # type: ignore[arg-type]
+
+
 def test_weights_resident_int4_is_under_40_percent_of_bf16() -> None:
     weight = torch.randn(1536, 576)
     bf16_bytes = weight.numel() * 2
@@ -224,9 +284,11 @@ def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) 
         pytest.skip(f"this CPU can't run {march} code")
     library = _portable_kernel(tmp_path, march)
     generator = torch.Generator().manual_seed(3)
-    for fmt in FORMATS:
-        weight = pack_weight(torch.randn(130, 161, generator=generator), fmt)  # type: ignore[arg-type]
+    weights = [pack_weight(torch.randn(130, 161, generator=generator), fmt) for fmt in FORMATS]  # type: ignore[arg-type]
+    weights += [pack_quantized(k_quant_rows(fmt, 130, 512, generator)) for fmt in K_FORMATS]
+    for weight in weights:
+        fmt = weight.format
         for rows in (1, 4, 5, 9):
-            x = torch.randn(rows, 161, generator=generator)
+            x = torch.randn(rows, weight.in_features, generator=generator)
             error = relative_error(_run(library, x, weight), qlinear_native(x, weight, threads=1))
             assert error < 1e-5, (fmt, rows)
