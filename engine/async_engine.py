@@ -44,7 +44,7 @@ class AsyncEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.max_model_len = self.core.max_model_len
-        self.weight_format = loaded.weight_format  # what its weights run as, e.g. "gguf Q4_K/Q6_K -> int4/int8"
+        self.weight_format = loaded.weight_format  # what its weights run as, e.g. "gguf Q4_K/Q6_K -> int4k/int6k"
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()

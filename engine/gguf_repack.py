@@ -19,12 +19,12 @@ Scales and minimums come from the block headers (Q4_K's 6-bit ones through gguf-
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import Q4_K, Q6_K
+from gguf.quants import Q4_K
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.gguf_file import GGUFTensor
@@ -53,17 +53,39 @@ def linear_format(stored_types: Collection[str], quantization: str) -> Format:
     return "int8"
 
 
+def part_formats(part_types: Sequence[str], quantization: str) -> list[Format]:
+    """Each part's packed format, in order, for a fused linear of parts stored as `part_types`: `linear_format`
+    of them all, unless that is int8 re-quantizing a part that a format of its own keeps exactly, and the parts
+    fall into two runs of one format each (Q4_K_M's q/k/v where v is Q6_K: q/k int4k, v int6k); the linear then
+    runs as those two packed weights (kernels.qlinear.PackedLinear's `tail`)."""
+    fused = linear_format(set(part_types), quantization)
+    own = [linear_format({part_type}, quantization) for part_type in part_types]
+    runs = 1 + sum(own[i] != own[i - 1] for i in range(1, len(own)))
+    if quantization != "int4" or fused != "int8" or runs != 2:
+        return [fused] * len(own)
+    return own
+
+
 def packed_linears(names_and_types: Iterable[tuple[str, str, int]], quantization: str) -> list[tuple[Format, int]]:
-    """(format, values) of each packed linear a GGUF's quantized matrices make, from (tensor name, type, values)
-    of its quantized matrices: a layer's q/k/v and gate/up are fused, as the model builds them."""
-    groups: dict[str, list[tuple[str, int]]] = {}
+    """(format, values) of each packed weight a GGUF's quantized matrices make, from (tensor name, type, values)
+    of its quantized matrices: a layer's q/k/v and gate/up fused, as the model builds them (`part_formats`)."""
+    groups: dict[str, list[tuple[int, str, int]]] = {}
     for name, type_name, values in names_and_types:
         block, _, role = name.rpartition(".weight")[0].rpartition(".")
-        groups.setdefault(f"{block}.{FUSED_ROLES.get(role, role)}", []).append((type_name, values))
-    return [
-        (linear_format({type_name for type_name, _ in members}, quantization), sum(values for _, values in members))
-        for members in groups.values()
-    ]
+        place = list(FUSED_ROLES).index(role) if role in FUSED_ROLES else 0
+        groups.setdefault(f"{block}.{FUSED_ROLES.get(role, role)}", []).append((place, type_name, values))
+    packed: list[tuple[Format, int]] = []
+    for members in groups.values():
+        members.sort()  # q, k, v / gate, up: the order the model stacks them
+        formats = part_formats([type_name for _, type_name, _ in members], quantization)
+        runs: list[tuple[Format, int]] = []
+        for fmt, (_, _, values) in zip(formats, members, strict=True):
+            if runs and runs[-1][0] == fmt:
+                runs[-1] = (fmt, runs[-1][1] + values)
+            else:
+                runs.append((fmt, values))
+        packed.extend(runs)
+    return packed
 
 
 _ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
@@ -125,16 +147,13 @@ def _k_quant_rows(tensor: GGUFTensor, fmt: Format) -> QuantizedRows:
         codes = _nibbles(blocks[:, :, 16:], 32)
         scales, mins = sub_scales.reshape(rows, -1), sub_mins.reshape(rows, -1)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, float16 d (gguf.quants.Q6_K)
-        low = blocks[:, :, :128].reshape(rows, count, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
-        high = blocks[:, :, 128:192].reshape(rows, count, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
-            4, 1
-        )
-        codes = ((low & 0x0F).reshape(rows, count, 2, 128) | ((high & 3) << 4).reshape(rows, count, 2, 128)).reshape(
-            rows, -1
-        )
+        nibble_shifts = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        pair_shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+        low = (blocks[:, :, :128].reshape(rows, count, 2, 1, 64) >> nibble_shifts) & 0x0F
+        high = (blocks[:, :, 128:192].reshape(rows, count, 2, 1, 32) >> pair_shifts) & 3
+        codes = (low.reshape(rows, count, 2, 128) | (high << 4).reshape(rows, count, 2, 128)).reshape(rows, -1)
         scales, mins = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).reshape(rows, -1), None
         supers = _f16(blocks, 208)[..., None]
-    assert Q6_K.block_size == 256 and Q4_K.block_size == 256
     return QuantizedRows(
         fmt,
         torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)),

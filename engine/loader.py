@@ -224,7 +224,7 @@ def stored_quantization(entries: list[TensorEntry]) -> str:
 
 
 def describe_format(path: Path, entries: list[TensorEntry], quantization: str) -> str:
-    """What a GGUF's weights run as, e.g. "gguf Q4_K/Q6_K -> int4k/int6k/int8" (the packed formats by the values
+    """What a GGUF's weights run as, e.g. "gguf Q4_K/Q6_K -> int4k/int6k" (the packed formats by the values
     they hold, most first)."""
     counts = Counter(entry.type_name for entry in entries if len(entry.shape) >= 2)
     stored = "/".join(name for name, _ in counts.most_common() if name not in FLOAT_TYPES or len(counts) == 1)

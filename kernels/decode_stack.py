@@ -49,7 +49,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("input_norm", "post_attention_norm", "key_cache", "value_cache")] + [
-        (name, _Linear) for name in ("qkv", "o", "gate_up", "down")
+        (name, _Linear) for name in ("qkv", "o", "gate_up", "down", "qkv_tail")
     ]
 
 
@@ -78,8 +78,9 @@ class _Step(ctypes.Structure):
 class DecoderLayerWeights:
     input_norm: torch.Tensor  # [hidden], the activation dtype
     post_attention_norm: torch.Tensor
-    qkv: PackedWeight
-    qkv_bias: torch.Tensor | None  # float32 [q + 2 kv] or None
+    # q/k/v as one packed weight, or two whose outputs follow one another (kernels.qlinear.PackedLinear's tail)
+    qkv: list[PackedWeight]
+    qkv_bias: list[torch.Tensor | None]  # float32, each weight's outputs, or None
     o: PackedWeight
     gate_up: PackedWeight
     down: PackedWeight
@@ -126,7 +127,10 @@ def available(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> boo
     return _entry(dtype) is not None and _kernel_addresses(dtype, cache_dtype or dtype) is not None
 
 
-def _linear(weight: PackedWeight, bias: torch.Tensor | None = None) -> _Linear:
+def _linear(weight: PackedWeight | None, bias: torch.Tensor | None = None) -> _Linear:
+    if weight is None:
+        return _Linear()  # all zero: no such linear
+
     def address(tensor: torch.Tensor | None) -> int | None:
         return None if tensor is None else tensor.data_ptr()
 
@@ -168,10 +172,11 @@ class DecodeStack:
                     weights.post_attention_norm.data_ptr(),
                     key_cache.data_ptr(),
                     value_cache.data_ptr(),
-                    _linear(weights.qkv, weights.qkv_bias),
+                    _linear(weights.qkv[0], weights.qkv_bias[0]),
                     _linear(weights.o),
                     _linear(weights.gate_up),
                     _linear(weights.down),
+                    _linear(weights.qkv[1], weights.qkv_bias[1]) if len(weights.qkv) > 1 else _linear(None),
                 )
                 for weights, (key_cache, value_cache) in zip(layers, kv_caches, strict=True)
             )

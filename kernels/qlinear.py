@@ -354,7 +354,9 @@ def place_together(weights: Sequence[PackedWeight]) -> list[PackedWeight]:
 def move_together(linears: Sequence[PackedLinear]) -> None:
     """`place_together` for the linears' own weights, each swapped for its copy as soon as it is made: the
     original is freed then, so a load holds one copy of the packed model (plus one weight), not two."""
-    tensors = [t for linear in linears for t in (linear.weight.packed, linear.weight.scales, linear.weight.mins)]
+    tensors = [
+        t for linear in linears for weight in linear.weights for t in (weight.packed, weight.scales, weight.mins)
+    ]
     total = sum(_aligned(t.numel() * t.element_size()) for t in tensors if t is not None)
     buffer = huge_page_buffer(max(total, 1))
     offset = 0
@@ -369,13 +371,16 @@ def move_together(linears: Sequence[PackedLinear]) -> None:
         offset += _aligned(nbytes)
         return view
 
-    del tensors
-    for linear in linears:
-        weight = linear.weight
+    def moved(weight: PackedWeight) -> PackedWeight:
         packed = copied(weight.packed)
         assert packed is not None
-        linear.weight = replace(weight, packed=packed, scales=copied(weight.scales), mins=copied(weight.mins))
-        del weight
+        return replace(weight, packed=packed, scales=copied(weight.scales), mins=copied(weight.mins))
+
+    del tensors
+    for linear in linears:
+        linear.weight = moved(linear.weight)
+        if linear.tail is not None:
+            linear.tail = moved(linear.tail)
 
 
 def _k_quant_rows(weight: PackedWeight, blocks: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
@@ -555,7 +560,10 @@ def qlinear_native(
 
 
 class PackedLinear:
-    """y = x @ weight.T + bias through the native kernel (the reference where there is none)."""
+    """y = x @ weight.T + bias through the native kernel (the reference where there is none).
+
+    `tail`: a second packed weight of the same inputs whose outputs follow `weight`'s (a fused linear whose parts
+    keep different formats: Q4_K_M's q/k in int4k beside its Q6_K v in int6k, engine/gguf_repack.part_formats)."""
 
     def __init__(
         self,
@@ -563,13 +571,32 @@ class PackedLinear:
         fmt: Format = "int8",
         bias: torch.Tensor | None = None,
         group: int | None = None,
+        tail: PackedWeight | None = None,
     ) -> None:
         """`weight`: a float weight, packed here as `fmt` (`group`), or one already packed (fmt is then its own)."""
         self.weight = weight if isinstance(weight, PackedWeight) else pack_weight(weight, fmt, group)
-        self.out_features, self.in_features = self.weight.out_features, self.weight.in_features
+        self.tail = tail
+        if tail is not None and tail.in_features != self.weight.in_features:
+            raise ValueError("a tail weight must take the same inputs")
+        self.out_features = self.weight.out_features + (0 if tail is None else tail.out_features)
+        self.in_features = self.weight.in_features
         self.bias = None if bias is None else bias.float().contiguous()
 
+    @property
+    def weights(self) -> list[PackedWeight]:
+        return [self.weight] if self.tail is None else [self.weight, self.tail]
+
+    def nbytes(self) -> int:
+        return sum(weight.nbytes() for weight in self.weights)
+
+    def biases(self) -> list[torch.Tensor | None]:
+        """The bias of each of `weights`' outputs."""
+        if self.bias is None:
+            return [None] * len(self.weights)
+        first = self.weight.out_features
+        return [self.bias] if self.tail is None else [self.bias[:first], self.bias[first:]]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if native_available(x):
-            return qlinear_native(x, self.weight, self.bias)
-        return qlinear_reference(x, self.weight, self.bias)
+        run = qlinear_native if native_available(x) else qlinear_reference
+        outputs = [run(x, weight, bias) for weight, bias in zip(self.weights, self.biases(), strict=True)]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)

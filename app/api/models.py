@@ -49,7 +49,7 @@ def model_card(pool: ModelPool, spec: ModelSpec, model_id: str, settings: Settin
         served.engine.max_model_len if served is not None and served.engine is not None else spec.max_model_len
     )
     weight_format = str(getattr(served.engine, "weight_format", None) or "") if served is not None else ""
-    if weight_format:  # an extension: what the loaded weights run as, e.g. "gguf Q4_K/Q6_K -> int4/int8"
+    if weight_format:  # an extension: what the loaded weights run as, e.g. "gguf Q4_K/Q6_K -> int4k/int6k"
         card["weight_format"] = weight_format
     if context_length is not None:  # vLLM's name and the one OpenRouter-style clients (Codex, LiteLLM) read
         card["max_model_len"] = card["context_length"] = context_length

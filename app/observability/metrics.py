@@ -251,7 +251,7 @@ class ServedModelsCollector(Collector):
         yield preemptions
         formats = GaugeMetricFamily(
             "tokenmill:model_weight_format",
-            "1 for the weight format each loaded model runs (e.g. 'gguf Q4_K/Q6_K -> int4/int8', 'bfloat16').",
+            "1 for the weight format each loaded model runs (e.g. 'gguf Q4_K/Q6_K -> int4k/int6k', 'bfloat16').",
             labels=[*model_labels, "weight_format"],
         )
         for reading in readings:

@@ -165,9 +165,8 @@ def stored_gguf_bytes(entries: list[TensorEntry], quantization: str) -> tuple[in
     (engine/gguf_repack.py): each fused linear in its packed format (int4k / int6k for Q4_K / Q6_K as stored, int4
     for other 4-bit types under int4, else int8 in groups of 32); float tensors (norms) in float32. Each linear
     is packed chunk of rows by chunk (no whole tensor's codes or float32 intermediates exist), the file's pages
-    handed back as it goes; then every packed linear is copied into one
-    buffer (kernels.qlinear.move_together), one at a time: the transient is the largest linear's copy and
-    a chunk's intermediates (1B Q4_K_M: its tied head, 0.08 GB, and ~0.04 GB)."""
+    handed back as it goes; then every packed linear is copied into one buffer (kernels.qlinear.move_together),
+    one at a time: the transient is the largest linear's copy and a chunk's intermediates (1B Q4_K_M: its tied head, 0.08 GB, and ~0.04 GB)."""
     resident = 0
     quantized = []
     for entry in entries:

@@ -266,7 +266,7 @@ class DecoderForCausalLM:
 
         def linear_bytes(linear: LinearLayer) -> int:
             if isinstance(linear, PackedLinear):
-                return int(linear.weight.nbytes())
+                return linear.nbytes()
             stored = linear.packed if linear.packed is not None else linear.weight
             assert stored is not None
             return linear.out_features * linear.in_features * stored.element_size()
@@ -325,10 +325,17 @@ class DecoderForCausalLM:
         for layer in self.layers:
             linears = layer.linears
             assert all(isinstance(linear, PackedLinear) for linear in linears)
-            qkv, o, gate_up, down = (linear.weight for linear in linears if isinstance(linear, PackedLinear))
-            bias = layer.qkv_proj.bias if isinstance(layer.qkv_proj, PackedLinear) else None
+            qkv_proj, o, gate_up, down = (linear for linear in linears if isinstance(linear, PackedLinear))
             weights.append(
-                DecoderLayerWeights(layer.input_norm, layer.post_attention_norm, qkv, bias, o, gate_up, down)
+                DecoderLayerWeights(
+                    layer.input_norm,
+                    layer.post_attention_norm,
+                    qkv_proj.weights,
+                    qkv_proj.biases(),
+                    o.weight,
+                    gate_up.weight,
+                    down.weight,
+                )
             )
         shape = self.shape
         stack_shape = StackShape(

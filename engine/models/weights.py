@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.gguf_file import GGUFTensor
-from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, linear_format, stored_row_chunks
+from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, linear_format, part_formats, stored_row_chunks
 from kernels.linear import Linear
 from kernels.qlinear import (
     Format,
@@ -83,7 +83,10 @@ def make_linear(
         return Linear(weight.to(dtype), None if bias is None else bias.to(dtype))
     if not any_stored(parts):
         return PackedLinear(concat_rows(parts), LAYER_FORMATS[quantization], bias)
-    return PackedLinear(pack_stored(parts, stored_format(parts, LAYER_FORMATS[quantization])), bias=bias)
+    formats = part_formats([stored_type(part) for part in parts], LAYER_FORMATS[quantization])
+    split = next((i for i in range(1, len(parts)) if formats[i] != formats[0]), len(parts))
+    tail = pack_stored(parts[split:], formats[-1]) if split < len(parts) else None
+    return PackedLinear(pack_stored(parts[:split], formats[0]), bias=bias, tail=tail)
 
 
 def make_head(weight: Weight, quantization: str) -> PackedLinear:
@@ -114,11 +117,15 @@ def is_gguf(weight: StoredTensor) -> bool:
     return weight.stored_type in INT4_TYPES | WIDE_TYPES
 
 
+def stored_type(part: Weight) -> str:
+    """The file's type of a stored part; "F32" for a float tensor (packed from its values like any float weight)."""
+    return "F32" if isinstance(part, torch.Tensor) else part.stored_type
+
+
 def stored_format(parts: Sequence[Weight], fmt: Format) -> Format:
     """The packed format of a (fused) linear of `parts` under int4 (a GGUF as stored) or int8
     (engine.gguf_repack.linear_format: int4k / int6k / int4 where the file's values fit, else int8)."""
-    stored_types = {part.stored_type if not isinstance(part, torch.Tensor) else "F32" for part in parts}
-    return linear_format(stored_types, fmt) if fmt in ("int4", "int8") else fmt
+    return linear_format({stored_type(part) for part in parts}, fmt) if fmt in ("int4", "int8") else fmt
 
 
 def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:

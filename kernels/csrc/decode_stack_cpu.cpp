@@ -63,6 +63,9 @@ struct TokenmillLayer {
     void* key_cache;  // heads-major [kv_heads, pool_blocks, block_size, head_dim]
     void* value_cache;
     TokenmillLinear qkv, o, gate_up, down;
+    // packed == null: none. Else q/k/v's outputs past qkv's (a fused linear whose parts keep different formats:
+    // Q4_K_M's q/k in int4k, its Q6_K v in int6k), computed apart and placed after them in each row.
+    TokenmillLinear qkv_tail;
 };
 
 struct TokenmillModel {
@@ -98,19 +101,25 @@ void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedd
     const auto lora_add = reinterpret_cast<typename K::LoraAdd>(s.lora_add);
     int64_t layer_index = 0;
     // which: the linear's place in the layer (qkv 0, o 1, gate_up 2, down 3), as kernels/lora.py numbers them
-    const auto linear = [&](const TokenmillLinear& w, const T* x, T* y, int64_t which) {
+    const auto matmul = [&](const TokenmillLinear& w, const T* x, T* y) {
         qlinear(x, y, s.rows, w.in_features, w.out_features, static_cast<int>(w.format), w.packed, w.scales, w.mins,
                 w.group, w.bias, threads);
+    };
+    const auto add_lora = [&](const T* x, int64_t in_features, T* y, int64_t out_features, int64_t which) {
         if (lora_add != nullptr)  // (an adapter that does not fit the shapes, which registration refuses, adds nothing)
-            lora_add(s.lora, layer_index * 4 + which, x, w.in_features, w.in_features, y, w.out_features,
-                     w.out_features, threads);
+            lora_add(s.lora, layer_index * 4 + which, x, in_features, in_features, y, out_features, out_features,
+                     threads);
+    };
+    const auto linear = [&](const TokenmillLinear& w, const T* x, T* y, int64_t which) {
+        matmul(w, x, y);
+        add_lora(x, w.in_features, y, w.out_features, which);
     };
     const int64_t rows = s.rows, hidden = m.hidden;
     const int64_t q_size = m.heads * m.head_dim, kv_size = m.kv_heads * m.head_dim;
     const int64_t qkv_width = q_size + 2 * kv_size;
     const float eps = static_cast<float>(m.eps), scale = static_cast<float>(m.scale);
 
-    static thread_local std::vector<T> x, residual, normed, qkv, attention, gate_up, activated;
+    static thread_local std::vector<T> x, residual, normed, qkv, attention, gate_up, activated, head_part, tail_part;
     x.resize(rows * hidden);
     residual.resize(rows * hidden);
     normed.resize(rows * hidden);
@@ -128,7 +137,21 @@ void run_layers(const TokenmillModel& m, const TokenmillStep& s, const T* embedd
             rms_norm(residual.data(), nullptr, input_norm, normed.data(), residual.data(), rows, hidden, eps, threads);
         else
             rms_norm(x.data(), residual.data(), input_norm, normed.data(), residual.data(), rows, hidden, eps, threads);
-        linear(layer.qkv, normed.data(), qkv.data(), 0);
+        if (layer.qkv_tail.packed == nullptr) {
+            linear(layer.qkv, normed.data(), qkv.data(), 0);
+        } else {  // the two parts apart, then side by side in each row
+            const int64_t head_width = layer.qkv.out_features, tail_width = layer.qkv_tail.out_features;
+            head_part.resize(rows * head_width);
+            tail_part.resize(rows * tail_width);
+            matmul(layer.qkv, normed.data(), head_part.data());
+            matmul(layer.qkv_tail, normed.data(), tail_part.data());
+            for (int64_t r = 0; r < rows; ++r) {
+                std::memcpy(qkv.data() + r * qkv_width, head_part.data() + r * head_width, head_width * sizeof(T));
+                std::memcpy(qkv.data() + r * qkv_width + head_width, tail_part.data() + r * tail_width,
+                            tail_width * sizeof(T));
+            }
+            add_lora(normed.data(), hidden, qkv.data(), qkv_width, 0);
+        }
         T* q = qkv.data();
         T* k = q + q_size;
         T* v = k + kv_size;

@@ -292,3 +292,23 @@ def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) 
             x = torch.randn(rows, weight.in_features, generator=generator)
             error = relative_error(_run(library, x, weight), qlinear_native(x, weight, threads=1))
             assert error < 1e-5, (fmt, rows)
+
+
+def test_a_linear_with_a_tail_weight_outputs_both_parts_side_by_side() -> None:
+    """A fused linear whose parts keep different formats (Q4_K_M's q/k int4k, v int6k): the outputs of `weight`
+    then of `tail`, each with its share of the bias, at one row and at many."""
+    generator = torch.Generator().manual_seed(11)
+    head, tail = (
+        pack_quantized(k_quant_rows("int4k", 96, 256, generator)),
+        pack_quantized(k_quant_rows("int6k", 32, 256, generator)),
+    )
+    bias = torch.randn(128, generator=generator)
+    linear = PackedLinear(head, bias=bias, tail=tail)
+    assert (linear.out_features, linear.in_features) == (128, 256)
+    assert linear.nbytes() == head.nbytes() + tail.nbytes()
+    for rows in (1, 9):
+        x = torch.randn(rows, 256, generator=generator)
+        expected = torch.cat((qlinear_native(x, head, bias[:96]), qlinear_native(x, tail, bias[96:])), dim=-1)
+        assert torch.equal(linear(x), expected)
+    with pytest.raises(ValueError, match="same inputs"):
+        PackedLinear(head, tail=pack_quantized(k_quant_rows("int6k", 32, 512, generator)))
