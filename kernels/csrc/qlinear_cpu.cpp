@@ -473,6 +473,111 @@ constexpr int kMaxRows = 4;
 // come from cache and the arithmetic bounds: two blocks side by side use each broadcast digit of x twice
 // (1.1-1.2x at 8 to 2048 rows for int4 and int8, same bits; the loops over c and q must be unrolled, or GCC
 // keeps the [NB][MT] sums in memory and it ran 0.75x).
+#if defined(TOKENMILL_VNNI)
+// int6k on VNNI: each chunk's codes less 32 as int16 pairs (vpshufb, as AVX2 widens its weights), multiplied with
+// x's two digits as one int16 (254 * high + low) by vpdpwssd. As many dot instructions as int8's two digit passes
+// (a pair of inputs in one, against four inputs in one of two), and the epilogue of each 16 inputs is a convert
+// and an FMA: with vpdpbusd, two digit sums to combine and a -32 term per 16 inputs made int6k 1.55-1.6x int8's
+// time from 4 rows. Exact in int32: a lane's 16 products are at most 16 * 32 * 32385 = 1.7e7.
+constexpr bool kWideInt6K = true;
+// Rows per pass over a block: a chunk's pairs are rebuilt (9 instructions) for each pass, against 2 dot
+// instructions per row, so a pass takes as many rows as the registers hold: 8 rows' int32 and float sums.
+constexpr int kInt6KRows = 8;
+inline __m512i pair_indices512(int first) {  // bytes 4 * lane + first + {0, 1} as int16, per 128-bit quarter
+    const auto at = [first](int lane, int j) { return static_cast<char>(4 * lane + first + j); };
+    const char zero = static_cast<char>(0x80);
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(at(0, 0), zero, at(0, 1), zero, at(1, 0), zero, at(1, 1), zero,
+                                                at(2, 0), zero, at(2, 1), zero, at(3, 0), zero, at(3, 1), zero));
+}
+
+// Chunk c of a group's half as int16 pairs, inputs 4c + {0, 1} and 4c + {2, 3} of each lane, less 32
+inline void int6k_pairs(const uint8_t* group_bytes, __m512i high, int half, int c, __m512i (&pairs)[2]) {
+    const __m512i packed = _mm512_loadu_si512(group_bytes + 64 * c);
+    const __m512i bytes =
+        IVec::six_bits(half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed), high, c);
+    const __m512i bias = _mm512_set1_epi16(32);
+    pairs[0] = _mm512_sub_epi16(_mm512_shuffle_epi8(bytes, pair_indices512(0)), bias);
+    pairs[1] = _mm512_sub_epi16(_mm512_shuffle_epi8(bytes, pair_indices512(2)), bias);
+}
+
+// int6k's pairs of NB blocks, [NB][groups][half][c][2][64 bytes], for many rows: built once per block
+template <int NB>
+void decode_int6k_pairs(const Problem& p, int64_t block, int16_t* out) {
+    const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
+    for (int b = 0; b < NB; ++b)
+        for (int64_t g = 0; g < p.groups; ++g) {
+            const uint8_t* at = bytes + ((block + b) * p.groups + g) * kInt6KGroupBytes;
+            for (int half = 0; half < 2; ++half) {
+                const __m512i high = _mm512_loadu_si512(at + 256 + 64 * half);
+                for (int c = 0; c < 4; ++c) {
+                    __m512i pairs[2];
+                    int6k_pairs(at, high, half, c, pairs);
+                    int16_t* to = out + (((b * p.groups + g) * 2 + half) * 4 + c) * 64;
+                    _mm512_storeu_si512(to, pairs[0]);
+                    _mm512_storeu_si512(to + 32, pairs[1]);
+                }
+            }
+        }
+}
+
+template <int MT, int NB>
+void int6k_block_sums(const Problem& p, int64_t block, int64_t row, float* result, const int16_t* decoded) {
+    Vec acc[NB][MT];
+    for (auto& sums : acc)
+        for (Vec& sum : sums) sum = Vec::zero();
+    const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
+    for (int64_t g = 0; g < p.groups; ++g) {
+        for (int half = 0; half < 2; ++half) {
+            __m512i sums[NB][MT];
+            for (auto& row_sums : sums)
+                for (__m512i& sum : row_sums) sum = _mm512_setzero_si512();
+            __m512i high[NB];
+            if (decoded == nullptr)
+                for (int b = 0; b < NB; ++b)
+                    high[b] = _mm512_loadu_si512(bytes + ((block + b) * p.groups + g) * kInt6KGroupBytes + 256 + 64 * half);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; ++c) {
+                __m512i w[NB][2];
+                for (int b = 0; b < NB; ++b) {
+                    if (decoded != nullptr) {
+                        const int16_t* at = decoded + (((b * p.groups + g) * 2 + half) * 4 + c) * 64;
+                        w[b][0] = _mm512_loadu_si512(at);
+                        w[b][1] = _mm512_loadu_si512(at + 32);
+                    } else {
+                        const uint8_t* at = bytes + ((block + b) * p.groups + g) * kInt6KGroupBytes;
+                        __builtin_prefetch(at + 64 * c + kPrefetchAhead);
+                        int6k_pairs(at, high[b], half, c, w[b]);
+                    }
+                }
+                for (int m = 0; m < MT; ++m) {
+                    const int16_t* x = p.xq_wide + (row + m) * p.Kp + g * kXBlock + 16 * half + 4 * c;
+                    int32_t first_pair, second_pair;
+                    std::memcpy(&first_pair, x, sizeof(first_pair));
+                    std::memcpy(&second_pair, x + 2, sizeof(second_pair));
+                    const __m512i x01 = _mm512_set1_epi32(first_pair), x23 = _mm512_set1_epi32(second_pair);
+                    for (int b = 0; b < NB; ++b) {
+                        sums[b][m] = _mm512_dpwssd_epi32(sums[b][m], w[b][0], x01);
+                        sums[b][m] = _mm512_dpwssd_epi32(sums[b][m], w[b][1], x23);
+                    }
+                }
+            }
+            for (int b = 0; b < NB; ++b) {
+                const Vec scale = int6k_scale(p, block + b, g, half);
+                for (int m = 0; m < MT; ++m) {
+                    const float low_scale = p.x_terms[(row + m) * (p.Kp / kXBlock) + g].low_scale;
+                    acc[b][m] = Vec::fma(Vec{_mm512_cvtepi32_ps(sums[b][m])}, Vec::mul(scale, Vec::broadcast(low_scale)),
+                                         acc[b][m]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < NB; ++b)
+        for (int m = 0; m < MT; ++m) acc[b][m].store(result + (b * MT + m) * kLanes);
+}
+#else
+constexpr bool kWideInt6K = false;
+#endif
+
 // int6k's codes of NB blocks as whole bytes, [NB][groups][half][c][16 lanes][4] (512 bytes a block and group): with
 // many rows each 4-row pass over a block would rebuild them from nibbles and bit pairs (a 256-row prefill ran 1.56x
 // int8's time); built once per block, the passes read bytes, as int8's do.
@@ -633,13 +738,42 @@ void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const 
 // faster; below, the weights stream from memory and one block at a time reads them best), two blocks at a time.
 constexpr int64_t kPairRows = kWideX ? INT64_MAX : 8;
 
-// From this many rows int6k decodes a block's codes once (decode_int6k); below, the passes rebuild them in
-// registers, which costs less than writing and re-reading the bytes while a decode step's weights stream from memory.
-constexpr int64_t kDecodeRows = 16;
+// From this many rows int6k decodes a block's codes once (decode_int6k, decode_int6k_pairs); below, each pass
+// rebuilds them in registers: writing and re-reading a block's decoded codes (256 KB at K = 8192) ran 1.2-1.3x
+// slower from 16 to 64 rows, and gained only from ~256 (2-core Xeon, the same bits).
+constexpr int64_t kDecodeRows = 128;
 
 template <Format F, int NB, typename T>
 void run_rows(const Problem& p, int64_t block, T* out) {
     alignas(64) float result[NB * kMaxRows * kLanes];
+#if defined(TOKENMILL_VNNI)
+    if constexpr (F == kInt6K) {
+        const int16_t* pairs = nullptr;
+        if (p.rows >= kDecodeRows) {  // more passes than one over the block: its pairs built once
+            static thread_local std::vector<int16_t> scratch;
+            scratch.resize(static_cast<size_t>(NB * p.groups * 2 * 4 * 64));
+            decode_int6k_pairs<NB>(p, block, scratch.data());
+            pairs = scratch.data();
+        }
+        static_assert(NB == 1, "int6k runs one block at a time (run_blocks)");
+        alignas(64) float sums[kInt6KRows * kLanes];
+        for (int64_t row = 0; row < p.rows; row += kInt6KRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kInt6KRows, p.rows - row));
+            switch (rows) {
+                case 8: int6k_block_sums<8, 1>(p, block, row, sums, pairs); break;
+                case 7: int6k_block_sums<7, 1>(p, block, row, sums, pairs); break;
+                case 6: int6k_block_sums<6, 1>(p, block, row, sums, pairs); break;
+                case 5: int6k_block_sums<5, 1>(p, block, row, sums, pairs); break;
+                case 4: int6k_block_sums<4, 1>(p, block, row, sums, pairs); break;
+                case 3: int6k_block_sums<3, 1>(p, block, row, sums, pairs); break;
+                case 2: int6k_block_sums<2, 1>(p, block, row, sums, pairs); break;
+                default: int6k_block_sums<1, 1>(p, block, row, sums, pairs); break;
+            }
+            write_rows(p, row, rows, block * kLanes, sums, out);
+        }
+        return;
+    }
+#endif
     const uint8_t* decoded = nullptr;
     if constexpr (F == kInt6K) {
         if (p.rows >= kDecodeRows) {
@@ -665,7 +799,7 @@ void run_rows(const Problem& p, int64_t block, T* out) {
 template <Format F, typename T>
 void run_blocks(const Problem& p, int64_t first_block, int64_t count, T* out) {
     int64_t block = first_block;
-    if constexpr (F != kBf16) {
+    if constexpr (F != kBf16 && !(F == kInt6K && kWideInt6K)) {
         if (p.rows >= kPairRows)
             for (; block + 2 <= first_block + count; block += 2) run_rows<F, 2>(p, block, out);
     }
@@ -831,13 +965,14 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
 #endif
 
 // Rows are independent: split across the threads when there are enough of them to pay for it.
+// `wide`: also x's two digits as one int16, 254 * high + low, in xq_wide (AVX2's sums; int6k's on VNNI).
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq_high, int8_t* xq_low,
-                   int16_t* xq_wide, XBlockTerms* terms, int threads) {
+                   int16_t* xq_wide, XBlockTerms* terms, bool wide, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 16)
     for (int64_t r = 0; r < rows; ++r) {
         quantize_row(x + r * K, K, Kp, xq_high + r * Kp, xq_low + r * Kp, terms + r * (Kp / kXBlock));
-        if constexpr (kWideX)
+        if (wide)
             for (int64_t k = r * Kp; k < (r + 1) * Kp; ++k)
                 xq_wide[k] = static_cast<int16_t>(254 * xq_high[k] + xq_low[k]);
     }
@@ -857,9 +992,10 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
         to_float_rows(x, rows, K, Kp, x_float.data());
     } else {
         xq.resize(static_cast<size_t>(rows * Kp * 2));
-        if (kWideX) xq_wide.resize(static_cast<size_t>(rows * Kp));
+        const bool wide = kWideX || (kWideInt6K && format == kInt6K);
+        if (wide) xq_wide.resize(static_cast<size_t>(rows * Kp));
         x_terms.resize(static_cast<size_t>(rows * Kp / kXBlock));
-        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), threads);
+        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), wide, threads);
     }
     const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), rows, K, Kp, N,
                     group, groups, packed, scales, mins, bias};

@@ -34,8 +34,12 @@ def quantized_float32(request):
     return load_model(config)
 
 
-def test_quantized_model_answers_the_capital_question(quantized):
-    engine = make_engine(quantized, dtype="bfloat16", quantization=quantized.model.quantization, num_kv_blocks=64)
+def test_quantized_model_answers_the_capital_question(quantized_float32):
+    """With float32 activations, what `--quantization auto` serves on CPUs. (With bfloat16 activations the 135M
+    model's int8 answer depends on the CPU: on an Intel Xeon with native BF16, whose attention and norms round
+    differently, it answered "L'Étoile, la Marseillaise, ..." before and after the int4k/int6k change.)"""
+    quantized = quantized_float32
+    engine = make_engine(quantized, dtype="float32", quantization=quantized.model.quantization, num_kv_blocks=64)
     prompt = chat_prompt(quantized.tokenizer, "What is the capital of France?")
     tokens = run_to_completion(engine, [prompt], GREEDY)["r0"][0]
     assert "Paris" in quantized.tokenizer.decode(tokens)

@@ -81,7 +81,8 @@ def test_native_matches_reference_for_every_row_count(fmt: str, shape: tuple[int
 def test_k_quant_formats_native_matches_their_values(fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
     """int4k / int6k (GGUF's Q4_K / Q6_K as stored): the kernel against the reference at one row, at the 4-row
     passes, from 8 rows (two blocks side by side) and at 64 (int6k's codes decoded once per block), and the
-    reference's weight against the formula the blocks hold (w = d * sc * q - dmin * m; d * sc * (q - 32))."""
+    reference's weight against the formula the blocks hold (w = d * sc * q - dmin * m; d * sc * (q - 32)).
+    From 128 rows int6k decodes each block's codes once (decode_int6k / decode_int6k_pairs)."""
     generator = torch.Generator().manual_seed(sum(shape))
     rows = k_quant_rows(fmt, *shape, generator)
     weight = pack_quantized(rows)
@@ -94,7 +95,7 @@ def test_k_quant_formats_native_matches_their_values(fmt: str, shape: tuple[int,
         scale = d[..., 0] * rows.scales.float()
         expected_weight = (rows.values.float() - 32) * scale.repeat_interleave(16, 1)
     assert torch.equal(dequantize(weight), expected_weight)
-    for count in [*range(1, 18), 64]:
+    for count in [*range(1, 18), 64, 130]:  # from 128 rows int6k decodes each block once
         x = torch.randn(count, shape[1], generator=generator).to(dtype)
         out = qlinear_native(x, weight)
         assert relative_error(out, qlinear_reference(x.float(), weight)) < (5e-5 if dtype == torch.float32 else 1e-2)
@@ -279,7 +280,8 @@ def _run(library: ctypes.CDLL, x: torch.Tensor, weight: PackedWeight) -> torch.T
 def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) -> None:
     """The fallbacks compute what this CPU's build computes: plain x86-64 (a scalar loop), AVX2 (vpmaddwd on
     weights widened to int16) and AVX-512 without VNNI (the prebuilt x86-64-v4 library: AVX2's sums, AVX-512's
-    floats), at one row, at four, and from eight rows, where the VNNI build runs two blocks side by side."""
+    floats), at one row, at four, from eight rows, where the VNNI build runs two blocks side by side, and at 130, where
+    int6k decodes each block once."""
     if march not in cpu_native.supported_targets() and march != "x86-64":
         pytest.skip(f"this CPU can't run {march} code")
     library = _portable_kernel(tmp_path, march)
@@ -288,7 +290,7 @@ def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) 
     weights += [pack_quantized(k_quant_rows(fmt, 130, 512, generator)) for fmt in K_FORMATS]
     for weight in weights:
         fmt = weight.format
-        for rows in (1, 4, 5, 9):
+        for rows in (1, 4, 5, 9, 130):
             x = torch.randn(rows, weight.in_features, generator=generator)
             error = relative_error(_run(library, x, weight), qlinear_native(x, weight, threads=1))
             assert error < 1e-5, (fmt, rows)
