@@ -196,17 +196,31 @@ def random_adapter(dims: LoraDims, rank: int, seed: int, dtype: torch.dtype, mod
 
 
 @pytest.mark.parametrize(
-    "dtype,quantization", [(torch.float32, "int8"), (torch.bfloat16, "int4"), (torch.float32, "none")]
+    "dtype,quantization,split_qkv",
+    [(torch.float32, "int8", False), (torch.bfloat16, "int4", False), (torch.float32, "none", False)]
+    + [(torch.float32, "int8", True)],
 )
-def test_base_rows_get_no_delta_and_the_fused_stack_adds_as_per_op(dtype, quantization, monkeypatch):
+def test_base_rows_get_no_delta_and_the_fused_stack_adds_as_per_op(dtype, quantization, split_qkv, monkeypatch):
     """One decode step over four sequences, rows 1-3 under two adapters (row 0 the base): the base's row equals a
     step without adapters bit for bit; with packed weights the step runs as the fused native stack, the deltas
-    added inside it, and equals the per-op path (each linear wrapped) bit for bit."""
+    added inside it, and equals the per-op path (each linear wrapped) bit for bit. `split_qkv`: q/k/v as two
+    packed weights of different formats (a Q4_K_M's q/k int4k and v int6k; here int8 and int4), the stack's
+    `qkv_tail`, with the adapters' q/k/v deltas added over both parts."""
+    from kernels.qlinear import PackedLinear, dequantize, pack_weight
     from tests.kernels import test_decode_stack as stack_test
 
     if not native_lora.available(dtype):
         pytest.skip("no C++ compiler: the native kernels can't be built here")
     model = stack_test.tiny_model(dtype, quantization)
+    if split_qkv:
+        for layer in model.layers:
+            assert isinstance(layer.qkv_proj, PackedLinear)
+            weight, first = dequantize(layer.qkv_proj.weight), layer.q_size + layer.kv_size
+            layer.qkv_proj = PackedLinear(
+                pack_weight(weight[:first], "int8", 32),
+                bias=layer.qkv_proj.bias,
+                tail=pack_weight(weight[first:], "int4"),
+            )
     dims = LoraDims.of_model(model)
     first = random_adapter(dims, 4, 1, dtype)
     second = random_adapter(dims, 8, 2, dtype, modules=("q", "v", "o", "down"))
