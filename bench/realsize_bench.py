@@ -404,6 +404,17 @@ def memory_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def print_report_footer(name: str, report: dict[str, Any]) -> None:
+    """A file's skipped systems, the registry's estimate and the targets, below its rows of either table."""
+    for system, why in report["skipped"].items():
+        print(f"{name:24} {system:10} skipped: {why}")
+    estimate = report["registry_estimate"]
+    print(f"{'':24} registry estimate: {estimate.get('describe') or estimate.get('error')}")
+    for target in report["targets"]:
+        value = "-" if target["value"] != target["value"] else f"{target['value']:.2f}{target['unit']}"
+        print(f"{'':24} target: {target['target']:58} {value:>9}  {'met' if target['met'] else 'MISSED'}")
+
+
 def print_memory_report(files: list[dict[str, Any]]) -> None:
     print(f"\n{'file':24} {'system':10} {'file GB':>8} {'KV GB':>6} {'load peak GB':>12} {'serving peak GB':>15}")
     for report in files:
@@ -414,13 +425,7 @@ def print_memory_report(files: list[dict[str, Any]]) -> None:
                 f"{name:24} {system:10} {report['file_bytes'] / GB:8.2f} {pools[system] / GB:6.2f} "
                 f"{row['load_peak_rss_bytes'] / GB:12.2f} {row['peak_rss_bytes'] / GB:15.2f}"
             )
-        for system, why in report["skipped"].items():
-            print(f"{name:24} {system:10} skipped: {why}")
-        estimate = report["registry_estimate"]
-        print(f"{'':24} registry estimate: {estimate.get('describe') or estimate.get('error')}")
-        for target in report["targets"]:
-            value = "-" if target["value"] != target["value"] else f"{target['value']:.2f}{target['unit']}"
-            print(f"{'':24} target: {target['target']:58} {value:>9}  {'met' if target['met'] else 'MISSED'}")
+        print_report_footer(name, report)
 
 
 def _tokenmill_refused(estimate: dict[str, Any], limit_gib: float) -> str:
@@ -500,13 +505,7 @@ def print_report(files: list[dict[str, Any]], bandwidth: dict[str, float], workl
                 f"{row['data_dir_bytes'] / GB:10.2f} {row['one_stream_tok_s']:9.1f} {row['streams_tok_s']:9.1f} "
                 f"{row['ttft_s']:7.2f} {row['weight_read_bytes_s'] / GB:9.1f} {100 * row['weight_read_of_bandwidth']:6.0f}%"
             )
-        for system, why in report["skipped"].items():
-            print(f"{name:24} {system:10} skipped: {why}")
-        estimate = report["registry_estimate"]
-        print(f"{'':24} registry estimate: {estimate.get('describe') or estimate.get('error')}")
-        for target in report["targets"]:
-            value = "-" if target["value"] != target["value"] else f"{target['value']:.2f}{target['unit']}"
-            print(f"{'':24} target: {target['target']:58} {value:>9}  {'met' if target['met'] else 'MISSED'}")
+        print_report_footer(name, report)
 
 
 def plot(files: list[dict[str, Any]], path: Path) -> None:

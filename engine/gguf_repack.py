@@ -19,6 +19,7 @@ Scales and minimums come from the block headers (Q4_K's 6-bit ones through gguf-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -27,7 +28,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.gguf_file import GGUFTensor
+from engine.gguf_file import GGUFTensor, TensorEntry
 from kernels.qlinear import TILE_ROWS, Format, QuantizedRows, concat_quantized_rows, quantize_rows
 
 GROUP = 32
@@ -66,14 +67,21 @@ def part_formats(part_types: Sequence[str], quantization: str) -> list[Format]:
     return own
 
 
-def packed_linears(names_and_types: Iterable[tuple[str, str, int]], quantization: str) -> list[tuple[Format, int]]:
-    """(format, values) of each packed weight a GGUF's quantized matrices make, from (tensor name, type, values)
-    of its quantized matrices: a layer's q/k/v and gate/up fused, as the model builds them (`part_formats`)."""
+def is_packed_matrix(entry: TensorEntry) -> bool:
+    """A quantized matrix (or stack of experts' matrices): packed for the int kernels; the rest stays float."""
+    return entry.type_name in INT4_TYPES | WIDE_TYPES and len(entry.shape) >= 2
+
+
+def packed_linears(entries: Iterable[TensorEntry], quantization: str) -> list[tuple[Format, int]]:
+    """(format, values) of each packed weight a GGUF's quantized matrices make: a layer's q/k/v and gate/up fused,
+    as the model builds them (`part_formats`)."""
     groups: dict[str, list[tuple[int, str, int]]] = {}
-    for name, type_name, values in names_and_types:
-        block, _, role = name.rpartition(".weight")[0].rpartition(".")
+    for entry in filter(is_packed_matrix, entries):
+        block, _, role = entry.name.rpartition(".weight")[0].rpartition(".")
         place = list(FUSED_ROLES).index(role) if role in FUSED_ROLES else 0
-        groups.setdefault(f"{block}.{FUSED_ROLES.get(role, role)}", []).append((place, type_name, values))
+        groups.setdefault(f"{block}.{FUSED_ROLES.get(role, role)}", []).append(
+            (place, entry.type_name, math.prod(entry.shape))
+        )
     packed: list[tuple[Format, int]] = []
     for members in groups.values():
         members.sort()  # q, k, v / gate, up: the order the model stacks them

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
 import os
 import re
 import shutil
@@ -230,13 +229,8 @@ def describe_format(path: Path, entries: list[TensorEntry], quantization: str) -
     stored = "/".join(name for name, _ in counts.most_common() if name not in FLOAT_TYPES or len(counts) == 1)
     if quantization not in ("int4", "int8"):
         return f"gguf {stored or 'F32'} -> float"
-    quantized = [
-        (entry.name, entry.type_name, math.prod(entry.shape))
-        for entry in entries
-        if entry.type_name in INT4_TYPES | WIDE_TYPES and len(entry.shape) >= 2
-    ]
     formats: Counter[str] = Counter()
-    for fmt, values in packed_linears(quantized, quantization):
+    for fmt, values in packed_linears(entries, quantization):
         formats[fmt] += values
     return f"gguf {stored or 'F32'} -> {'/'.join(fmt for fmt, _ in formats.most_common()) or quantization}"
 

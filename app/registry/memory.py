@@ -34,7 +34,7 @@ from app.registry.inspection import default_source_path
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
 from engine.gguf_file import TensorEntry, read_tensor_index
-from engine.gguf_repack import CHUNK_VALUES, INT4_TYPES, WIDE_TYPES, packed_linears
+from engine.gguf_repack import CHUNK_VALUES, is_packed_matrix, packed_linears
 from engine.loader import converted_folder, resolve_quantization
 from engine.models.decoder import MLP_ROWS
 from kernels.qlinear import BYTES_PER_VALUE
@@ -166,17 +166,11 @@ def stored_gguf_bytes(entries: list[TensorEntry], quantization: str) -> tuple[in
     for other 4-bit types under int4, else int8 in groups of 32); float tensors (norms) in float32. Each linear
     is packed chunk of rows by chunk (no whole tensor's codes or float32 intermediates exist), the file's pages
     handed back as it goes; then every packed linear is copied into one buffer (kernels.qlinear.move_together),
-    one at a time: the transient is the largest linear's copy and a chunk's intermediates (1B Q4_K_M: its tied head, 0.08 GB, and ~0.04 GB)."""
-    resident = 0
-    quantized = []
-    for entry in entries:
-        values = math.prod(entry.shape)
-        if entry.type_name not in INT4_TYPES | WIDE_TYPES or len(entry.shape) < 2:
-            resident += values * FLOAT32_BYTES
-            continue
-        quantized.append((entry.name, entry.type_name, values))
+    one at a time: the transient is the largest linear's copy and a chunk's intermediates (1B Q4_K_M: its tied
+    head, 0.08 GB, and ~0.04 GB)."""
+    resident = sum(math.prod(entry.shape) * FLOAT32_BYTES for entry in entries if not is_packed_matrix(entry))
     largest = 0
-    for fmt, values in packed_linears(quantized, quantization):
+    for fmt, values in packed_linears(entries, quantization):
         packed = math.ceil(values * BYTES_PER_VALUE[fmt])
         resident += packed
         largest = max(largest, packed)

@@ -464,6 +464,14 @@ struct DigitSums {
 // the same in L1).
 constexpr int kMaxRows = 4;
 
+// int6k: the codes (0..63) of chunk c of a group's half, inputs 16 * half + 4c + j of each lane, from the group's
+// bytes and that half's high bit pairs
+template <typename Bytes>
+inline Bytes int6k_codes(const uint8_t* group_bytes, const Bytes& high, int half, int c) {
+    const Bytes packed = IVec::load(group_bytes + 64 * c);
+    return IVec::six_bits(half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed), high, c);
+}
+
 // Sums of MT rows against NB consecutive blocks (16 outputs each), one group (or all of K for bf16) at a time,
 // into result[(b * MT + m) * kLanes + lane].
 // One block at a time (NB = 1) while the weights stream from memory: a block's weights are one contiguous run,
@@ -492,9 +500,7 @@ inline __m512i pair_indices512(int first) {  // bytes 4 * lane + first + {0, 1} 
 
 // Chunk c of a group's half as int16 pairs, inputs 4c + {0, 1} and 4c + {2, 3} of each lane, less 32
 inline void int6k_pairs(const uint8_t* group_bytes, __m512i high, int half, int c, __m512i (&pairs)[2]) {
-    const __m512i packed = _mm512_loadu_si512(group_bytes + 64 * c);
-    const __m512i bytes =
-        IVec::six_bits(half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed), high, c);
+    const __m512i bytes = int6k_codes(group_bytes, high, half, c);
     const __m512i bias = _mm512_set1_epi16(32);
     pairs[0] = _mm512_sub_epi16(_mm512_shuffle_epi8(bytes, pair_indices512(0)), bias);
     pairs[1] = _mm512_sub_epi16(_mm512_shuffle_epi8(bytes, pair_indices512(2)), bias);
@@ -578,9 +584,9 @@ void int6k_block_sums(const Problem& p, int64_t block, int64_t row, float* resul
 constexpr bool kWideInt6K = false;
 #endif
 
-// int6k's codes of NB blocks as whole bytes, [NB][groups][half][c][16 lanes][4] (512 bytes a block and group): with
-// many rows each 4-row pass over a block would rebuild them from nibbles and bit pairs (a 256-row prefill ran 1.56x
-// int8's time); built once per block, the passes read bytes, as int8's do.
+// int6k's codes of NB blocks as whole bytes, [NB][groups][half][c][16 lanes][4] (512 bytes a block and group), on
+// builds without VNNI (VNNI builds int16 pairs, decode_int6k_pairs): with many rows each 4-row pass over a block
+// would rebuild them from nibbles and bit pairs; built once per block, the passes read bytes, as int8's do.
 template <int NB>
 void decode_int6k(const Problem& p, int64_t block, uint8_t* out) {
     const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
@@ -590,12 +596,7 @@ void decode_int6k(const Problem& p, int64_t block, uint8_t* out) {
             uint8_t* to = out + (b * p.groups + g) * 512;
             for (int half = 0; half < 2; ++half) {
                 const auto high = IVec::load(at + 256 + 64 * half);
-                for (int c = 0; c < 4; ++c) {
-                    const auto packed = IVec::load(at + 64 * c);
-                    IVec::store(IVec::six_bits(half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed),
-                                               high, c),
-                                to + (half * 4 + c) * 64);
-                }
+                for (int c = 0; c < 4; ++c) IVec::store(int6k_codes(at, high, half, c), to + (half * 4 + c) * 64);
             }
         }
 }
@@ -656,11 +657,9 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                                     w[b] = widened(IVec::load(decoded + ((b * p.groups + xb) * 8 + half * 4 + c) * 64));
                                     continue;
                                 }
-                                const uint8_t* at = bytes + ((block + b) * p.groups + xb) * kInt6KGroupBytes + 64 * c;
-                                __builtin_prefetch(at + kPrefetchAhead);
-                                const auto packed = IVec::load(at);
-                                w[b] = widened(IVec::six_bits(
-                                    half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed), high[b], c));
+                                const uint8_t* at = bytes + ((block + b) * p.groups + xb) * kInt6KGroupBytes;
+                                __builtin_prefetch(at + 64 * c + kPrefetchAhead);
+                                w[b] = widened(int6k_codes(at, high[b], half, c));
                             }
                             for (int m = 0; m < MT; ++m) {
                                 const auto digits = x_digits(p, (row + m) * p.Kp + xb * kXBlock + 4 * c + 16 * half);
