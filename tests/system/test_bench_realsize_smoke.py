@@ -43,6 +43,7 @@ def test_quick_realsize_bench_runs_both_servers_on_one_gguf(llama_cpp_tools: Non
         (measured,) = system["rounds"]
         # ignore_eos: both servers make exactly the tokens asked for
         assert measured["one_stream_tokens"] == workload["output_tokens"], name
+        assert measured["read_bytes_s"] > 0, name  # the round's own plain read, beside its one stream
         assert measured["streams_tokens"] == workload["streams"] * workload["output_tokens"], name
         assert system["one_stream_tok_s"] > 0 and system["ttft_s"] > 0 and system["peak_rss_bytes"] > 2**20
         assert system["first_start_s"] > 0 and 0 < system["weight_read_of_bandwidth"]
