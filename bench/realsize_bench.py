@@ -213,7 +213,7 @@ def _tokenizer() -> Any:
 def measure_round(system: System, workload: Workload, round_number: int, threads: int) -> dict[str, Any]:
     """A plain read, one stream, then `streams` at once, then the long prompt's TTFT, on one server.
 
-    The plain read runs right before the one stream: on these shared VMs it swung 30-47 GB/s within an hour
+    The plain read runs right before the one stream: on these shared VMs it swung 30-59 GB/s within an hour
     (2-core EPYC Zen 4), so one stream's share of it is taken against the read of the same minute."""
     seed = 1000 * round_number
     one = [Job(chat, workload.output_tokens, 0.0) for chat in synthetic_chats(1, seed=seed)]

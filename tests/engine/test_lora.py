@@ -197,8 +197,12 @@ def random_adapter(dims: LoraDims, rank: int, seed: int, dtype: torch.dtype, mod
 
 @pytest.mark.parametrize(
     "dtype,quantization,split_qkv",
-    [(torch.float32, "int8", False), (torch.bfloat16, "int4", False), (torch.float32, "none", False)]
-    + [(torch.float32, "int8", True)],
+    [
+        (torch.float32, "int8", False),
+        (torch.bfloat16, "int4", False),
+        (torch.float32, "none", False),
+        (torch.float32, "int8", True),
+    ],
 )
 def test_base_rows_get_no_delta_and_the_fused_stack_adds_as_per_op(dtype, quantization, split_qkv, monkeypatch):
     """One decode step over four sequences, rows 1-3 under two adapters (row 0 the base): the base's row equals a
