@@ -11,16 +11,26 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from engine.gguf_file import GGUFTensor
-from engine.gguf_repack import GROUP, INT4_TYPES, WIDE_TYPES, linear_format, part_formats, stored_row_chunks
+from engine.gguf_repack import (
+    GROUP,
+    INT4_TYPES,
+    WIDE_TYPES,
+    chunk_rows,
+    linear_format,
+    part_formats,
+    stored_row_chunks,
+)
 from kernels.linear import Linear
 from kernels.qlinear import (
     Format,
     PackedLinear,
     PackedWeight,
     QuantizedRows,
+    pack_k_quant_blocks,
     pack_quantized_chunks,
     quantize_rows,
 )
@@ -133,7 +143,37 @@ def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:
     format holds them (engine/gguf_repack.py), else re-quantized from its values; packed chunk of rows by
     chunk, each GGUF part's file pages handed back once it is packed."""
     out_features = sum(part.shape[0] for part in parts)
+    stored = _stored_blocks(parts, fmt)
+    if stored is not None:
+        packed = pack_k_quant_blocks(_block_chunks(stored), fmt, stored[0].shape[1], out_features)
+        if packed is not None:
+            return packed
     return pack_quantized_chunks(_row_chunks(parts, fmt), out_features)
+
+
+# the GGUF block type whose bytes int4k / int6k keep as they are
+_K_QUANT_SOURCES = {"int4k": "Q4_K", "int6k": "Q6_K"}
+
+
+def _stored_blocks(parts: Sequence[Weight], fmt: Format) -> list[GGUFTensor] | None:
+    """The parts, where every one is a 2-D GGUF tensor of the block type `fmt` keeps, in whole blocks of 16 rows
+    (kernels.qlinear.pack_k_quant_blocks packs those from the file's bytes); else None."""
+    source = _K_QUANT_SOURCES.get(fmt)
+    stored = [part for part in parts if isinstance(part, GGUFTensor) and part.type_name == source]
+    if len(stored) != len(parts) or any(len(part.shape) != 2 or part.shape[0] % 16 for part in stored):
+        return None
+    return stored
+
+
+def _block_chunks(parts: Sequence[GGUFTensor]) -> Iterator[np.ndarray]:
+    """Each part's blocks, a chunk of rows at a time, each chunk's file pages handed back once it is packed."""
+    for part in parts:
+        rows, step = part.shape[0], chunk_rows(part)
+        for start in range(0, rows, step):
+            piece = part.row_range(start, min(rows, start + step))
+            yield piece.raw
+            piece.release()
+        part.release()
 
 
 def _row_chunks(parts: Sequence[Weight], fmt: Format) -> Iterator[QuantizedRows]:

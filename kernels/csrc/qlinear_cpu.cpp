@@ -1079,6 +1079,95 @@ __attribute__((optimize("fp-contract=off"))) void packed_rows(const int64_t* ids
     }
 }
 
+// GGUF's Q4_K and Q6_K blocks (llama.cpp's block_q4_K: d, dmin, 12 bytes of 6-bit scales and minimums, 128 of
+// nibbles; block_q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d) written straight into
+// int4k's and int6k's packed layout (the top of this file), one block of 16 rows per iteration: the same bytes
+// as the loader's numpy and torch rearrangement of them (engine/gguf_repack.py, kernels/qlinear.py's
+// _pack_k_quant), which ran at ~200 MB/s, 5x slower, and was most of a 1B Q4_K_M's model load.
+constexpr int64_t kQ4KBlockBytes = 144;
+constexpr int64_t kQ6KBlockBytes = 210;
+constexpr int64_t kSuperInputs = kSuperGroups * kXBlock;
+
+// Q4_K's 6-bit scale and minimum of its sub-block j (llama.cpp's get_scale_min_k4)
+inline void q4k_scale_min(const uint8_t* packed, int j, uint8_t& scale, uint8_t& minimum) {
+    if (j < 4) {
+        scale = packed[j] & 63;
+        minimum = packed[j + 4] & 63;
+    } else {
+        scale = static_cast<uint8_t>((packed[j + 4] & 0xF) | ((packed[j - 4] >> 6) << 4));
+        minimum = static_cast<uint8_t>((packed[j + 4] >> 4) | ((packed[j] >> 6) << 4));
+    }
+}
+
+// The 32 codes of group `j` (0..7) of a super block, as bytes: Q4_K's in 0..15, Q6_K's in 0..63
+inline void q4k_group_codes(const uint8_t* block, int j, uint8_t (&codes)[kXBlock]) {
+    const uint8_t* nibbles = block + 16 + 32 * (j / 2);  // sub-blocks 2r and 2r + 1 share 32 bytes: low, high
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < kXBlock; ++i) codes[i] = (nibbles[i] >> shift) & 15;
+}
+inline void q6k_group_codes(const uint8_t* block, int j, uint8_t (&codes)[kXBlock]) {
+    const int half = j / 4;  // Q6_K's two halves of 128 inputs: input t of a half takes low nibble
+    const uint8_t* low = block + 64 * half;        // (t / 64) of byte t % 64 and high bit pair (t / 32) of
+    const uint8_t* high = block + 128 + 32 * half;  // byte t % 32
+    for (int i = 0; i < kXBlock; ++i) {
+        const int t = 32 * (j % 4) + i;
+        codes[i] = static_cast<uint8_t>(((low[t % 64] >> (4 * (t / 64))) & 15) | (((high[t % 32] >> (2 * (t / 32))) & 3) << 4));
+    }
+}
+
+// `rows` (a multiple of 16) rows of K inputs: blocks [rows][K/256][block bytes] -> codes [rows/16][K/32][bytes per
+// group] and scales [rows/16][K/256][bytes per super block], as _pack_k_quant lays them out.
+void pack_k_quant_blocks(int format, const uint8_t* blocks, int64_t rows, int64_t K, uint8_t* codes, uint8_t* scales,
+                         int threads) {
+    const bool int4k = format == kInt4K;
+    const int64_t supers = K / kSuperInputs, groups = K / kXBlock;
+    const int64_t block_bytes = int4k ? kQ4KBlockBytes : kQ6KBlockBytes;
+    const int64_t group_bytes = int4k ? 256 : kInt6KGroupBytes;
+    const int64_t super_bytes = int4k ? kInt4KSuperBytes : kInt6KSuperBytes;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t lanes = 0; lanes < rows / kLanes; ++lanes) {
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+            const uint8_t* row = blocks + (lanes * kLanes + lane) * supers * block_bytes;
+            for (int64_t s = 0; s < supers; ++s) {
+                const uint8_t* block = row + s * block_bytes;
+                uint8_t* super = scales + (lanes * supers + s) * super_bytes;
+                if (int4k) {  // sc [8][16], m [8][16], d [16], dmin [16]
+                    for (int j = 0; j < kSuperGroups; ++j)
+                        q4k_scale_min(block + 4, j, super[j * kLanes + lane], super[(kSuperGroups + j) * kLanes + lane]);
+                    std::memcpy(super + 2 * kSuperGroups * kLanes + 2 * lane, block, 2);
+                    std::memcpy(super + 2 * kSuperGroups * kLanes + 2 * kLanes + 2 * lane, block + 2, 2);
+                } else {  // sc [16 per 16 inputs][16], d [16]
+                    for (int h = 0; h < 2 * kSuperGroups; ++h) super[h * kLanes + lane] = block[192 + h];
+                    std::memcpy(super + 2 * kSuperGroups * kLanes + 2 * lane, block + 208, 2);
+                }
+                for (int j = 0; j < kSuperGroups; ++j) {
+                    uint8_t q[kXBlock];
+                    if (int4k) {
+                        q4k_group_codes(block, j, q);
+                    } else {
+                        q6k_group_codes(block, j, q);
+                    }
+                    uint8_t* out = codes + (lanes * groups + s * kSuperGroups + j) * group_bytes;
+                    for (int c = 0; c < 4; ++c)
+                        for (int i = 0; i < 4; ++i) {  // byte (c, lane, i): inputs 4c + i and 16 + 4c + i
+                            out[(c * kLanes + lane) * 4 + i] =
+                                static_cast<uint8_t>((q[4 * c + i] & 15) | ((q[16 + 4 * c + i] & 15) << 4));
+                        }
+                    if (!int4k) {  // byte (half, lane, i): the high bit pairs of inputs 16 half + 4c + i, c = 0..3
+                        static constexpr int kShift[4] = {4, 6, 0, 2};
+                        for (int half = 0; half < 2; ++half)
+                            for (int i = 0; i < 4; ++i) {
+                                int bits = 0;
+                                for (int c = 0; c < 4; ++c) bits |= ((q[16 * half + 4 * c + i] >> 4) & 3) << kShift[c];
+                                out[256 + (half * kLanes + lane) * 4 + i] = static_cast<uint8_t>(bits);
+                            }
+                    }
+                }
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1091,6 +1180,14 @@ int tokenmill_packed_rows(const int64_t* ids, int64_t count, int64_t N, int form
     for (int64_t i = 0; i < count; ++i)
         if (ids[i] < 0 || ids[i] >= N) return -1;
     packed_rows(ids, count, format, packed, scales, mins, K, Kp, group, out);
+    return 0;
+}
+
+// 0, or -1 (nothing written) for a format other than int4k / int6k or a shape off 16 rows and 256 inputs.
+int tokenmill_pack_k_quant_blocks(int format, const uint8_t* blocks, int64_t rows, int64_t K, uint8_t* codes,
+                                  uint8_t* scales, int threads) {
+    if ((format != kInt4K && format != kInt6K) || rows % kLanes != 0 || K % kSuperInputs != 0) return -1;
+    pack_k_quant_blocks(format, blocks, rows, K, codes, scales, threads);
     return 0;
 }
 
