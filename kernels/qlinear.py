@@ -305,7 +305,7 @@ def pack_quantized_chunks(chunks: Iterable[QuantizedRows], out_features: int) ->
 
 
 # bytes per GGUF block of 256 inputs: llama.cpp's block_q4_K and block_q6_K
-K_QUANT_BLOCK_BYTES = {"int4k": 144, "int6k": 210}
+_K_QUANT_BLOCK_BYTES = {"int4k": 144, "int6k": 210}
 _K_QUANT_PACKED_BYTES = {"int4k": (256, 320), "int6k": (384, 288)}  # per block of lanes: a group's, a super block's
 
 
@@ -336,7 +336,7 @@ def pack_k_quant_blocks(
         rows = chunk.shape[0]
         if (
             rows % LANES
-            or chunk.shape[1] != in_features // 256 * K_QUANT_BLOCK_BYTES[fmt]
+            or chunk.shape[1] != in_features // (SUPER_GROUPS * X_BLOCK) * _K_QUANT_BLOCK_BYTES[fmt]
             or done + rows > out_features
         ):
             raise ValueError(f"a chunk of {tuple(chunk.shape)} {fmt} blocks at row {done} of {out_features}")

@@ -18,6 +18,7 @@ from engine.gguf_file import GGUFTensor
 from engine.gguf_repack import (
     GROUP,
     INT4_TYPES,
+    K_QUANT_FORMATS,
     WIDE_TYPES,
     chunk_rows,
     linear_format,
@@ -151,16 +152,13 @@ def pack_stored(parts: Sequence[Weight], fmt: Format) -> PackedWeight:
     return pack_quantized_chunks(_row_chunks(parts, fmt), out_features)
 
 
-# the GGUF block type whose bytes int4k / int6k keep as they are
-_K_QUANT_SOURCES = {"int4k": "Q4_K", "int6k": "Q6_K"}
-
-
 def _stored_blocks(parts: Sequence[Weight], fmt: Format) -> list[GGUFTensor] | None:
-    """The parts, where every one is a 2-D GGUF tensor of the block type `fmt` keeps, in whole blocks of 16 rows
-    (kernels.qlinear.pack_k_quant_blocks packs those from the file's bytes); else None."""
-    source = _K_QUANT_SOURCES.get(fmt)
-    stored = [part for part in parts if isinstance(part, GGUFTensor) and part.type_name == source]
-    if len(stored) != len(parts) or any(len(part.shape) != 2 or part.shape[0] % 16 for part in stored):
+    """The parts, where every one is a 2-D GGUF tensor of the block type `fmt` keeps (Q4_K for int4k, Q6_K for
+    int6k), in whole blocks of 16 rows (kernels.qlinear.pack_k_quant_blocks packs those from the file's bytes);
+    else None."""
+    stored = [part for part in parts if isinstance(part, GGUFTensor)]
+    whole = all(len(part.shape) == 2 and part.shape[0] % 16 == 0 for part in stored)
+    if len(stored) != len(parts) or not whole or any(K_QUANT_FORMATS.get(p.type_name) != fmt for p in stored):
         return None
     return stored
 
