@@ -83,8 +83,11 @@ void rotate(T* x, int64_t token_stride, const int64_t* positions, const float* c
     }
 }
 
+// no-tree-pre: GCC's partial redundancy elimination moved the clamped branch of fast_exp out as its own division,
+// g / (1 + e^88), computed for every lane and masked off after: subnormal quotients, a microcode assist per vector,
+// and 8192 elements took 53 us instead of 6.6 (2-core Xeon; the same bits).
 template <typename T>
-void silu_and_mul(const T* x, T* out, int64_t rows, int64_t ffn, int threads) {
+__attribute__((optimize("no-tree-pre"))) void silu_and_mul(const T* x, T* out, int64_t rows, int64_t ffn, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * ffn >= kParallelSiluElements)
     for (int64_t r = 0; r < rows; ++r) {
         const T* gate = x + r * 2 * ffn;
