@@ -589,6 +589,15 @@ def vector_unit() -> str | None:
     return None if function is None else str(cast(bytes, function()).decode())
 
 
+def matrix_unit(enable: bool | None = None) -> str | None:
+    """ "amx" where the int4k / int6k kernels run their many-row products on AMX tiles (Intel from Sapphire Rapids,
+    where the kernel grants the tile state), else None. `enable` False keeps them on the vector unit (True: back)."""
+    function = _native_function("tokenmill_qlinear_amx", ctypes.c_int, (_INT,))
+    if function is None:
+        return None
+    return "amx" if function(-1 if enable is None else int(enable)) else None
+
+
 def native_available(x: torch.Tensor) -> bool:
     return not x.is_cuda and x.dtype in _SUFFIX and _kernel(x.dtype) is not None
 

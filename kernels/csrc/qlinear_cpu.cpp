@@ -29,11 +29,15 @@
 // gives sum_k x*q; for int4: sum_k x*(q*s+m) = s*sum_k(x*q) + m*sum_k(x). AVX2 has no vpdpbusd: it widens
 // the weights to int16 and multiplies them with vpmaddwd by both digits at once, as one int16 (see its IVec);
 // without either a portable loop does the same integer arithmetic. The int32 sums are exact in all three, so
-// results do not depend on the CPU.
+// results do not depend on the CPU. Where AMX runs, int4k and int6k take 8 rows and more as tile products of both
+// digits at once (amx_block_sums), the same int32 sums and the same float epilogue.
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -50,6 +54,16 @@
 #define TOKENMILL_AVX2_INT 1
 #else
 #define TOKENMILL_VEC "scalar"
+#endif
+
+// AMX (Intel's tile unit, Sapphire Rapids on): one tile product multiplies 16 rows of x by 16 outputs over 32
+// inputs, where vpdpbusd takes one row and four inputs. Built where -march=native says the CPU has it; used only
+// where the kernel grants the tile state at run time (amx_usable).
+#if defined(TOKENMILL_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define TOKENMILL_AMX 1
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #endif
 
 #include "bfloat16.h"
@@ -410,6 +424,7 @@ struct Problem {
     const int8_t* xq_high;  // int formats: [rows][Kp] x quantized per block of 32, the high digits ...
     const int8_t* xq_low;   // ... and [rows][Kp] the low ones
     const int16_t* xq_wide;  // AVX2: [rows][Kp] both as one, 254 * high + low
+    const int8_t* x_tiles;   // AMX: both digits as its tiles read them (tile_digits), or null
     const XBlockTerms* x_terms;  // [rows][Kp/32]
     int64_t rows, K, Kp, N, group, groups;
     const void* packed;
@@ -804,9 +819,255 @@ void run_rows(const Problem& p, int64_t block, T* out) {
     }
 }
 
+#if defined(TOKENMILL_AMX)
+// The kernel hands out AMX's tile state per process on request (Linux's arch_prctl). Some VMs list AMX in the CPU
+// flags without enabling it, where a tile instruction dies with SIGILL: the first use asks for the state, then
+// runs one tile product in a forked child, and only where both succeed do the int4k / int6k kernels use the tiles.
+constexpr long kRequestTilePermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+constexpr long kTileDataFeature = 18;            // XFEATURE_XTILEDATA
+
+struct TileConfig {  // ldtilecfg's 64 bytes, palette 1
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// Tiles: 0 and 1 the digits of 8 rows of x [16: the rows' high digits, then their low ones][k_bytes] for two spans
+// of inputs; 2 and 3 the weights of two blocks [k_bytes / 4][16 lanes x 4]; 4-7 the int32 sums [16][16 lanes] of
+// each block and span.
+void configure_tiles(int k_bytes) {
+    TileConfig config;
+    for (int t : {0, 1}) config.bytes_per_row[t] = static_cast<uint16_t>(k_bytes), config.rows[t] = 16;
+    for (int t : {2, 3}) config.bytes_per_row[t] = 64, config.rows[t] = static_cast<uint8_t>(k_bytes / 4);
+    for (int t : {4, 5, 6, 7}) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+    // GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, and it dropped the stores of the rest
+    asm volatile("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+}
+
+bool tile_product_runs() {
+    // The bare system call, not fork(): no atfork handlers (torch's, OpenMP's) run for a child that only probes
+    const long child = syscall(SYS_fork);
+    if (child < 0) return false;
+    if (child == 0) {  // only system calls and the tile instructions here: the parent may have threads
+        if (syscall(SYS_arch_prctl, kRequestTilePermission, kTileDataFeature) != 0) _exit(1);
+        alignas(64) int8_t a[16 * 64] = {};
+        alignas(64) int32_t c[16 * 16];
+        configure_tiles(32);
+        _tile_loadd(0, a, 32);
+        _tile_loadd(2, a, 64);
+        _tile_zero(4);
+        _tile_dpbsud(4, 0, 2);
+        _tile_stored(4, c, 64);
+        _tile_release();
+        _exit(c[0] == 0 ? 0 : 1);
+    }
+    int status = 0;
+    while (waitpid(static_cast<pid_t>(child), &status, 0) < 0)
+        if (errno != EINTR) return false;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+bool amx_usable() {
+    static const bool usable =
+        tile_product_runs() && syscall(SYS_arch_prctl, kRequestTilePermission, kTileDataFeature) == 0;
+    return usable;
+}
+std::atomic<bool> amx_enabled{true};  // tokenmill_qlinear_amx: the vpdpbusd path on request (tests compare both)
+
+// From this many rows the K-quant kernels run on AMX. Below, a tile product (16 digit rows) is mostly empty, and
+// at one row vpdpbusd reads each weight once without the round trip through a tile buffer.
+constexpr int64_t kAmxRows = 8;
+constexpr int kAmxTileRows = 8;  // rows of x per tile product: their high and low digits fill its 16 rows
+constexpr int64_t kAmxGroupBytes = 512;  // a group's weights as tiles, or 8 rows' digits: 32 inputs, a byte each
+
+bool amx_rows(int format, int64_t rows) {
+    return (format == kInt4K || format == kInt6K) && rows >= kAmxRows && amx_enabled.load(std::memory_order_relaxed) &&
+           amx_usable();
+}
+
+// x's digits as the tiles read them, [rows / 8][groups][16][32]: per 8 rows and group of 32 inputs, the rows' high
+// digits, then their low ones, each row's 32 contiguous (rows past the last are zero).
+void tile_digits(const int8_t* high, const int8_t* low, int64_t rows, int64_t Kp, int8_t* out) {
+    const int64_t groups = Kp / kXBlock;
+    for (int64_t tile = 0; tile * kAmxTileRows < rows; ++tile)
+        for (int64_t g = 0; g < groups; ++g) {
+            int8_t* to = out + (tile * groups + g) * kAmxGroupBytes;
+            for (int r = 0; r < kAmxTileRows; ++r) {
+                const int64_t row = tile * kAmxTileRows + r;
+                int8_t* high_to = to + r * kXBlock;
+                int8_t* low_to = to + (kAmxTileRows + r) * kXBlock;
+                if (row < rows) {
+                    std::memcpy(high_to, high + row * Kp + g * kXBlock, kXBlock);
+                    std::memcpy(low_to, low + row * Kp + g * kXBlock, kXBlock);
+                } else {
+                    std::memset(high_to, 0, kXBlock);
+                    std::memset(low_to, 0, kXBlock);
+                }
+            }
+        }
+}
+
+// Group g of a block as tile bytes: int4k's codes (0..15; rows 0-3 the low nibbles of chunks 0-3, inputs 0-15,
+// rows 4-7 the high ones, 16-31); int6k's codes less 32 (int8), per half of 16 inputs (256 bytes each).
+template <Format F>
+void amx_weights(const Problem& p, int64_t block, int64_t g, uint8_t* out) {
+    const uint8_t* bytes = static_cast<const uint8_t*>(p.packed);
+    if constexpr (F == kInt4K) {
+        const uint8_t* at = bytes + (block * (p.Kp / kXBlock) + g) * 4 * 64;
+        __builtin_prefetch(at + kPrefetchAhead);
+        __builtin_prefetch(at + 128 + kPrefetchAhead);
+        for (int c = 0; c < 4; ++c) {
+            const __m512i packed = IVec::load(at + 64 * c);
+            IVec::store(IVec::low_nibbles(packed), out + 64 * c);
+            IVec::store(IVec::high_nibbles(packed), out + 64 * (4 + c));
+        }
+    } else {
+        const uint8_t* at = bytes + (block * p.groups + g) * kInt6KGroupBytes;
+        for (int line = 0; line < kInt6KGroupBytes; line += 64) __builtin_prefetch(at + line + kPrefetchAhead);
+        for (int half = 0; half < 2; ++half) {
+            const __m512i high = IVec::load(at + 256 + 64 * half);
+            for (int c = 0; c < 4; ++c)
+                IVec::store(_mm512_sub_epi8(int6k_codes(at, high, half, c), _mm512_set1_epi8(32)),
+                            out + 64 * (4 * half + c));
+        }
+    }
+}
+
+// Sums of MT rows (8-row tile `tile`) against NB consecutive blocks, as block_sums' and int6k_block_sums'
+// epilogues make them from the same int32 sums, so the same bits: per scale's span (a group; int6k: half a group),
+// one tile product per block gives both digits' sums, then 254 * high + low, converted and scaled in float.
+// Spans go two at a time on separate tiles (one set of tiles per span, reused span after span, ran 512 rows of a
+// 1B's gate_up 0.95x the vector path's time, two sets 0.75x; writing each pair's weights an iteration ahead and
+// scaling its sums an iteration behind gained nothing more).
+// `decoded`: the blocks' groups as amx_weights writes them ([NB][groups]), or null to write each group's as it comes.
+template <Format F, int MT, int NB>
+void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result, const uint8_t* decoded) {
+    static_assert(NB == 2, "a pass takes the two blocks of half a tile (qlinear's unit of work)");
+    Vec acc[NB][MT];
+    for (auto& sums : acc)
+        for (Vec& sum : sums) sum = Vec::zero();
+    alignas(64) int32_t sums[2][NB][2 * kAmxTileRows * kLanes];  // [span of the pair][block][digit row][lane]
+    alignas(64) uint8_t weights[NB][kAmxGroupBytes];
+    const int64_t row = tile * kAmxTileRows, x_blocks = p.Kp / kXBlock;
+    constexpr int parts = F == kInt4K ? 1 : 2;  // int6k's scale spans 16 inputs
+    constexpr int64_t part_bytes = kAmxGroupBytes / parts;
+    const uint8_t* w[NB] = {};
+    // span's products on tiles 0, 4, 5 (`second`: 1, 6, 7); GCC's tile intrinsics take the tile numbers as text
+    const auto product = [&](int64_t span, auto second) {
+        const int64_t g = span / parts, part = span % parts;
+        if (part == 0) {
+            for (int b = 0; b < NB; ++b) {
+                if (decoded != nullptr) {
+                    w[b] = decoded + (b * p.groups + g) * kAmxGroupBytes;
+                } else {
+                    amx_weights<F>(p, block + b, g, weights[b]);
+                    w[b] = weights[b];
+                }
+            }
+        }
+        const int8_t* x = p.x_tiles + (tile * p.groups + g) * kAmxGroupBytes + part * (kXBlock / parts);
+        _tile_loadd(2, w[0] + part * part_bytes, 64);
+        _tile_loadd(3, w[1] + part * part_bytes, 64);
+        if constexpr (!decltype(second)::value) {
+            _tile_loadd(0, x, kXBlock);
+            _tile_zero(4);
+            _tile_zero(5);
+            if constexpr (F == kInt4K) {
+                _tile_dpbsud(4, 0, 2);
+                _tile_dpbsud(5, 0, 3);
+            } else {
+                _tile_dpbssd(4, 0, 2);
+                _tile_dpbssd(5, 0, 3);
+            }
+        } else {
+            _tile_loadd(1, x, kXBlock);
+            _tile_zero(6);
+            _tile_zero(7);
+            if constexpr (F == kInt4K) {
+                _tile_dpbsud(6, 1, 2);
+                _tile_dpbsud(7, 1, 3);
+            } else {
+                _tile_dpbssd(6, 1, 2);
+                _tile_dpbssd(7, 1, 3);
+            }
+        }
+    };
+    const auto epilogue = [&](int64_t span, const int32_t (&span_sums)[NB][2 * kAmxTileRows * kLanes]) {
+        const int64_t g = span / parts, part = span % parts;
+        for (int b = 0; b < NB; ++b) {
+            const auto total = [&](int m) {
+                return IVec::combine({_mm512_load_si512(span_sums[b] + m * kLanes)},
+                                     {_mm512_load_si512(span_sums[b] + (kAmxTileRows + m) * kLanes)});
+            };
+            if constexpr (F == kInt4K) {
+                Vec scale, minimum;
+                int4k_scales(p, block + b, g, scale, minimum);
+                for (int m = 0; m < MT; ++m)
+                    acc[b][m] =
+                        add_x_block<kInt4>(p.x_terms[(row + m) * x_blocks + g], total(m), scale, minimum, acc[b][m]);
+            } else {
+                const Vec scale = int6k_scale(p, block + b, g, static_cast<int>(part));
+                for (int m = 0; m < MT; ++m) {
+                    const float low_scale = p.x_terms[(row + m) * x_blocks + g].low_scale;
+                    acc[b][m] = Vec::fma(total(m).to_float(0), Vec::mul(scale, Vec::broadcast(low_scale)), acc[b][m]);
+                }
+            }
+        }
+    };
+    for (int64_t span = 0; span < p.groups * parts; span += 2) {  // groups come in super blocks of 8: even
+        product(span, std::false_type{});
+        product(span + 1, std::true_type{});
+        _tile_stored(4, sums[0][0], 64);
+        _tile_stored(5, sums[0][1], 64);
+        _tile_stored(6, sums[1][0], 64);
+        _tile_stored(7, sums[1][1], 64);
+        epilogue(span, sums[0]);
+        epilogue(span + 1, sums[1]);
+    }
+    for (int b = 0; b < NB; ++b)
+        for (int m = 0; m < MT; ++m) acc[b][m].store(result + (b * MT + m) * kLanes);
+}
+
+// NB blocks against every row of x, 8 rows a pass; with more than one pass the blocks' tile bytes are written once
+// (with one pass, each group's as it comes: written first, a 1B's 8-row step took 1.75x as long).
+template <Format F, int NB, typename T>
+void amx_run_rows(const Problem& p, int64_t block, T* out) {
+    using Sums = void (*)(const Problem&, int64_t, int64_t, float*, const uint8_t*);
+    static constexpr Sums kSums[kAmxTileRows] = {
+        amx_block_sums<F, 1, NB>, amx_block_sums<F, 2, NB>, amx_block_sums<F, 3, NB>, amx_block_sums<F, 4, NB>,
+        amx_block_sums<F, 5, NB>, amx_block_sums<F, 6, NB>, amx_block_sums<F, 7, NB>, amx_block_sums<F, 8, NB>};
+    const uint8_t* decoded = nullptr;
+    if (p.rows > kAmxTileRows) {
+        static thread_local std::vector<uint8_t> scratch;
+        scratch.resize(static_cast<size_t>(NB * p.groups * kAmxGroupBytes));
+        for (int b = 0; b < NB; ++b)
+            for (int64_t g = 0; g < p.groups; ++g)
+                amx_weights<F>(p, block + b, g, scratch.data() + (b * p.groups + g) * kAmxGroupBytes);
+        decoded = scratch.data();
+    }
+    configure_tiles(F == kInt4K ? kXBlock : kXBlock / 2);
+    alignas(64) float result[NB * kAmxTileRows * kLanes];
+    for (int64_t tile = 0; tile * kAmxTileRows < p.rows; ++tile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kAmxTileRows, p.rows - tile * kAmxTileRows));
+        kSums[rows - 1](p, block, tile, result, decoded);
+        for (int b = 0; b < NB; ++b)
+            write_rows(p, tile * kAmxTileRows, rows, (block + b) * kLanes, result + b * rows * kLanes, out);
+    }
+}
+#endif
+
 template <Format F, typename T>
 void run_blocks(const Problem& p, int64_t first_block, int64_t count, T* out) {
     int64_t block = first_block;
+#if defined(TOKENMILL_AMX)
+    if constexpr (F == kInt4K || F == kInt6K) {
+        if (p.x_tiles != nullptr) {
+            for (; block < first_block + count; block += 2) amx_run_rows<F, 2>(p, block, out);
+            return;
+        }
+    }
+#endif
     if constexpr (F != kBf16 && !(F == kInt6K && kWideInt6K)) {
         if (p.rows >= kPairRows)
             for (; block + 2 <= first_block + count; block += 2) run_rows<F, 2>(p, block, out);
@@ -1005,8 +1266,17 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
         x_terms.resize(static_cast<size_t>(rows * Kp / kXBlock));
         quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), wide, threads);
     }
-    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), rows, K, Kp, N,
-                    group, groups, packed, scales, mins, bias};
+    const int8_t* x_tiles = nullptr;
+#if defined(TOKENMILL_AMX)
+    static thread_local std::vector<int8_t> tiled;
+    if (amx_rows(format, rows)) {
+        tiled.resize(static_cast<size_t>((rows + kAmxTileRows - 1) / kAmxTileRows * groups * kAmxGroupBytes));
+        tile_digits(xq.data(), xq.data() + rows * Kp, rows, Kp, tiled.data());
+        x_tiles = tiled.data();
+    }
+#endif
+    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_tiles, x_terms.data(), rows, K,
+                    Kp, N, group, groups, packed, scales, mins, bias};
     const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
     // The unit of work: half a tile, at every row count (a decode step's matmuls have 9 to 48 tiles, and
     // with whole tiles two threads split 9 as 5 + 4 and 15 as 8 + 7; halves split them evenly). Whole tiles
@@ -1182,6 +1452,18 @@ void pack_k_quant_blocks(int format, const uint8_t* blocks, int64_t rows, int64_
 extern "C" {
 
 const char* tokenmill_qlinear_vector_unit() { return TOKENMILL_VEC; }
+
+// Whether the int4k / int6k kernels run on AMX from kAmxRows rows: `enable` 1 or 0 sets it (where AMX is usable),
+// -1 only asks.
+int tokenmill_qlinear_amx(int enable) {
+#if defined(TOKENMILL_AMX)
+    if (enable >= 0) amx_enabled.store(enable != 0);
+    return amx_enabled.load() && amx_usable() ? 1 : 0;
+#else
+    (void)enable;
+    return 0;
+#endif
+}
 
 // 0, or -1 (and nothing written) when an id is outside [0, N).
 int tokenmill_packed_rows(const int64_t* ids, int64_t count, int64_t N, int format, const void* packed,

@@ -18,6 +18,7 @@ from kernels.qlinear import (
     concat_quantized_rows,
     dequantize,
     embedding_rows,
+    matrix_unit,
     native_available,
     pack_quantized,
     pack_quantized_chunks,
@@ -99,6 +100,30 @@ def test_k_quant_formats_native_matches_their_values(fmt: str, shape: tuple[int,
         x = torch.randn(count, shape[1], generator=generator).to(dtype)
         out = qlinear_native(x, weight)
         assert relative_error(out, qlinear_reference(x.float(), weight)) < (5e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(matrix_unit() != "amx", reason="AMX: Intel from Sapphire Rapids, with the tile state granted")
+@pytest.mark.parametrize("fmt", K_FORMATS)
+def test_amx_gives_the_vector_path_bits(fmt: str) -> None:
+    """From 8 rows int4k / int6k run their products on AMX tiles: the same int32 sums and the same float epilogue
+    as the vpdpbusd path, so the same bits at every row count (one 8-row pass, part of one, several passes over
+    a block's weights written once), and a server's replies do not depend on which path a step took."""
+    generator = torch.Generator().manual_seed(11)
+    weight = pack_quantized(k_quant_rows(fmt, 96, 512, generator))
+    try:
+        for count in (8, 9, 15, 16, 17, 64, 130):
+            x = torch.randn(count, 512, generator=generator) * torch.rand(count, 1, generator=generator) * 10
+            for dtype in (torch.float32, torch.bfloat16):
+                on_tiles = qlinear_native(x.to(dtype), weight)
+                assert matrix_unit(False) is None
+                on_vectors = qlinear_native(x.to(dtype), weight)
+                assert matrix_unit(True) == "amx"
+                assert torch.equal(on_tiles, on_vectors), (count, dtype)
+                assert relative_error(on_tiles, qlinear_reference(x.to(dtype).float(), weight)) < (
+                    5e-5 if dtype == torch.float32 else 1e-2
+                )
+    finally:
+        matrix_unit(True)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
