@@ -2,9 +2,10 @@
 # Builds llama.cpp's llama-server once, for bench/latency_bench.py, from the llama.cpp sources vendored in
 # the pinned llama-cpp-python sdist (PyPI), into a cache folder outside the repository (never committed).
 # GGML_NATIVE=OFF with explicit AVX2/FMA/F16C, plus AVX-512/VNNI/BF16 where this CPU lists them: on some of
-# these VMs the CPU flags list AMX but AMX instructions die with SIGILL, so -march=native is not safe, and
+# these VMs the CPU flags list AMX but AMX instructions die with SIGILL, so -march=native is not safe (AMX
+# below, where it runs), and
 # some (AMD EPYC Zen 3) have no AVX-512 at all, where an AVX-512 build dies with SIGILL on its first matmul.
-# Builds with and without AVX-512 live in separate folders, so a shared cache holds one of each.
+# Builds with and without AVX-512 (and with AMX) live in separate folders, so a shared cache holds one of each.
 # Prints the binary's path on the last line; exits 2 with a reason when the build is impossible.
 # Usage: bench/build_llama_server.sh [JOBS]   (env: LLAMA_CPP_PYTHON_VERSION, TOKENMILL_BENCH_CACHE)
 set -euo pipefail
@@ -20,6 +21,41 @@ if [[ $AVX512 == ON ]] && has avx512_vnni; then AVX512_VNNI=ON; fi
 if [[ $AVX512 == ON ]] && has avx512_bf16; then AVX512_BF16=ON; fi
 BUILD="$ROOT/build"
 [[ $AVX512 == ON ]] || BUILD="$ROOT/build-avx2"
+# AMX (Intel from Sapphire Rapids): llama.cpp's AMX kernels for its quantized types, as its own build for such a
+# CPU runs them (and as tokenmill's K-quant kernels use the tiles there), where a probe shows a tile instruction
+# runs here (the kernel grants the tile state). -fno-dse: GCC 12's _tile_loadconfig declares that it reads 8 of
+# the config's 64 bytes, so the stores of the tile shapes were dropped and llama.cpp died with SIGILL at its first
+# tilezero (tokenmill's kernels keep the stores with a compiler barrier).
+amx_runs() {
+  local probe
+  probe=$(mktemp -d)
+  cat > "$probe/amx.c" <<'C'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char config[64];
+    memset(config, 0, sizeof config);
+    config[0] = 1;                     /* palette 1 */
+    config[16] = 64; config[48] = 16;  /* tile 0: 16 rows of 64 bytes */
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 1;  /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    __asm__ volatile("" : : "r"(config) : "memory");
+    _tile_loadconfig(config);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+C
+  local ok=1
+  if cc -O1 -mamx-tile "$probe/amx.c" -o "$probe/amx" 2>/dev/null && "$probe/amx" 2>/dev/null; then ok=0; fi
+  rm -rf "$probe"
+  return $ok
+}
+AMX=OFF; EXTRA_FLAGS=""
+if [[ $AVX512_VNNI == ON ]] && has amx_tile && has amx_int8 && amx_runs; then
+  AMX=ON; EXTRA_FLAGS="-fno-dse"; BUILD="$ROOT/build-amx"
+fi
 BINARY="$BUILD/bin/llama-server"
 PYTHON="${PYTHON:-python3}"
 
@@ -56,7 +92,8 @@ fi
 cmake -S "$ROOT/src" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
   -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$AVX512_VNNI -DGGML_AVX512_BF16=$AVX512_BF16 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AVX512=$AVX512 -DGGML_AVX512_VNNI=$AVX512_VNNI -DGGML_AVX512_BF16=$AVX512_BF16 -DGGML_AMX_TILE=$AMX -DGGML_AMX_INT8=$AMX \
+  -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS" \
   -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON >&2 \
   || { echo "cannot build llama-server: cmake configure failed" >&2; exit 2; }
 cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS" >&2 \

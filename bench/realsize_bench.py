@@ -694,15 +694,21 @@ def _cpu_name() -> str:
 
 def _cpu_kind() -> dict[str, str]:
     """What tells these VMs' CPUs apart where the name does not (every EPYC here is just "AMD EPYC"): family and
-    model (AMD 23/49 a Zen 2, 25/1 a Zen 3, 25/17 a Zen 4), and the vector unit tokenmill's kernels were built for."""
-    from kernels.qlinear import vector_unit
+    model (AMD 23/49 a Zen 2, 25/1 a Zen 3, 25/17 a Zen 4), the vector unit tokenmill's kernels were built for, and
+    whether their many-row K-quant products ran on AMX tiles."""
+    from kernels.qlinear import matrix_unit, vector_unit
 
     fields = {"cpu family": "", "model": ""}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
         if key.strip() in fields and not fields[key.strip()]:
             fields[key.strip()] = value.strip()
-    return {"cpu_family": fields["cpu family"], "cpu_model": fields["model"], "vector_unit": vector_unit() or "none"}
+    return {
+        "cpu_family": fields["cpu family"],
+        "cpu_model": fields["model"],
+        "vector_unit": vector_unit() or "none",
+        "matrix_unit": matrix_unit() or "none",
+    }
 
 
 if __name__ == "__main__":

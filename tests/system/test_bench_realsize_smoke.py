@@ -34,6 +34,7 @@ def test_quick_realsize_bench_runs_both_servers_on_one_gguf(llama_cpp_tools: Non
     assert out.with_suffix(".png").stat().st_size > 0
     assert report["read_bandwidth"]["median_bytes_s"] > 0
     assert report["machine"]["vector_unit"] in {"avx512-vnni", "avx512", "avx2", "scalar", "none"}
+    assert report["machine"]["matrix_unit"] in {"amx", "none"}
     (file,) = report["files"]
     assert file["kind"] == "Q4_K_M" and Path(file["file"]).name == "llama-tiny-Q4_K_M.gguf"
     assert 0 < file["weight_bytes_per_token"] < file["file_bytes"] * 1.01
