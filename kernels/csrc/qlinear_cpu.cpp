@@ -879,6 +879,8 @@ std::atomic<bool> amx_enabled{true};  // tokenmill_qlinear_amx: the vpdpbusd pat
 // at one row vpdpbusd reads each weight once without the round trip through a tile buffer.
 constexpr int64_t kAmxRows = 8;
 constexpr int kAmxTileRows = 8;  // rows of x per tile product: their high and low digits fill its 16 rows
+constexpr int kAmxBlocks = kTileBlocks / 2;  // blocks per pass: qlinear's unit of work, half a tile
+static_assert(kAmxBlocks == 2, "the products load the two blocks' weights into tiles 2 and 3");
 constexpr int64_t kAmxGroupBytes = 512;  // a group's weights as tiles, or 8 rows' digits: 32 inputs, a byte each
 
 bool amx_rows(int format, int64_t rows) {
@@ -934,16 +936,17 @@ void amx_weights(const Problem& p, int64_t block, int64_t g, uint8_t* out) {
     }
 }
 
-// Sums of MT rows (8-row tile `tile`) against NB consecutive blocks, as block_sums' and int6k_block_sums'
-// epilogues make them from the same int32 sums, so the same bits: per scale's span (a group; int6k: half a group),
-// one tile product per block gives both digits' sums, then 254 * high + low, converted and scaled in float.
+// Sums of MT rows (8-row tile `tile`) against the NB = 2 consecutive blocks of qlinear's unit of work, as
+// block_sums' and int6k_block_sums' epilogues make them from the same int32 sums, so the same bits: per scale's span
+// (a group; int6k: half a group), one tile product per block gives both digits' sums, then 254 * high + low,
+// converted and scaled in float.
 // Spans go two at a time on separate tiles (one set of tiles per span, reused span after span, ran 512 rows of a
 // 1B's gate_up 0.95x the vector path's time, two sets 0.75x; writing each pair's weights an iteration ahead and
 // scaling its sums an iteration behind gained nothing more).
 // `decoded`: the blocks' groups as amx_weights writes them ([NB][groups]), or null to write each group's as it comes.
-template <Format F, int MT, int NB>
+template <Format F, int MT>
 void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result, const uint8_t* decoded) {
-    static_assert(NB == 2, "a pass takes the two blocks of half a tile (qlinear's unit of work)");
+    constexpr int NB = kAmxBlocks;
     Vec acc[NB][MT];
     for (auto& sums : acc)
         for (Vec& sum : sums) sum = Vec::zero();
@@ -1029,14 +1032,15 @@ void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result
         for (int m = 0; m < MT; ++m) acc[b][m].store(result + (b * MT + m) * kLanes);
 }
 
-// NB blocks against every row of x, 8 rows a pass; with more than one pass the blocks' tile bytes are written once
+// Two blocks against every row of x, 8 rows a pass; with more than one pass the blocks' tile bytes are written once
 // (with one pass, each group's as it comes: written first, a 1B's 8-row step took 1.75x as long).
-template <Format F, int NB, typename T>
+template <Format F, typename T>
 void amx_run_rows(const Problem& p, int64_t block, T* out) {
     using Sums = void (*)(const Problem&, int64_t, int64_t, float*, const uint8_t*);
     static constexpr Sums kSums[kAmxTileRows] = {
-        amx_block_sums<F, 1, NB>, amx_block_sums<F, 2, NB>, amx_block_sums<F, 3, NB>, amx_block_sums<F, 4, NB>,
-        amx_block_sums<F, 5, NB>, amx_block_sums<F, 6, NB>, amx_block_sums<F, 7, NB>, amx_block_sums<F, 8, NB>};
+        amx_block_sums<F, 1>, amx_block_sums<F, 2>, amx_block_sums<F, 3>, amx_block_sums<F, 4>,
+        amx_block_sums<F, 5>, amx_block_sums<F, 6>, amx_block_sums<F, 7>, amx_block_sums<F, 8>};
+    constexpr int NB = kAmxBlocks;
     const uint8_t* decoded = nullptr;
     if (p.rows > kAmxTileRows) {
         static thread_local std::vector<uint8_t> scratch;
@@ -1063,7 +1067,7 @@ void run_blocks(const Problem& p, int64_t first_block, int64_t count, T* out) {
 #if defined(TOKENMILL_AMX)
     if constexpr (F == kInt4K || F == kInt6K) {
         if (p.x_tiles != nullptr) {
-            for (; block < first_block + count; block += 2) amx_run_rows<F, 2>(p, block, out);
+            for (; block < first_block + count; block += kAmxBlocks) amx_run_rows<F>(p, block, out);
             return;
         }
     }
