@@ -13,6 +13,11 @@ from app.settings import Settings, SettingsError, add_arguments, environment_onl
 # that isn't a checkpoint.
 MODEL_ERRORS = (ValueError, OSError)
 
+# How long an idle keep-alive connection stays open. uvicorn's default, 5 s, is also httpx's pool expiry
+# (the openai client's): a client reusing a connection idle for ~5 s races the server's close and gets
+# "Server disconnected without sending a response". Ray Serve's proxy keeps them 90 s; so does serve.
+IDLE_CONNECTION_TIMEOUT_S = 90
+
 
 def load_settings(args: argparse.Namespace) -> Settings:
     try:
@@ -58,6 +63,7 @@ def serve(args: argparse.Namespace) -> int:
             port=settings.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=IDLE_CONNECTION_TIMEOUT_S,
             proxy_headers=False,
         )
     finally:

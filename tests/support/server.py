@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.cli.serve import IDLE_CONNECTION_TIMEOUT_S
 from app.main import create_app
 from app.settings import Settings
 from engine.async_engine import AsyncEngine
@@ -90,6 +91,7 @@ def running_server(loaded, *, engine_config: EngineConfig | None = None, gateway
             port=0,
             log_level="warning",
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=IDLE_CONNECTION_TIMEOUT_S,  # as `tokenmill serve`
         )
     )
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
