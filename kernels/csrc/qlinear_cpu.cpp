@@ -936,6 +936,19 @@ void amx_weights(const Problem& p, int64_t block, int64_t g, uint8_t* out) {
     }
 }
 
+// Two blocks' weights as tile bytes ([NB][groups], as amx_weights writes them) and their scales as floats per span
+// ([NB][spans][int4k: scale, minimum | int6k: scale][16 lanes], as int4k_scales / int6k_scale make them), written
+// once for all of a step's 8-row passes: otherwise each pass rebuilt both (a scale pair took 9 uops per block and span).
+struct AmxDecoded {
+    const uint8_t* weights;
+    const float* scales;
+};
+
+template <Format F>
+constexpr int amx_scale_vectors() {
+    return F == kInt4K ? 2 : 1;
+}
+
 // Sums of MT rows (8-row tile `tile`) against the NB = 2 consecutive blocks of qlinear's unit of work, as
 // block_sums' and int6k_block_sums' epilogues make them from the same int32 sums, so the same bits: per scale's span
 // (a group; int6k: half a group), one tile product per block gives both digits' sums, then 254 * high + low,
@@ -943,9 +956,9 @@ void amx_weights(const Problem& p, int64_t block, int64_t g, uint8_t* out) {
 // Spans go two at a time on separate tiles (one set of tiles per span, reused span after span, ran 512 rows of a
 // 1B's gate_up 0.95x the vector path's time, two sets 0.75x; writing each pair's weights an iteration ahead and
 // scaling its sums an iteration behind gained nothing more).
-// `decoded`: the blocks' groups as amx_weights writes them ([NB][groups]), or null to write each group's as it comes.
+// `decoded`: the blocks decoded beforehand, or null to decode each group's weights and scales as they come.
 template <Format F, int MT>
-void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result, const uint8_t* decoded) {
+void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result, const AmxDecoded* decoded) {
     constexpr int NB = kAmxBlocks;
     Vec acc[NB][MT];
     for (auto& sums : acc)
@@ -962,7 +975,7 @@ void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result
         if (part == 0) {
             for (int b = 0; b < NB; ++b) {
                 if (decoded != nullptr) {
-                    w[b] = decoded + (b * p.groups + g) * kAmxGroupBytes;
+                    w[b] = decoded->weights + (b * p.groups + g) * kAmxGroupBytes;
                 } else {
                     amx_weights<F>(p, block + b, g, weights[b]);
                     w[b] = weights[b];
@@ -996,25 +1009,47 @@ void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result
             }
         }
     };
+    // 254 * high + low in float: both converts are exact (|sum| < 2^24) and so is the FMA, whose exact result is an
+    // integer below 2^24 too (int4k: 255 * 32 * 15 * 127; int6k: 255 * 16 * 32 * 127), so these are the bits the vector
+    // path's integer combine and convert give, in three uops where the shifts and the convert took five: the epilogue,
+    // not the tiles, bounds this loop. Row by row, both blocks: the accumulators, both blocks' scales and one row's x
+    // terms stay in registers (blocks outer, GCC held every row's x terms and spilled accumulators).
+    const Vec digit_base = Vec::broadcast(254.f);
+    const auto total = [&](const int32_t* digit_sums, int m) {
+        const Vec high = {_mm512_cvtepi32_ps(_mm512_load_si512(digit_sums + m * kLanes))};
+        const Vec low = {_mm512_cvtepi32_ps(_mm512_load_si512(digit_sums + (kAmxTileRows + m) * kLanes))};
+        return Vec::fma(high, digit_base, low);
+    };
     const auto epilogue = [&](int64_t span, const int32_t (&span_sums)[NB][2 * kAmxTileRows * kLanes]) {
         const int64_t g = span / parts, part = span % parts;
-        for (int b = 0; b < NB; ++b) {
-            const auto total = [&](int m) {
-                return IVec::combine({_mm512_load_si512(span_sums[b] + m * kLanes)},
-                                     {_mm512_load_si512(span_sums[b] + (kAmxTileRows + m) * kLanes)});
-            };
-            if constexpr (F == kInt4K) {
-                Vec scale, minimum;
-                int4k_scales(p, block + b, g, scale, minimum);
-                for (int m = 0; m < MT; ++m)
-                    acc[b][m] =
-                        add_x_block<kInt4>(p.x_terms[(row + m) * x_blocks + g], total(m), scale, minimum, acc[b][m]);
-            } else {
-                const Vec scale = int6k_scale(p, block + b, g, static_cast<int>(part));
-                for (int m = 0; m < MT; ++m) {
-                    const float low_scale = p.x_terms[(row + m) * x_blocks + g].low_scale;
-                    acc[b][m] = Vec::fma(total(m).to_float(0), Vec::mul(scale, Vec::broadcast(low_scale)), acc[b][m]);
+        const float* table = decoded != nullptr ? decoded->scales + span * amx_scale_vectors<F>() * kLanes : nullptr;
+        if constexpr (F == kInt4K) {  // add_x_block<kInt4>'s arithmetic
+            Vec scale[NB], minimum[NB];
+            for (int b = 0; b < NB; ++b) {
+                if (table != nullptr) {
+                    const float* at = table + b * p.groups * parts * amx_scale_vectors<F>() * kLanes;
+                    scale[b] = Vec::load(at), minimum[b] = Vec::load(at + kLanes);
+                } else {
+                    int4k_scales(p, block + b, g, scale[b], minimum[b]);
                 }
+            }
+            for (int m = 0; m < MT; ++m) {
+                const XBlockTerms& x = p.x_terms[(row + m) * x_blocks + g];
+                const Vec low_scale = Vec::broadcast(x.low_scale), x_sum = Vec::broadcast(x.sum);
+                for (int b = 0; b < NB; ++b) {
+                    acc[b][m] = Vec::fma(total(span_sums[b], m), Vec::mul(scale[b], low_scale), acc[b][m]);
+                    acc[b][m] = Vec::fma(x_sum, minimum[b], acc[b][m]);
+                }
+            }
+        } else {
+            Vec scale[NB];
+            for (int b = 0; b < NB; ++b)
+                scale[b] = table != nullptr ? Vec::load(table + b * p.groups * parts * kLanes)
+                                            : int6k_scale(p, block + b, g, static_cast<int>(part));
+            for (int m = 0; m < MT; ++m) {
+                const Vec low_scale = Vec::broadcast(p.x_terms[(row + m) * x_blocks + g].low_scale);
+                for (int b = 0; b < NB; ++b)
+                    acc[b][m] = Vec::fma(total(span_sums[b], m), Vec::mul(scale[b], low_scale), acc[b][m]);
             }
         }
     };
@@ -1036,19 +1071,36 @@ void amx_block_sums(const Problem& p, int64_t block, int64_t tile, float* result
 // (with one pass, each group's as it comes: written first, a 1B's 8-row step took 1.75x as long).
 template <Format F, typename T>
 void amx_run_rows(const Problem& p, int64_t block, T* out) {
-    using Sums = void (*)(const Problem&, int64_t, int64_t, float*, const uint8_t*);
+    using Sums = void (*)(const Problem&, int64_t, int64_t, float*, const AmxDecoded*);
     static constexpr Sums kSums[kAmxTileRows] = {
         amx_block_sums<F, 1>, amx_block_sums<F, 2>, amx_block_sums<F, 3>, amx_block_sums<F, 4>,
         amx_block_sums<F, 5>, amx_block_sums<F, 6>, amx_block_sums<F, 7>, amx_block_sums<F, 8>};
     constexpr int NB = kAmxBlocks;
-    const uint8_t* decoded = nullptr;
+    AmxDecoded blocks{};
+    const AmxDecoded* decoded = nullptr;
     if (p.rows > kAmxTileRows) {
-        static thread_local std::vector<uint8_t> scratch;
-        scratch.resize(static_cast<size_t>(NB * p.groups * kAmxGroupBytes));
-        for (int b = 0; b < NB; ++b)
+        static thread_local std::vector<uint8_t> weights;
+        static thread_local std::vector<float> scales;
+        constexpr int parts = F == kInt4K ? 1 : 2, vectors = amx_scale_vectors<F>();
+        const int64_t spans = p.groups * parts;
+        weights.resize(static_cast<size_t>(NB * p.groups * kAmxGroupBytes));
+        scales.resize(static_cast<size_t>(NB * spans * vectors * kLanes));
+        for (int b = 0; b < NB; ++b) {
             for (int64_t g = 0; g < p.groups; ++g)
-                amx_weights<F>(p, block + b, g, scratch.data() + (b * p.groups + g) * kAmxGroupBytes);
-        decoded = scratch.data();
+                amx_weights<F>(p, block + b, g, weights.data() + (b * p.groups + g) * kAmxGroupBytes);
+            for (int64_t span = 0; span < spans; ++span) {
+                float* at = scales.data() + (b * spans + span) * vectors * kLanes;
+                if constexpr (F == kInt4K) {
+                    Vec scale, minimum;
+                    int4k_scales(p, block + b, span, scale, minimum);
+                    scale.store(at), minimum.store(at + kLanes);
+                } else {
+                    int6k_scale(p, block + b, span / parts, static_cast<int>(span % parts)).store(at);
+                }
+            }
+        }
+        blocks = {weights.data(), scales.data()};
+        decoded = &blocks;
     }
     configure_tiles(F == kInt4K ? kXBlock : kXBlock / 2);
     alignas(64) float result[NB * kAmxTileRows * kLanes];
