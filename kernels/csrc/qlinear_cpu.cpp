@@ -890,9 +890,10 @@ bool amx_rows(int format, int64_t rows) {
 
 // x's digits as the tiles read them, [rows / 8][groups][16][32]: per 8 rows and group of 32 inputs, the rows' high
 // digits, then their low ones, each row's 32 contiguous (rows past the last are zero).
-void tile_digits(const int8_t* high, const int8_t* low, int64_t rows, int64_t Kp, int8_t* out) {
-    const int64_t groups = Kp / kXBlock;
-    for (int64_t tile = 0; tile * kAmxTileRows < rows; ++tile)
+void tile_digits(const int8_t* high, const int8_t* low, int64_t rows, int64_t Kp, int8_t* out, int threads) {
+    const int64_t groups = Kp / kXBlock, tiles = (rows + kAmxTileRows - 1) / kAmxTileRows;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
+    for (int64_t tile = 0; tile < tiles; ++tile)
         for (int64_t g = 0; g < groups; ++g) {
             int8_t* to = out + (tile * groups + g) * kAmxGroupBytes;
             for (int r = 0; r < kAmxTileRows; ++r) {
@@ -1312,12 +1313,17 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     static thread_local std::vector<int8_t> xq;
     static thread_local std::vector<int16_t> xq_wide;
     static thread_local std::vector<XBlockTerms> x_terms;
+#if defined(TOKENMILL_AMX)
+    const bool on_tiles = amx_rows(format, rows);
+#else
+    constexpr bool on_tiles = false;
+#endif
     if (format == kBf16) {
         x_float.resize(static_cast<size_t>(rows * Kp));
         to_float_rows(x, rows, K, Kp, x_float.data());
     } else {
         xq.resize(static_cast<size_t>(rows * Kp * 2));
-        const bool wide = kWideX || (kWideInt6K && format == kInt6K);
+        const bool wide = (kWideX || (kWideInt6K && format == kInt6K)) && !on_tiles;  // the vector paths' form
         if (wide) xq_wide.resize(static_cast<size_t>(rows * Kp));
         x_terms.resize(static_cast<size_t>(rows * Kp / kXBlock));
         quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), wide, threads);
@@ -1325,9 +1331,9 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     const int8_t* x_tiles = nullptr;
 #if defined(TOKENMILL_AMX)
     static thread_local std::vector<int8_t> tiled;
-    if (amx_rows(format, rows)) {
+    if (on_tiles) {
         tiled.resize(static_cast<size_t>((rows + kAmxTileRows - 1) / kAmxTileRows * groups * kAmxGroupBytes));
-        tile_digits(xq.data(), xq.data() + rows * Kp, rows, Kp, tiled.data());
+        tile_digits(xq.data(), xq.data() + rows * Kp, rows, Kp, tiled.data(), threads);
         x_tiles = tiled.data();
     }
 #endif
