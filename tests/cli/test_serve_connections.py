@@ -10,9 +10,11 @@ import http.client
 import time
 from urllib.parse import urlsplit
 
+import httpx
+
 from tests.support.gateway import serve_and_probe
 
-CLIENT_POOL_EXPIRY_S = 5.0  # httpx.Limits().keepalive_expiry
+CLIENT_POOL_EXPIRY_S = httpx.Limits().keepalive_expiry or 0.0
 
 
 def health_twice_on_one_connection(url: str) -> list[int]:
