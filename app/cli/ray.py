@@ -18,7 +18,6 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from app.cli.serve import IDLE_CONNECTION_TIMEOUT_S
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -69,9 +68,7 @@ def serve_on_ray(settings: Settings, args: argparse.Namespace, store: PreparedSt
         deliver_admin_key(store.created_admin_key, settings.data_dir)
 
     ray.init(address=args.ray_address, include_dashboard=False)
-    serve.start(
-        http_options={"host": settings.host, "port": settings.port, "keep_alive_timeout_s": IDLE_CONNECTION_TIMEOUT_S}
-    )
+    serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(
         build_application(settings, router=args.router, replica_cpus=args.replica_cpus, epsilon=args.routing_epsilon),
         name="tokenmill",
