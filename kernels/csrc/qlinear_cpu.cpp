@@ -426,6 +426,8 @@ struct Problem {
     const int16_t* xq_wide;  // AVX2: [rows][Kp] both as one, 254 * high + low
     const int8_t* x_tiles;   // AMX: both digits as its tiles read them (tile_digits), or null
     const XBlockTerms* x_terms;  // [rows][Kp/32]
+    const int8_t* x_panel;       // the int formats' vector passes off AVX2: x as they read it (x_panel_index)
+    const XBlockTerms* terms_panel;  // ... and its terms
     int64_t rows, K, Kp, N, group, groups;
     const void* packed;
     const uint16_t* scales;
@@ -452,21 +454,42 @@ inline Vec int6k_scale(const Problem& p, int64_t block, int64_t g, int half) {
     return Vec::mul(Vec::load_i8(sc), Vec::load_f16(reinterpret_cast<const uint16_t*>(super + 2 * kSuperGroups * kLanes)));
 }
 
+// Rows of x per x panel pass (below): the passes of block_sums start at its multiples.
+constexpr int64_t kPanelRows = 8;
+
 #if defined(TOKENMILL_AVX2_INT)
 constexpr bool kWideX = true;
-XPairs x_digits(const Problem& p, int64_t at) {  // inputs at..at+3
+// Row `row + m`'s digits of inputs within..within+3 of x block xb, and its terms
+XPairs x_digits(const Problem& p, int64_t row, int m, int64_t xb, int within) {
+    const int16_t* at = p.xq_wide + (row + m) * p.Kp + xb * kXBlock + within;
     int32_t first_pair, second_pair;
-    std::memcpy(&first_pair, p.xq_wide + at, sizeof(first_pair));
-    std::memcpy(&second_pair, p.xq_wide + at + 2, sizeof(second_pair));
+    std::memcpy(&first_pair, at, sizeof(first_pair));
+    std::memcpy(&second_pair, at + 2, sizeof(second_pair));
     return {_mm256_set1_epi32(first_pair), _mm256_set1_epi32(second_pair)};
+}
+inline const XBlockTerms& x_block_terms(const Problem& p, int64_t row, int m, int64_t xb) {
+    return p.x_terms[(row + m) * (p.Kp / kXBlock) + xb];
 }
 #else
 constexpr bool kWideX = false;
+// x's digits and terms as block_sums' passes read them: per kPanelRows rows and x block, each row's 32 high digits
+// then its 32 low ones ([passes][Kp/32][kPanelRows][64 bytes]), and the terms the same way. A pass's rows sit at
+// fixed offsets from one pointer: read from the [rows][Kp] planes, every row took its own address arithmetic, and
+// GCC spilled the pointers (2-core EPYC Zen 4: a 1B's 16384x2048 int4k linear 4-8% faster at 8 to 256 rows).
+inline int64_t x_panel_index(const Problem& p, int64_t row, int64_t xb) {
+    return ((row / kPanelRows) * (p.Kp / kXBlock) + xb) * kPanelRows + row % kPanelRows;
+}
 // The high and the low digit's sums apart, combined once per x block
 struct XDigits {
     decltype(IVec::quad(nullptr)) high, low;
 };
-XDigits x_digits(const Problem& p, int64_t at) { return {IVec::quad(p.xq_high + at), IVec::quad(p.xq_low + at)}; }
+XDigits x_digits(const Problem& p, int64_t row, int m, int64_t xb, int within) {
+    const int8_t* at = p.x_panel + (x_panel_index(p, row, xb) + m) * 2 * kXBlock + within;
+    return {IVec::quad(at), IVec::quad(at + kXBlock)};
+}
+inline const XBlockTerms& x_block_terms(const Problem& p, int64_t row, int m, int64_t xb) {
+    return p.terms_panel[x_panel_index(p, row, xb) + m];
+}
 template <typename Bytes>
 Bytes widened(Bytes w) {
     return w;
@@ -483,10 +506,17 @@ struct DigitSums {
 };
 #endif
 
-// Rows of x per pass over a block: with two blocks side by side, 2 x 4 x 2 digit sums + 8 float sums stay in registers.
-// AVX2's sums take two ymm a row beside four of widened weights: four rows, one block at a time (five measured
-// the same in L1).
+// Rows of x per pass over a block. VNNI: eight rows of one block, 8 x 2 digit sums + 8 float sums in registers. Four
+// rows of two blocks side by side hold as many, but rebuild each block's nibbles and group scales for every four
+// rows, and at 8 rows read two blocks' weights from memory at once (2-core EPYC Zen 4, the 1B's 16384x2048 int4k
+// linear: 1.15x at 8 rows, 1.03x at 256; the same bits). AVX2's sums take two ymm a row beside four of widened
+// weights: four rows, one block at a time (five measured the same in L1). Divides kPanelRows.
+#if defined(TOKENMILL_VNNI)
+constexpr int kMaxRows = 8;
+#else
 constexpr int kMaxRows = 4;
+#endif
+static_assert(kPanelRows % kMaxRows == 0, "a pass's rows are in one x panel pass");
 
 // int6k: a group's six cache lines ahead, one per chunk of its first half and two in its second. The high bits'
 // lines are a third of the stream: with only the nibbles' four prefetched, Q6_K 2048x8192 linears read 20.2-21.4 GB/s
@@ -511,8 +541,9 @@ inline Bytes int6k_codes(const uint8_t* group_bytes, const Bytes& high, int half
 // two or four blocks read side by side were as many interleaved streams, and a decode step's matmuls ran ~20%
 // slower at 1 to 8 rows (2-core EPYC, bench/qlinear_bench.py), with the same bits. With many rows the weights
 // come from cache and the arithmetic bounds: two blocks side by side use each broadcast digit of x twice
-// (1.1-1.2x at 8 to 2048 rows for int4 and int8, same bits; the loops over c and q must be unrolled, or GCC
-// keeps the [NB][MT] sums in memory and it ran 0.75x).
+// (1.1-1.2x at 8 to 2048 rows for int4 and int8 against one block of 4 rows, same bits; the loops over c and q must
+// be unrolled, or GCC keeps the [NB][MT] sums in memory and it ran 0.75x). On VNNI one block of 8 rows does better
+// still (kMaxRows): a broadcast digit costs a load, not a multiply.
 #if defined(TOKENMILL_VNNI)
 // int6k on VNNI: each chunk's codes less 32 as int16 pairs (vpshufb, as AVX2 widens its weights), multiplied with
 // x's two digits as one int16 (254 * high + low) by vpdpwssd. As many dot instructions as int8's two digit passes
@@ -528,6 +559,11 @@ inline __m512i pair_indices512(int first) {  // bytes 4 * lane + first + {0, 1} 
     const char zero = static_cast<char>(0x80);
     return _mm512_broadcast_i32x4(_mm_setr_epi8(at(0, 0), zero, at(0, 1), zero, at(1, 0), zero, at(1, 1), zero,
                                                 at(2, 0), zero, at(2, 1), zero, at(3, 0), zero, at(3, 1), zero));
+}
+
+// Row `row + m`'s x block xb as 32 int16, 254 * high + low: x_panel's form for int6k on VNNI
+inline const int16_t* x_wide(const Problem& p, int64_t row, int m, int64_t xb) {
+    return reinterpret_cast<const int16_t*>(p.x_panel + (x_panel_index(p, row, xb) + m) * 2 * kXBlock);
 }
 
 // Chunk c of a group's half as int16 pairs, inputs 4c + {0, 1} and 4c + {2, 3} of each lane, less 32
@@ -592,7 +628,7 @@ void int6k_block_sums(const Problem& p, int64_t block, int64_t row, float* resul
                     }
                 }
                 for (int m = 0; m < MT; ++m) {
-                    const int16_t* x = p.xq_wide + (row + m) * p.Kp + g * kXBlock + 16 * half + 4 * c;
+                    const int16_t* x = x_wide(p, row, m, g) + 16 * half + 4 * c;
                     int32_t first_pair, second_pair;
                     std::memcpy(&first_pair, x, sizeof(first_pair));
                     std::memcpy(&second_pair, x + 2, sizeof(second_pair));
@@ -607,7 +643,7 @@ void int6k_block_sums(const Problem& p, int64_t block, int64_t row, float* resul
             for (int b = 0; b < NB; ++b) {
                 const Vec scale = int6k_scale(p, block + b, g, half);
                 for (int m = 0; m < MT; ++m) {
-                    const float low_scale = p.x_terms[(row + m) * (p.Kp / kXBlock) + g].low_scale;
+                    const float low_scale = x_block_terms(p, row, m, g).low_scale;
                     __m512i total = sums[0][b][m];
                     if constexpr (chains == 2) total = _mm512_add_epi32(total, sums[1][b][m]);
                     acc[b][m] = Vec::fma(Vec{_mm512_cvtepi32_ps(total)}, Vec::mul(scale, Vec::broadcast(low_scale)),
@@ -673,7 +709,7 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                             w[b] = widened(IVec::load(at));
                         }
                         for (int m = 0; m < MT; ++m) {
-                            const auto x = x_digits(p, (row + m) * p.Kp + xb * kXBlock + 4 * q);
+                            const auto x = x_digits(p, row, m, xb, 4 * q);
                             for (int b = 0; b < NB; ++b) sums[b][m].dot(w[b], x);
                         }
                     }
@@ -701,14 +737,14 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                                 w[b] = widened(int6k_codes(at, high[b], half, c));
                             }
                             for (int m = 0; m < MT; ++m) {
-                                const auto digits = x_digits(p, (row + m) * p.Kp + xb * kXBlock + 4 * c + 16 * half);
+                                const auto digits = x_digits(p, row, m, xb, 4 * c + 16 * half);
                                 for (int b = 0; b < NB; ++b) sums[b][m].dot(w[b], digits);
                             }
                         }
                         for (int b = 0; b < NB; ++b) {
                             const Vec scale = int6k_scale(p, block + b, xb, half);
                             for (int m = 0; m < MT; ++m) {
-                                const XBlockTerms& x = p.x_terms[(row + m) * (p.Kp / kXBlock) + xb];
+                                const XBlockTerms& x = x_block_terms(p, row, m, xb);
                                 acc[b][m] = Vec::fma(sums[b][m].total().to_float(int6k_offset(x, half)),
                                                      Vec::mul(scale, Vec::broadcast(x.low_scale)), acc[b][m]);
                             }
@@ -732,7 +768,7 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                                 w[b] = widened(half == 0 ? IVec::low_nibbles(packed[b])
                                                          : IVec::high_nibbles(packed[b]));
                             for (int m = 0; m < MT; ++m) {
-                                const auto digits = x_digits(p, (row + m) * p.Kp + xb * kXBlock + 4 * c + 16 * half);
+                                const auto digits = x_digits(p, row, m, xb, 4 * c + 16 * half);
                                 for (int b = 0; b < NB; ++b) sums[b][m].dot(w[b], digits);
                             }
                         }
@@ -749,7 +785,7 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                     }
                     constexpr Format sums_as = F == kInt4K ? kInt4 : F;  // int4k's sums are int4's
                     for (int m = 0; m < MT; ++m)
-                        acc[b][m] = add_x_block<sums_as>(p.x_terms[(row + m) * (p.Kp / kXBlock) + xb],
+                        acc[b][m] = add_x_block<sums_as>(x_block_terms(p, row, m, xb),
                                                          sums[b][m].total(), scale, minimum, acc[b][m]);
                 }
             }
@@ -773,8 +809,13 @@ void write_rows(const Problem& p, int64_t row, int rows, int64_t first_n, const 
 
 // `count` consecutive blocks, each against every row of x, up to kMaxRows rows at a time: a block's weights
 // are read from memory by the first rows and from L1 by the rest. From kPairRows rows (where pairs measured
-// faster; below, the weights stream from memory and one block at a time reads them best), two blocks at a time.
+// faster; below, the weights stream from memory and one block at a time reads them best), two blocks at a time:
+// only the portable build, whose passes are four rows (VNNI's eight rows of one block hold as many sums).
+#if defined(TOKENMILL_VNNI)
+constexpr int64_t kPairRows = INT64_MAX;
+#else
 constexpr int64_t kPairRows = kWideX ? INT64_MAX : 8;
+#endif
 
 // From this many rows int6k decodes a block's codes once (decode_int6k, decode_int6k_pairs); below, each pass
 // rebuilds them in registers: writing and re-reading a block's decoded codes (256 KB at K = 8192) ran 1.2-1.3x
@@ -824,6 +865,12 @@ void run_rows(const Problem& p, int64_t block, T* out) {
     for (int64_t row = 0; row < p.rows; row += kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, p.rows - row));
         switch (rows) {
+#if defined(TOKENMILL_VNNI)
+            case 8: block_sums<F, 8, NB>(p, block, row, result, decoded); break;
+            case 7: block_sums<F, 7, NB>(p, block, row, result, decoded); break;
+            case 6: block_sums<F, 6, NB>(p, block, row, result, decoded); break;
+            case 5: block_sums<F, 5, NB>(p, block, row, result, decoded); break;
+#endif
             case 4: block_sums<F, 4, NB>(p, block, row, result, decoded); break;
             case 3: block_sums<F, 3, NB>(p, block, row, result, decoded); break;
             case 2: block_sums<F, 2, NB>(p, block, row, result, decoded); break;
@@ -1305,17 +1352,37 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, int8_t* high_digits, int8_t
 }
 #endif
 
-// Rows are independent: split across the threads when there are enough of them to pay for it.
-// `wide`: also x's two digits as one int16, 254 * high + low, in xq_wide (AVX2's sums; int6k's on VNNI).
+// Rows are independent: split across the threads from four rows (from 16, the other thread waited while one
+// quantized 8 rows: a 2048x8192 int6k linear at 8 rows 1.06-1.16 -> 0.99-1.06 ms, at 4 rows 5%; 2-core EPYC Zen 4).
+// `wide`: also x's two digits as one int16, 254 * high + low, in xq_wide (AVX2's sums).
+// `x_panel`, `terms_panel` (or null): also the digits and terms in x_panel_index's layout, the digits as one int16
+// where `panel_wide` (int6k on VNNI).
 template <typename T>
 void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq_high, int8_t* xq_low,
-                   int16_t* xq_wide, XBlockTerms* terms, bool wide, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 16)
+                   int16_t* xq_wide, XBlockTerms* terms, bool wide, int8_t* x_panel, XBlockTerms* terms_panel,
+                   bool panel_wide, int threads) {
+    const int64_t x_blocks = Kp / kXBlock;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows >= 4)
     for (int64_t r = 0; r < rows; ++r) {
-        quantize_row(x + r * K, K, Kp, xq_high + r * Kp, xq_low + r * Kp, terms + r * (Kp / kXBlock));
+        quantize_row(x + r * K, K, Kp, xq_high + r * Kp, xq_low + r * Kp, terms + r * x_blocks);
         if (wide)
             for (int64_t k = r * Kp; k < (r + 1) * Kp; ++k)
                 xq_wide[k] = static_cast<int16_t>(254 * xq_high[k] + xq_low[k]);
+        if (x_panel == nullptr) continue;
+        for (int64_t xb = 0; xb < x_blocks; ++xb) {
+            const int64_t at = ((r / kPanelRows) * x_blocks + xb) * kPanelRows + r % kPanelRows;
+            const int8_t* high = xq_high + r * Kp + xb * kXBlock;
+            const int8_t* low = xq_low + r * Kp + xb * kXBlock;
+            if (panel_wide) {
+                int16_t joined[kXBlock];
+                for (int i = 0; i < kXBlock; ++i) joined[i] = static_cast<int16_t>(254 * high[i] + low[i]);
+                std::memcpy(x_panel + at * 2 * kXBlock, joined, sizeof(joined));
+            } else {
+                std::memcpy(x_panel + at * 2 * kXBlock, high, kXBlock);
+                std::memcpy(x_panel + at * 2 * kXBlock + kXBlock, low, kXBlock);
+            }
+            terms_panel[at] = terms[r * x_blocks + xb];
+        }
     }
 }
 
@@ -1328,6 +1395,8 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
     static thread_local std::vector<int8_t> xq;
     static thread_local std::vector<int16_t> xq_wide;
     static thread_local std::vector<XBlockTerms> x_terms;
+    static thread_local std::vector<int8_t> x_panel;
+    static thread_local std::vector<XBlockTerms> terms_panel;
 #if defined(TOKENMILL_AMX)
     const bool on_tiles = amx_rows(format, rows);
 #else
@@ -1338,10 +1407,19 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
         to_float_rows(x, rows, K, Kp, x_float.data());
     } else {
         xq.resize(static_cast<size_t>(rows * Kp * 2));
-        const bool wide = (kWideX || (kWideInt6K && format == kInt6K)) && !on_tiles;  // the vector paths' form
+        const bool wide = kWideX && !on_tiles;  // AVX2's form
         if (wide) xq_wide.resize(static_cast<size_t>(rows * Kp));
         x_terms.resize(static_cast<size_t>(rows * Kp / kXBlock));
-        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), wide, threads);
+        // the panel of block_sums' and int6k_block_sums' passes (the latter's digits as one int16)
+        const bool panel = !kWideX && !on_tiles;
+        const bool panel_wide = kWideInt6K && format == kInt6K;
+        const int64_t panel_rows = (rows + kPanelRows - 1) / kPanelRows * kPanelRows;
+        if (panel) {
+            x_panel.resize(static_cast<size_t>(panel_rows * Kp * 2));
+            terms_panel.resize(static_cast<size_t>(panel_rows * Kp / kXBlock));
+        }
+        quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), wide,
+                      panel ? x_panel.data() : nullptr, panel ? terms_panel.data() : nullptr, panel_wide, threads);
     }
     const int8_t* x_tiles = nullptr;
 #if defined(TOKENMILL_AMX)
@@ -1352,8 +1430,8 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
         x_tiles = tiled.data();
     }
 #endif
-    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_tiles, x_terms.data(), rows, K,
-                    Kp, N, group, groups, packed, scales, mins, bias};
+    const Problem p{x_float.data(), xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_tiles, x_terms.data(),
+                    x_panel.data(), terms_panel.data(), rows, K, Kp, N, group, groups, packed, scales, mins, bias};
     const int64_t tiles = (N + kTileBlocks * kLanes - 1) / (kTileBlocks * kLanes);
     // The unit of work: half a tile, at every row count (a decode step's matmuls have 9 to 48 tiles, and
     // with whole tiles two threads split 9 as 5 + 4 and 15 as 8 + 7; halves split them evenly). Whole tiles

@@ -80,8 +80,8 @@ def test_native_matches_reference_for_every_row_count(fmt: str, shape: tuple[int
 @pytest.mark.parametrize("shape", [(100, 256), (130, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_quant_formats_native_matches_their_values(fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
-    """int4k / int6k (GGUF's Q4_K / Q6_K as stored): the kernel against the reference at one row, at the 4-row
-    passes, from 8 rows (two blocks side by side) and at 64 (int6k's codes decoded once per block), and the
+    """int4k / int6k (GGUF's Q4_K / Q6_K as stored): the kernel against the reference at one row, at every row
+    count of a pass (VNNI's take 8 rows, AVX2's 4) and past it, at 64, and the
     reference's weight against the formula the blocks hold (w = d * sc * q - dmin * m; d * sc * (q - 32)).
     From 128 rows int6k decodes each block's codes once (decode_int6k / decode_int6k_pairs)."""
     generator = torch.Generator().manual_seed(sum(shape))
@@ -128,7 +128,7 @@ def test_amx_gives_the_vector_path_bits(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_row_gets_the_same_bits_alone_or_among_many(fmt: str) -> None:
-    """x is quantized per row (from 16 rows split across the threads), so a row's result does not depend on
+    """x is quantized per row (from 4 rows split across the threads), so a row's result does not depend on
     the rows that came with it: a reply is the same at one user or forty."""
     generator = torch.Generator().manual_seed(7)
     weight = pack_weight(torch.randn(200, 333, generator=generator), fmt)  # type: ignore[arg-type]
@@ -305,8 +305,8 @@ def _run(library: ctypes.CDLL, x: torch.Tensor, weight: PackedWeight) -> torch.T
 def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) -> None:
     """The fallbacks compute what this CPU's build computes: plain x86-64 (a scalar loop), AVX2 (vpmaddwd on
     weights widened to int16) and AVX-512 without VNNI (the prebuilt x86-64-v4 library: AVX2's sums, AVX-512's
-    floats), at one row, at four, from eight rows, where the VNNI build runs two blocks side by side, and at 130, where
-    int6k decodes each block once."""
+    floats), at one row, at four, at five and nine (past a pass of four or of eight rows: their tails), and at 130,
+    where int6k decodes each block once."""
     if march not in cpu_native.supported_targets() and march != "x86-64":
         pytest.skip(f"this CPU can't run {march} code")
     library = _portable_kernel(tmp_path, march)
