@@ -426,7 +426,7 @@ struct Problem {
     const int16_t* xq_wide;  // AVX2: [rows][Kp] both as one, 254 * high + low
     const int8_t* x_tiles;   // AMX: both digits as its tiles read them (tile_digits), or null
     const XBlockTerms* x_terms;  // [rows][Kp/32]
-    const int8_t* x_panel;       // the int formats' vector passes off AVX2: x as they read it (x_panel_index)
+    const int8_t* x_panel;       // the int formats' vector passes off AVX2: x as they read it (kPanelRows)
     const XBlockTerms* terms_panel;  // ... and its terms
     int64_t rows, K, Kp, N, group, groups;
     const void* packed;
@@ -454,8 +454,20 @@ inline Vec int6k_scale(const Problem& p, int64_t block, int64_t g, int half) {
     return Vec::mul(Vec::load_i8(sc), Vec::load_f16(reinterpret_cast<const uint16_t*>(super + 2 * kSuperGroups * kLanes)));
 }
 
-// Rows of x per x panel pass (below): the passes of block_sums start at its multiples.
+// x's digits and terms as the vector passes read them off AVX2 (x_panel): per kPanelRows rows and x block, each row's
+// 32 high digits then its 32 low ones, or both as 32 int16 (int6k on VNNI), [passes][Kp/32][kPanelRows][64 bytes], and
+// the terms the same way. A pass's rows sit at fixed offsets from one pointer: read from the [rows][Kp] planes, every
+// row took its own address arithmetic, and GCC spilled the pointers (2-core EPYC Zen 4: a 1B's 16384x2048 int4k
+// linear 4-8% faster at 8 to 256 rows). The passes of block_sums start at multiples of kPanelRows.
 constexpr int64_t kPanelRows = 8;
+constexpr int64_t kPanelEntryBytes = 2 * kXBlock;
+// The panel entry of row `row`'s x block xb, of x_blocks (Kp / 32) a row: quantize_rows writes it, the passes read it
+inline int64_t x_panel_index(int64_t row, int64_t x_blocks, int64_t xb) {
+    return ((row / kPanelRows) * x_blocks + xb) * kPanelRows + row % kPanelRows;
+}
+inline const int8_t* x_panel_entry(const Problem& p, int64_t row, int m, int64_t xb) {
+    return p.x_panel + (x_panel_index(row, p.Kp / kXBlock, xb) + m) * kPanelEntryBytes;
+}
 
 #if defined(TOKENMILL_AVX2_INT)
 constexpr bool kWideX = true;
@@ -472,23 +484,16 @@ inline const XBlockTerms& x_block_terms(const Problem& p, int64_t row, int m, in
 }
 #else
 constexpr bool kWideX = false;
-// x's digits and terms as block_sums' passes read them: per kPanelRows rows and x block, each row's 32 high digits
-// then its 32 low ones ([passes][Kp/32][kPanelRows][64 bytes]), and the terms the same way. A pass's rows sit at
-// fixed offsets from one pointer: read from the [rows][Kp] planes, every row took its own address arithmetic, and
-// GCC spilled the pointers (2-core EPYC Zen 4: a 1B's 16384x2048 int4k linear 4-8% faster at 8 to 256 rows).
-inline int64_t x_panel_index(const Problem& p, int64_t row, int64_t xb) {
-    return ((row / kPanelRows) * (p.Kp / kXBlock) + xb) * kPanelRows + row % kPanelRows;
-}
 // The high and the low digit's sums apart, combined once per x block
 struct XDigits {
     decltype(IVec::quad(nullptr)) high, low;
 };
 XDigits x_digits(const Problem& p, int64_t row, int m, int64_t xb, int within) {
-    const int8_t* at = p.x_panel + (x_panel_index(p, row, xb) + m) * 2 * kXBlock + within;
+    const int8_t* at = x_panel_entry(p, row, m, xb) + within;
     return {IVec::quad(at), IVec::quad(at + kXBlock)};
 }
 inline const XBlockTerms& x_block_terms(const Problem& p, int64_t row, int m, int64_t xb) {
-    return p.terms_panel[x_panel_index(p, row, xb) + m];
+    return p.terms_panel[x_panel_index(row, p.Kp / kXBlock, xb) + m];
 }
 template <typename Bytes>
 Bytes widened(Bytes w) {
@@ -563,7 +568,7 @@ inline __m512i pair_indices512(int first) {  // bytes 4 * lane + first + {0, 1} 
 
 // Row `row + m`'s x block xb as 32 int16, 254 * high + low: x_panel's form for int6k on VNNI
 inline const int16_t* x_wide(const Problem& p, int64_t row, int m, int64_t xb) {
-    return reinterpret_cast<const int16_t*>(p.x_panel + (x_panel_index(p, row, xb) + m) * 2 * kXBlock);
+    return reinterpret_cast<const int16_t*>(x_panel_entry(p, row, m, xb));
 }
 
 // Chunk c of a group's half as int16 pairs, inputs 4c + {0, 1} and 4c + {2, 3} of each lane, less 32
@@ -1370,16 +1375,16 @@ void quantize_rows(const T* x, int64_t rows, int64_t K, int64_t Kp, int8_t* xq_h
                 xq_wide[k] = static_cast<int16_t>(254 * xq_high[k] + xq_low[k]);
         if (x_panel == nullptr) continue;
         for (int64_t xb = 0; xb < x_blocks; ++xb) {
-            const int64_t at = ((r / kPanelRows) * x_blocks + xb) * kPanelRows + r % kPanelRows;
+            const int64_t at = x_panel_index(r, x_blocks, xb);
             const int8_t* high = xq_high + r * Kp + xb * kXBlock;
             const int8_t* low = xq_low + r * Kp + xb * kXBlock;
             if (panel_wide) {
                 int16_t joined[kXBlock];
                 for (int i = 0; i < kXBlock; ++i) joined[i] = static_cast<int16_t>(254 * high[i] + low[i]);
-                std::memcpy(x_panel + at * 2 * kXBlock, joined, sizeof(joined));
+                std::memcpy(x_panel + at * kPanelEntryBytes, joined, sizeof(joined));
             } else {
-                std::memcpy(x_panel + at * 2 * kXBlock, high, kXBlock);
-                std::memcpy(x_panel + at * 2 * kXBlock + kXBlock, low, kXBlock);
+                std::memcpy(x_panel + at * kPanelEntryBytes, high, kXBlock);
+                std::memcpy(x_panel + at * kPanelEntryBytes + kXBlock, low, kXBlock);
             }
             terms_panel[at] = terms[r * x_blocks + xb];
         }
@@ -1415,7 +1420,7 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
         const bool panel_wide = kWideInt6K && format == kInt6K;
         const int64_t panel_rows = (rows + kPanelRows - 1) / kPanelRows * kPanelRows;
         if (panel) {
-            x_panel.resize(static_cast<size_t>(panel_rows * Kp * 2));
+            x_panel.resize(static_cast<size_t>(panel_rows * (Kp / kXBlock) * kPanelEntryBytes));
             terms_panel.resize(static_cast<size_t>(panel_rows * Kp / kXBlock));
         }
         quantize_rows(x, rows, K, Kp, xq.data(), xq.data() + rows * Kp, xq_wide.data(), x_terms.data(), wide,
