@@ -191,10 +191,14 @@ def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
     return hf_greedy_tokens(model, prompt, NEW_TOKENS)
 
 
-def ours(path: Path, data_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], object]:
+def ours(
+    path: Path, data_dir: Path, prompts: list[list[int]], max_tokens: int, kv_cache_dtype: str = "auto"
+) -> tuple[list[list[int]], object]:
     config = EngineConfig(model=str(path), quantization="auto", dtype="float32", data_dir=str(data_dir))
     loaded = load_model(config)
-    engine = make_engine(loaded, quantization=loaded.model.quantization, num_kv_blocks=64)
+    engine = make_engine(
+        loaded, quantization=loaded.model.quantization, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = run_to_completion(engine, prompts, params)
     return [results[f"r{n}"][0] for n in range(len(prompts))], loaded
@@ -202,9 +206,12 @@ def ours(path: Path, data_dir: Path, prompts: list[list[int]], max_tokens: int) 
 
 @pytest.mark.parametrize("kind", KEPT)
 def test_where_the_values_are_kept_greedy_output_equals_transformers(ggufs, smollm2, tmp_path, kind):
+    """With a float32 KV cache, the mode exact against HF: the default under packed weights (bfloat16 keys and
+    values) moved this model's logits by up to ~0.02, and at one position of the Q6_K file the top two are 0.017
+    apart (float32: 0.0178 against transformers' 0.0173)."""
     path = ggufs.path(kind, pure=kind != "Q4_K_M")  # Q4_K_M: its usual mixture of Q4_K and Q6_K
     prompt = chat_prompt(smollm2.tokenizer, "What is the capital of France?")
-    (tokens,), loaded = ours(path, tmp_path, [prompt], NEW_TOKENS)
+    (tokens,), loaded = ours(path, tmp_path, [prompt], NEW_TOKENS, kv_cache_dtype="float32")
     assert loaded.model.quantization == EXPECTED_FORMAT.get(kind, "int8")
     assert "gguf" in loaded.weight_format
     assert not list(tmp_path.glob("models/*/model.safetensors")), "no safetensors copy of a GGUF run as stored"
