@@ -552,7 +552,7 @@ def _rows_kernel() -> Callable[..., object] | None:
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the int kernels see it, in float32: each row, per block of 32 inputs, as two int8 digits
-    x ~ s * (hi + lo / 254), s = max|x| / 127 (about 16-bit precision)."""
+    x ~ s * (hi + lo / 256), s = max|x| / 127 (about 16-bit precision); a low digit of 128 carries into hi."""
     rows = x.reshape(-1, x.shape[-1]).float()
     in_features = rows.shape[1]
     padded = torch.zeros(rows.shape[0], -(-in_features // X_BLOCK) * X_BLOCK)
@@ -561,8 +561,11 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     scales = blocks.abs().amax(-1, keepdim=True) / 127
     divisor = torch.where(scales == 0, 1.0, scales)
     high = torch.round(blocks / divisor)
-    low = torch.round((blocks - high * scales) / (divisor / 254)).clamp_(-127, 127)
-    restored = (high * 254 + low) * (scales / 254)
+    low = torch.round((blocks - high * scales) / (divisor / 256))
+    carry = low > 127
+    high += carry
+    low = torch.where(carry, low - 256, low).clamp_(-128, 127)
+    restored = (high * 256 + low) * (scales / 256)
     return restored.view(rows.shape[0], -1)[:, :in_features].reshape(x.shape)
 
 

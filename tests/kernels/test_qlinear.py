@@ -204,7 +204,7 @@ def test_embedding_rows_outside_the_vocabulary_are_refused() -> None:
 
 def test_activation_quantization_keeps_16_bits_and_zero_rows_zero() -> None:
     x = torch.randn(3, 40) * torch.tensor([[1e-3], [1.0], [1e3]])
-    step = x.abs().amax(-1, keepdim=True) / 127 / 254  # per row here: each row's blocks share a scale or less
+    step = x.abs().amax(-1, keepdim=True) / 127 / 256  # per row here: each row's blocks share a scale or less
     assert ((quantize_activations(x) - x).abs() <= step * 0.51).all()
     x = torch.zeros(2, 40)
     x[1, 5] = 3.0
@@ -212,6 +212,22 @@ def test_activation_quantization_keeps_16_bits_and_zero_rows_zero() -> None:
     assert torch.equal(quantized, x)  # a block's maximum is exact; zero blocks stay zero, no NaN
     weight = pack_weight(torch.randn(16, 40), "int4")
     assert torch.isfinite(qlinear_native(x, weight)).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_remainder_of_nearly_half_a_step_keeps_16_bits_in_the_kernels(fmt: str) -> None:
+    """x just under a whole step plus a half leaves a low digit of 128, past int8: it carries into the high digit
+    (x ~ s * (high + 1 - 128 / 256)), where clamping it to 127 would be off by 3/4 of a low step on every such input."""
+    in_features = 256
+    x = torch.arange(in_features, dtype=torch.float32) % 60 + 0.499  # a scale of 1: each remainder is 0.499
+    x[::32] = 127.0  # each block's maximum
+    weight = pack_weight(torch.rand(16, in_features, generator=torch.Generator().manual_seed(1)) + 0.5, fmt)
+    dense = dequantize(weight).double()
+    expected = x.double() @ dense.T
+    allowed = dense.abs().sum(-1) * (0.5 / 256) * 1.01 + expected.abs() * 1e-6
+    for rows in (1, 8):
+        got = qlinear_native(x.expand(rows, in_features).contiguous(), weight, threads=2).double()
+        assert ((got - expected).abs() <= allowed).all(), rows
 
 
 def test_weights_placed_together_hold_the_same_values_in_one_buffer() -> None:
