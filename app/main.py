@@ -3,7 +3,9 @@ and the one lifespan that starts and stops its parts in a stated order."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -47,6 +49,14 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+
+log = logging.getLogger("tokenmill.app")
+
+# How long one part may take to stop before the shutdown logs it and goes on: a stop that never returns
+# would otherwise hold the process until a supervisor kills it, and the parts after it would never stop
+# (the gateway's usage flush among them). The slowest honest stops (the gateway's drain, the engine's
+# shutdown) take seconds.
+STOP_TIMEOUT_S = 60.0
 
 
 class DocsUrls(TypedDict, total=False):  # FastAPI's keywords for its docs pages (None: off)
@@ -134,20 +144,31 @@ Step = Callable[[], Awaitable[None]]
 
 
 def lifespan_of(
-    parts: list[tuple[Step, Step]], inner: Lifespan[Any]
+    parts: list[tuple[Step, Step]], inner: Lifespan[Any], stop_timeout_s: float = STOP_TIMEOUT_S
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[Any]]:  # Any: the inner one's state (None or a mapping)
-    """Starts `parts` in order; stops the ones that started, in the reverse order, also after a failure."""
+    """Starts `parts` in order; stops the ones that started, in the reverse order, also after a failure.
+    A stop still running after stop_timeout_s is logged and left behind, and the next one stops."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with AsyncExitStack() as stack:
             for start, stop in parts:
                 await start()
-                stack.push_async_callback(stop)
+                stack.push_async_callback(stop_within, stop, stop_timeout_s)
             async with inner(app) as state:  # Starlette's own (startup / shutdown handlers), if any
                 yield state
 
     return lifespan
+
+
+async def stop_within(stop: Step, timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            await stop()
+    except TimeoutError:
+        if not deadline.expired():  # the stop's own error, not the deadline
+            raise
+        log.error("%s did not finish in %gs: the shutdown goes on without it", stop.__qualname__, timeout_s)
 
 
 async def freeze_startup_heap() -> None:

@@ -193,8 +193,12 @@ class BatchRunner:
             except Exception:  # a database hiccup: try again after a pause, never die
                 log.exception("batch runner pass failed")
             self.wakeup.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a wait that completed in the same
+            # loop turn as a cancel and drops the cancel, so a batch ending as the app shut down left this loop
+            # polling and the shutdown waiting for it forever
             try:
-                await asyncio.wait_for(self.wakeup.wait(), self.poll_s)
+                async with asyncio.timeout(self.poll_s):
+                    await self.wakeup.wait()
             except TimeoutError:
                 pass
 
