@@ -12,7 +12,7 @@ import time
 import httpx
 
 import app.api.responses as responses_route
-from app.serving.admission import ADMISSION_SLOTS
+from app.serving.admission import ADMISSION_SLOTS, FairAdmission
 from engine.config import EngineConfig
 from tests.gateway.test_gateway_fair_flood import (  # noqa: F401  (fixtures: SQLite only, the tiny Llama)
     database_url,
@@ -38,9 +38,17 @@ def test_a_quiet_teams_response_is_prepared_next_not_behind_the_flood(tiny, make
         return prepare(tokenizer, body, *rest)
 
     monkeypatch.setattr(responses_route, "prepare", slow_prepare)
+    joined: list[tuple[float, str]] = []  # (when, team) each request took its place in the admission line
+    acquire = FairAdmission._acquire
+
+    async def joining(self: FairAdmission, team: str) -> None:
+        joined.append((time.monotonic(), team))
+        await acquire(self, team)
+
+    monkeypatch.setattr(FairAdmission, "_acquire", joining)
     config = EngineConfig(model="tiny", num_kv_blocks=2048, max_num_seqs=256)
     with running_server(tiny, engine_config=config, gateway=make_gateway()) as server:
-        (_, flood_key), (_, quiet_key) = team_key(server.url, "flood"), team_key(server.url, "quiet")
+        (_, flood_key), (quiet_team, quiet_key) = team_key(server.url, "flood"), team_key(server.url, "quiet")
         model = server.engine.model_name
 
         async def run() -> tuple[float, int]:
@@ -55,7 +63,8 @@ def test_a_quiet_teams_response_is_prepared_next_not_behind_the_flood(tiny, make
                 assert await respond("hello", quiet_key) == 200
                 started.clear()
                 flood = [asyncio.create_task(respond(f"flood {n}", flood_key)) for n in range(FLOOD)]
-                while len(started) < ADMISSION_SLOTS:  # the flood holds every admission slot
+                # the flood holds every admission slot, and all of it is in line
+                while len(started) < ADMISSION_SLOTS or sum(team != quiet_team for _, team in joined) < FLOOD:
                     await asyncio.sleep(0.01)
                 sent = time.monotonic()
                 status = await respond("quiet", quiet_key)
@@ -65,7 +74,10 @@ def test_a_quiet_teams_response_is_prepared_next_not_behind_the_flood(tiny, make
 
         sent, _ = asyncio.run(run())
     quiet_at = next(when for when, whose in started if whose == "B")
-    passed_it = sum(1 for when, whose in started if whose == "A" and sent <= when < quiet_at)
-    # Once in line, the quiet team's request takes the next free slot; slots that free while it is still on
-    # its way there (HTTP parsing, the key's lookup) may go to the flood. Before: all 80 queued went first.
+    in_line_at = next(when for when, team in joined if team == quiet_team and when >= sent)
+    passed_it = sum(1 for when, whose in started if whose == "A" and in_line_at <= when < quiet_at)
+    # Once in line, the quiet team's request takes the next free slot (at most a few more go while the event
+    # loop hands it over); one line for all teams let 55 go first. Counted from its place in line, not from when the
+    # client sent it: slots that free while it is on its way there (HTTP parsing, the middleware, a loaded
+    # machine's thread switches: 30 of them once in CI) may go to the flood, and admission cannot change that.
     assert passed_it <= ADMISSION_SLOTS // 4, f"{passed_it} of the flood's responses were prepared ahead of it"
