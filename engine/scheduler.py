@@ -22,6 +22,11 @@ decoding carries at most FIRST_TOKEN_STEP_PREFILL prefill tokens of teams served
 running): on a CPU a step's time is its token count, and that step is the newcomer's time to first token.
 One team alone never meets either rule.
 
+A new request whose next uncached prompt block is one that a request scheduled this step fills (the same cache
+and the same tokens up to it: its own team's, unless a cache salt is shared) waits a step, and then finds it in
+the prefix cache: a burst of requests that begin alike (a system prompt, a batch's instructions) computes that
+start once. Under `"fair"` it keeps its place while it waits: nothing queued after it is admitted in that step.
+
 The bound fair share keeps (equal priorities). Let m = fair_min_run_steps, S = max_num_seqs, P = the longest
 prompt, and for teams f, g with weights w_f, w_g:
     U_fg = prompt_weight * P / w_f + (prompt_weight * P + (m + 1) * output_weight * S) / w_g.
@@ -225,6 +230,8 @@ class Scheduler:
             request = self.waiting[0]
             if self._seats_taken() + 1 + self._unforked(request) > self.config.max_num_seqs:
                 break
+            if self._waits_for_shared_prefix(request, scheduled):
+                break
             num_new = self._start_waiting(request, batch, budget)
             if num_new is None:
                 break
@@ -253,6 +260,9 @@ class Scheduler:
                     return
                 num_new, refund = self._continue_prefill(candidate, budget, batch, scheduled, preempted)
                 budget += refund - (num_new or 0)
+                continue
+            if candidate.status is RequestStatus.WAITING and self._waits_for_shared_prefix(candidate, scheduled):
+                admitting = False  # it keeps its place: nothing queued passes it this step
                 continue
             if self._seats_taken() + 1 + self._unforked(candidate) <= self.config.max_num_seqs:
                 if budget <= 0:
@@ -305,6 +315,30 @@ class Scheduler:
         self.counters.copy_on_write_blocks += len(copies)
         scheduled[request] = num_new
         return num_new, refund
+
+    def _waits_for_shared_prefix(self, request: Request, scheduled: dict[Request, int]) -> bool:
+        """Whether a request with nothing computed should wait a step because its next uncached prompt block is
+        one that a request scheduled this step computes (same team and tokens so far: the same block hash).
+
+        Blocks enter the prefix cache after the step that fills them, so two requests with a shared prompt
+        start (a team's system prompt, a batch's instructions) admitted in one step would both compute it.
+        Waiting a step makes it a cache hit instead: computed once, and on a CPU, where a step's time is its
+        tokens, that step comes sooner by as much. A wait lasts while the shared blocks are being computed
+        (a long prefix in chunks: it follows them step by step), and ends where the prompts part."""
+        if request.block_ids or not self.blocks.enable_prefix_caching:
+            return False
+        next_block = len(self.blocks.find_cached_prefix(request))
+        if next_block >= (request.num_tokens - 1) // self.blocks.block_size:  # no full block left to share
+            return False
+        wanted = request.block_hashes[next_block]
+        size = self.blocks.block_size
+        for other, num_new in scheduled.items():
+            filled = other.block_hashes[
+                other.num_computed_tokens // size : (other.num_computed_tokens + num_new) // size
+            ]
+            if wanted in filled:
+                return True
+        return False
 
     @staticmethod
     def _in_prefill(request: Request) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import SamplingParams
+from engine.tenancy import Tenancy
 from tests.support.engine import QUESTIONS, chat_prompt, make_engine, run_to_completion
 
 MAX_NEW = 24
@@ -69,6 +70,32 @@ def test_shared_prefix_hits_cache_and_matches_hf(smollm2, hf_greedy):
     assert_matches_hf(first, prompts[:1], hf_greedy)
     assert_matches_hf(results, prompts, hf_greedy)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
+def test_requests_arriving_together_compute_their_shared_start_once(smollm2, hf_greedy, scheduling):
+    prompts = [chat_prompt(smollm2.tokenizer, q, system=LONG_SYSTEM) for q in QUESTIONS[:8]]
+    shared_blocks = len(chat_prompt(smollm2.tokenizer, "", LONG_SYSTEM)) // 16 - 1
+    engine = make_engine(smollm2, num_kv_blocks=256, scheduling=scheduling)
+    results = run_to_completion(engine, prompts, GREEDY)  # one burst, nothing cached before it
+    assert engine.scheduler.counters.prefix_cache_hits >= 7 * 16 * shared_blocks
+    assert_matches_hf(results, prompts, hf_greedy)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("teams", [("a", "a"), ("a", "b")])
+def test_only_a_team_that_may_share_a_prompt_waits_for_it(smollm2, teams):
+    prompt = chat_prompt(smollm2.tokenizer, QUESTIONS[0], system=LONG_SYSTEM)
+    engine = make_engine(smollm2, num_kv_blocks=256)
+    for number, team in enumerate(teams):
+        engine.add_request(f"r{number}", prompt, GREEDY, Tenancy(team=team))
+    engine.step()
+    same_team = teams[0] == teams[1]
+    # one team: the second request waits a step and then finds the prompt cached; two teams keep their caches
+    # apart, so neither waits for the other
+    assert engine.stats.scheduled_seqs_last_step == (1 if same_team else 2)
+    engine.step()
+    assert engine.scheduler.counters.prefix_cache_hits == (len(prompt) - 1) // 16 * 16 * same_team
 
 
 def test_chunked_prefill_matches_hf(smollm2, prompts, hf_greedy):
