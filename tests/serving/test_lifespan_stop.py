@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -53,11 +54,7 @@ def test_an_error_in_a_stop_is_not_taken_for_its_deadline():
     parts = [Part("gateway", stopped), FailingPart("pool", stopped)]
     app = FastAPI()
     app.router.lifespan_context = lifespan_of([(part.start, part.stop) for part in parts], app.router.lifespan_context)
-    try:
+    with pytest.raises(TimeoutError, match="did not answer"):  # the stop's own error, not swallowed
         with TestClient(app):
             pass
-    except TimeoutError as error:
-        assert "did not answer" in str(error)
-    else:
-        raise AssertionError("the stop's own error was swallowed")
     assert stopped == ["gateway"]
