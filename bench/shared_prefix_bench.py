@@ -6,8 +6,8 @@ before that wait, where requests admitted in the same step each computed the sha
 Per burst: the time until every request has its first token, the median time to first token, the time until
 all are done, and the prompt tokens the engine computed (prompt tokens less prefix-cache hits). The two arms
 alternate over rounds, each round with a fresh engine (one short request run first, so that its step budget
-is a served engine's) and a new shared prompt (random ordinary tokens: the
-time does not depend on the values). Prints a table, writes JSON and a PNG.
+is a served engine's) and a new shared prompt (random ordinary tokens: the time does not depend on the
+values). Prints a table, writes JSON and a PNG.
 
     python bench/shared_prefix_bench.py                          # embedded SmolLM2, server defaults
     python bench/shared_prefix_bench.py --model ~/.cache/tokenmill-bench/models/llama-1b-Q4_K_M.gguf
