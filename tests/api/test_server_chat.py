@@ -233,6 +233,31 @@ def test_repeated_long_system_prompt_hits_the_prefix_cache(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= 0.8 * second.usage.prompt_tokens - 32
 
 
+def test_a_burst_sharing_a_system_prompt_computes_it_once(server):
+    system = "You are the night-shift dispatcher of a ferry line; log every crossing with its time. " * 25
+
+    async def burst():
+        async with server.async_client() as client:
+            return await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=MODEL,
+                        max_tokens=2,
+                        temperature=0,
+                        messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Crossing {n}?"}],
+                    )
+                    for n in range(4)
+                )
+            )
+
+    responses = asyncio.run(burst())
+    cached = sorted(response.usage.prompt_tokens_details.cached_tokens for response in responses)
+    prompt_tokens = min(response.usage.prompt_tokens for response in responses)
+    # sent together, nothing cached before: one computes the system prompt, the others read it from the cache
+    assert cached[0] < 0.5 * prompt_tokens
+    assert all(tokens >= 0.8 * prompt_tokens - 32 for tokens in cached[1:])
+
+
 def test_sixteen_concurrent_streams_all_finish_with_their_usage(server):
     tokenizer = server.engine.tokenizer
 
