@@ -28,7 +28,8 @@
 // product is nearly free while the weights stream from memory.
 // The int32 sums combine exactly: total = 256*sum(w*hi) + sum(w*lo). For int8: sum_k x*(q+128) - 128*sum_k x
 // gives sum_k x*q; for int4: sum_k x*(q*s+m) = s*sum_k(x*q) + m*sum_k(x). AVX2 has no vpdpbusd: it widens
-// the weights to int16 and multiplies them with vpmaddwd by both digits at once, as one int16 (see its IVec);
+// the weights to int16 and multiplies them with vpmaddwd by both digits at once, as one int16 (see its IVec), or at
+// one row multiplies the codes by each digit with the byte product (one_row_nibble_sums);
 // without either a portable loop does the same integer arithmetic. The int32 sums are exact in all three, so
 // results do not depend on the CPU. Where AMX runs, int4k and int6k take 8 rows and more as tile products of both
 // digits at once (amx_block_sums), the same int32 sums and the same float epilogue.
@@ -342,6 +343,55 @@ struct DigitSums {
     }
     IVec total() const { return {a, b}; }
 };
+// One row's sums by the byte product (vpmaddubsw: codes of a byte each, unsigned, times x's digits, signed), one
+// int16 pair sum per lane and two inputs for each digit, with no widening of the codes: as many multiplies and adds
+// as the widened codes' vpmaddwd by both digits at once, without the shuffles that widen them. With more rows one
+// widening serves four (block_sums), so they keep it. The callers bound the int16 sums below saturation.
+struct ByteDigitSums {
+    __m256i high_a, high_b, low_a, low_b;  // lanes 0-7, 8-15
+    static ByteDigitSums zero() {
+        const __m256i z = _mm256_setzero_si256();
+        return {z, z, z, z};
+    }
+    // codes (lane, j) times inputs j = 0..3 from `high` and `low`
+    void add(const Bytes64& codes, const int8_t* high, const int8_t* low) {
+        int32_t high4, low4;
+        std::memcpy(&high4, high, sizeof(high4));
+        std::memcpy(&low4, low, sizeof(low4));
+        const __m256i x_high = _mm256_set1_epi32(high4), x_low = _mm256_set1_epi32(low4);
+        high_a = _mm256_add_epi16(high_a, _mm256_maddubs_epi16(codes.a, x_high));
+        high_b = _mm256_add_epi16(high_b, _mm256_maddubs_epi16(codes.b, x_high));
+        low_a = _mm256_add_epi16(low_a, _mm256_maddubs_epi16(codes.a, x_low));
+        low_b = _mm256_add_epi16(low_b, _mm256_maddubs_epi16(codes.b, x_low));
+        // in order, in registers, as DigitSums::dot's (without it one_row_nibble_sums ran 0.97x the widened loop)
+        asm("" : "+x"(high_a), "+x"(high_b), "+x"(low_a), "+x"(low_b));
+    }
+    IVec total() const {  // kDigitBase * high + low per lane in int32, each widened by a vpmaddwd
+        const __m256i base = _mm256_set1_epi16(kDigitBase), ones = _mm256_set1_epi16(1);
+        return {_mm256_add_epi32(_mm256_madd_epi16(high_a, base), _mm256_madd_epi16(low_a, ones)),
+                _mm256_add_epi32(_mm256_madd_epi16(high_b, base), _mm256_madd_epi16(low_b, ones))};
+    }
+};
+// One row of int4 / int4k, one x block, by the byte product: a pair sum of nibbles is at most 2 * 15 * 128 = 3840,
+// so a lane's eight of an x block add up in int16 without saturating (<= 30720). The same int32 sums, so the same
+// bits. A decode step at one row is bound by this loop on a 2-core EPYC Zen 4 whose AVX-512 the VM hides (a 1B's
+// 16384x2048 int4k linear read 14 GB/s on one thread from memory and as much from L3, against a 30 GB/s plain
+// read): a 2048x2048 one from L3 ran 1.22x as fast as the widened loop on one thread (16.8-17.1 against 13.8-14.0
+// GB/s, alternated), SmolLM2's int4 decode-step linears 1.3x on two; `realsize_bench` one stream, with
+// one_row_int6k_sums below, 1.03x llama-server's where it was 0.80-0.86x.
+inline IVec one_row_nibble_sums(const uint8_t* chunks, const int8_t* high, const int8_t* low) {
+    ByteDigitSums sums = ByteDigitSums::zero();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+        const uint8_t* at = chunks + 64 * c;
+        __builtin_prefetch(at + kPrefetchAhead);
+        const Bytes64 packed = IVec::load(at);
+        // the low nibbles against inputs 4c..4c+3, the high ones against 16 further
+        sums.add(IVec::low_nibbles(packed), high + 4 * c, low + 4 * c);
+        sums.add(IVec::high_nibbles(packed), high + 4 * c + 16, low + 4 * c + 16);
+    }
+    return sums.total();
+}
 #else
 struct Bytes64 {
     uint8_t b[64];
@@ -547,6 +597,33 @@ inline Bytes int6k_codes(const uint8_t* group_bytes, const Bytes& high, int half
     return IVec::six_bits(half == 0 ? IVec::low_nibbles(packed) : IVec::high_nibbles(packed), high, c);
 }
 
+#if defined(TOKENMILL_AVX2_INT)
+// int6k's one row on AVX2, one group, as one_row_nibble_sums does int4's: a pair sum of six-bit codes is at most
+// 2 * 63 * 128 = 16128, so two chunks' add up in int16 before they widen. Half 0's sums, then half 1's. A 2048x2048
+// Q6_K linear from L3 on one thread 1.1x as fast (14.7 against 13.1-13.4 GB/s; Zen 4 without AVX-512, alternated).
+inline void one_row_int6k_sums(const uint8_t* group_bytes, const int8_t* high, const int8_t* low,
+                               IVec (&totals)[2]) {
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+        const Bytes64 high_bits = IVec::load(group_bytes + 256 + 64 * half);
+        totals[half] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 2
+        for (int pair = 0; pair < 2; ++pair) {
+            ByteDigitSums sums = ByteDigitSums::zero();
+#pragma GCC unroll 2
+            for (int c = 2 * pair; c < 2 * pair + 2; ++c) {
+                int6k_prefetch(group_bytes, half, c);
+                const int within = 16 * half + 4 * c;
+                sums.add(int6k_codes(group_bytes, high_bits, half, c), high + within, low + within);
+            }
+            const IVec two_chunks = sums.total();
+            totals[half] = {_mm256_add_epi32(totals[half].a, two_chunks.a),
+                            _mm256_add_epi32(totals[half].b, two_chunks.b)};
+        }
+    }
+}
+#endif
+
 // Sums of MT rows against NB consecutive blocks (16 outputs each), one group (or all of K for bf16) at a time,
 // into result[(b * MT + m) * kLanes + lane].
 // One block at a time (NB = 1) while the weights stream from memory: a block's weights are one contiguous run,
@@ -723,6 +800,23 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                         }
                     }
                 } else if constexpr (F == kInt6K) {
+#if defined(TOKENMILL_AVX2_INT)
+                    if constexpr (MT == 1 && NB == 1) {
+                        if (decoded == nullptr) {  // one row (a last row past 128 reads the decoded codes below)
+                            IVec totals[2];
+                            one_row_int6k_sums(bytes + (block * p.groups + xb) * kInt6KGroupBytes,
+                                               p.xq_high + row * p.Kp + xb * kXBlock,
+                                               p.xq_low + row * p.Kp + xb * kXBlock, totals);
+                            const XBlockTerms& x = x_block_terms(p, row, 0, xb);
+                            for (int half = 0; half < 2; ++half) {  // the epilogue below, per half
+                                const Vec scale = int6k_scale(p, block, xb, half);
+                                acc[0][0] = Vec::fma(totals[half].to_float(int6k_offset(x, half)),
+                                                     Vec::mul(scale, Vec::broadcast(x.low_scale)), acc[0][0]);
+                            }
+                            continue;
+                        }
+                    }
+#endif
                     // half 0 (inputs 0-15: the low nibbles) to its own scale, then half 1 (the high nibbles)
                     for (int half = 0; half < 2; ++half) {
                         if (half == 1) {
@@ -760,6 +854,13 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                         }
                     }
                     continue;  // the epilogue is done, per half
+#if defined(TOKENMILL_AVX2_INT)
+                } else if constexpr (MT == 1 && NB == 1) {
+                    const IVec total = one_row_nibble_sums(bytes + (block * (p.Kp / kXBlock) + xb) * 4 * 64,
+                                                           p.xq_high + row * p.Kp + xb * kXBlock,
+                                                           p.xq_low + row * p.Kp + xb * kXBlock);
+                    sums[0][0] = {total.a, total.b};
+#endif
                 } else {
 #pragma GCC unroll 4
                     for (int c = 0; c < 4; ++c) {

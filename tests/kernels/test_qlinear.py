@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,31 @@ def test_a_row_gets_the_same_bits_alone_or_among_many(fmt: str) -> None:
     together = qlinear_native(x, weight, threads=2)
     for row in (0, 17, 39):
         assert torch.equal(qlinear_native(x[row : row + 1], weight, threads=2)[0], together[row]), row
+
+
+@pytest.mark.parametrize("fmt", K_FORMATS)
+@pytest.mark.parametrize("codes", ["random", "largest"])
+def test_a_k_quant_row_gets_the_same_bits_alone_as_among_many_at_the_digits_extremes(fmt: str, codes: str) -> None:
+    """On AVX2 one row of int4 / int4k / int6k runs loops of their own (each digit of x times the codes by the byte
+    product, summed in int16: one_row_nibble_sums, one_row_int6k_sums in kernels/csrc/qlinear_cpu.cpp), more rows
+    widen the codes once for four: the same int32 sums, so the same bits, also where the int16 sums are largest
+    (every code 15 or 63, high digits of 127, low digits near +-128), which would saturate a longer sum."""
+    generator = torch.Generator().manual_seed(5)
+    rows = k_quant_rows(fmt, 96, 512, generator)
+    if codes == "largest":
+        rows = dataclasses.replace(rows, values=torch.full_like(rows.values, 15 if fmt == "int4k" else 63))
+    weight = pack_quantized(rows)
+    x = torch.randn(7, 512, generator=generator) * 20
+    x[1], x[2] = 50.0, -50.0  # every high digit +-127, every low one 0
+    x[3] = torch.arange(512) % 60 + 0.499  # remainders of just under half a step: low digits of 128, carried ...
+    x[4] = -(torch.arange(512) % 60 + 0.498)  # ... and of -127 or -128
+    x[3, ::32], x[4, ::32] = 127.0, -127.0  # each block's maximum: a scale of 1
+    together = qlinear_native(x, weight, threads=2)
+    for row in range(x.shape[0]):
+        assert torch.equal(qlinear_native(x[row : row + 1], weight, threads=2)[0], together[row]), row
+    dense = dequantize(weight).double()
+    error = (together.double() - x.double() @ dense.T).abs()
+    assert (error <= dense.abs().sum(-1) * x.abs().amax() / 127 / 256).all()  # x's 16 bits, summed
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -321,14 +347,17 @@ def _run(library: ctypes.CDLL, x: torch.Tensor, weight: PackedWeight) -> torch.T
 def test_portable_builds_agree_with_this_cpus_build(tmp_path: Path, march: str) -> None:
     """The fallbacks compute what this CPU's build computes: plain x86-64 (a scalar loop), AVX2 (vpmaddwd on
     weights widened to int16) and AVX-512 without VNNI (the prebuilt x86-64-v4 library: AVX2's sums, AVX-512's
-    floats), at one row, at four, at five and nine (past a pass of four or of eight rows: their tails), and at 130,
-    where int6k decodes each block once."""
+    floats), at one row (AVX2's own loops), at four, at five and nine (past a pass of four or of eight rows: their
+    tails), and at 130, where int6k decodes each block once."""
     if march not in cpu_native.supported_targets() and march != "x86-64":
         pytest.skip(f"this CPU can't run {march} code")
     library = _portable_kernel(tmp_path, march)
     generator = torch.Generator().manual_seed(3)
     weights = [pack_weight(torch.randn(130, 161, generator=generator), fmt) for fmt in FORMATS]  # type: ignore[arg-type]
     weights += [pack_quantized(k_quant_rows(fmt, 130, 512, generator)) for fmt in K_FORMATS]
+    for fmt, largest in (("int4k", 15), ("int6k", 63)):  # the largest int16 sums of AVX2's one-row loops
+        codes = k_quant_rows(fmt, 64, 512, generator)
+        weights.append(pack_quantized(dataclasses.replace(codes, values=torch.full_like(codes.values, largest))))
     for weight in weights:
         fmt = weight.format
         for rows in (1, 4, 5, 9, 130):
