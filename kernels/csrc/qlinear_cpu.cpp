@@ -474,6 +474,11 @@ Vec add_x_block(const XBlockTerms& x, IVec total, Vec scale, Vec minimum, Vec ac
     return acc;
 }
 
+// acc + int6k's int32 sums of one half (16 inputs) of an x block, times that half's weight scale
+inline Vec add_int6k_half(const XBlockTerms& x, int half, IVec total, Vec scale, Vec acc) {
+    return Vec::fma(total.to_float(int6k_offset(x, half)), Vec::mul(scale, Vec::broadcast(x.low_scale)), acc);
+}
+
 struct Problem {
     const float* x;         // bf16 format: [rows][Kp] float32
     const int8_t* xq_high;  // int formats: [rows][Kp] x quantized per block of 32, the high digits ...
@@ -808,11 +813,9 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                                                p.xq_high + row * p.Kp + xb * kXBlock,
                                                p.xq_low + row * p.Kp + xb * kXBlock, totals);
                             const XBlockTerms& x = x_block_terms(p, row, 0, xb);
-                            for (int half = 0; half < 2; ++half) {  // the epilogue below, per half
-                                const Vec scale = int6k_scale(p, block, xb, half);
-                                acc[0][0] = Vec::fma(totals[half].to_float(int6k_offset(x, half)),
-                                                     Vec::mul(scale, Vec::broadcast(x.low_scale)), acc[0][0]);
-                            }
+                            for (int half = 0; half < 2; ++half)
+                                acc[0][0] = add_int6k_half(x, half, totals[half], int6k_scale(p, block, xb, half),
+                                                           acc[0][0]);
                             continue;
                         }
                     }
@@ -847,9 +850,8 @@ void block_sums(const Problem& p, int64_t block, int64_t row, float* result, con
                         for (int b = 0; b < NB; ++b) {
                             const Vec scale = int6k_scale(p, block + b, xb, half);
                             for (int m = 0; m < MT; ++m) {
-                                const XBlockTerms& x = x_block_terms(p, row, m, xb);
-                                acc[b][m] = Vec::fma(sums[b][m].total().to_float(int6k_offset(x, half)),
-                                                     Vec::mul(scale, Vec::broadcast(x.low_scale)), acc[b][m]);
+                                acc[b][m] = add_int6k_half(x_block_terms(p, row, m, xb), half, sums[b][m].total(),
+                                                           scale, acc[b][m]);
                             }
                         }
                     }
