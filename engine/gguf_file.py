@@ -277,13 +277,18 @@ def hf_tensor_names(hf_config: Any, architecture: str) -> dict[str, tuple[str, t
 
 
 def hf_named_tensors(
-    entries: list[TensorEntry], mapped: MappedFile, hf_config: Any, architecture: str
+    entries: list[TensorEntry],
+    mapped: MappedFile,
+    hf_config: Any,
+    architecture: str,
+    names: dict[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> Iterator[tuple[str, GGUFTensor]]:
     """(HF name, stored tensor) for every tensor the model reads, with llama.cpp's conversions undone:
     llama's q/k rows put back in HF's order (by row selection: no dequantizing), gemma's norms - 1, dropped
     size-1 dims restored, and 3-D expert stacks given per expert under the HF names of a per-expert
-    checkpoint."""
-    names = hf_tensor_names(hf_config, architecture)
+    checkpoint. `names`: `hf_tensor_names` of this config and architecture, where the caller kept them."""
+    if names is None:
+        names = hf_tensor_names(hf_config, architecture)
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
     for entry in entries:

@@ -2,8 +2,9 @@
 
 A GGUF run quantized (int4/int8, what `auto` picks for a quantized GGUF) is read as stored: its tensors from
 the mapped file, each turned into the kernels' packed format one at a time (engine/gguf_file.py,
-engine/gguf_repack.py), nothing written but its config and tokenizer (parsing those from the GGUF's metadata
-takes seconds of pure Python: kept in the data directory, a few MB). A GGUF run in float (--quantization none)
+engine/gguf_repack.py), nothing written but its config, tokenizer and tensor names (parsing those from the
+GGUF's metadata, or mapping its tensor names to HF's, takes seconds of pure Python: kept in the data directory,
+a few MB). A GGUF run in float (--quantization none)
 is converted once to a safetensors folder, its tensors read the same way, which transformers loads too. Either
 way the config is the file's own (engine/gguf_config.py), not transformers' reading of it.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -35,6 +37,7 @@ from engine.gguf_file import (
     freed_memory_returned,
     gguf_architecture,
     hf_named_tensors,
+    hf_tensor_names,
     read_tensor_index,
 )
 from engine.gguf_repack import INT4_TYPES, K_QUANT_FORMATS, WIDE_TYPES, packed_linears
@@ -266,6 +269,36 @@ def gguf_metadata(gguf: Path, data_dir: Path) -> tuple[Any, Any, Path]:
     return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), folder
 
 
+# What the kept tensor names depend on besides the file: the HF model classes' parameter names and gguf-py's name
+# map. A cache made under other versions (or an older layout of it) is made again.
+_NAMES_FILE = "tensor_names.json"
+_NAMES_LAYOUT = 1
+
+
+def _names_made_by() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    return {"layout": _NAMES_LAYOUT, "transformers": version("transformers"), "gguf": version("gguf")}
+
+
+def gguf_tensor_names(folder: Path, hf_config: Any, architecture: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """engine.gguf_file.hf_tensor_names of a GGUF, kept in its metadata folder: working them out builds the HF
+    model on the meta device (its modeling module imported: ~1 s of a 1B's 8.5 s restart, 2-core EPYC Zen 4)."""
+    kept = folder / _NAMES_FILE
+    made_by = _names_made_by()
+    try:
+        saved = json.loads(kept.read_text())
+        if saved["made_by"] == made_by:
+            return {gguf: (hf, tuple(shape)) for gguf, (hf, shape) in saved["names"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not kept yet (a folder from before), or unreadable: made again
+    names = hf_tensor_names(hf_config, architecture)
+    staging = kept.with_name(f"{_NAMES_FILE}.tmp{os.getpid()}")
+    staging.write_text(json.dumps({"made_by": made_by, "names": names}))
+    os.replace(staging, kept)
+    return names
+
+
 def load_stored_gguf(config: EngineConfig, path: Path, name: str, quantization: str) -> LoadedModel:
     """A GGUF run as stored: every tensor's type checked first (an unsupported one is an error naming it,
     before anything is allocated), then each packed from the mapped file, its pages handed back once read."""
@@ -277,7 +310,9 @@ def load_stored_gguf(config: EngineConfig, path: Path, name: str, quantization: 
     device = config.torch_device
     mapped = MappedFile(path)
     with freed_memory_returned():
-        weights: dict[str, Weight] = dict(hf_named_tensors(entries, mapped, hf_config, gguf_architecture(path)))
+        architecture = gguf_architecture(path)
+        names = gguf_tensor_names(folder, hf_config, architecture)
+        weights: dict[str, Weight] = dict(hf_named_tensors(entries, mapped, hf_config, architecture, names))
         model = model_for(hf_config, weights, dtype=config.torch_dtype, quantization=quantization, device=device)
         del weights
         mapped.release_all()

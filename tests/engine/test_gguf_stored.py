@@ -4,6 +4,7 @@ and close to it where they are re-quantized. Files made by llama.cpp's own conve
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import cast
 
@@ -233,6 +234,42 @@ def test_a_q4_k_m_runs_its_q4_k_and_q6_k_linears_in_their_own_blocks(ggufs, tmp_
     assert all(set(linear_formats) <= {"int4k", "int6k"} for linear_formats in formats)
     quantized_bytes = sum(entry.nbytes for entry in read_tensor_index(path) if entry.type_name in ("Q4_K", "Q6_K"))
     assert model.weight_nbytes() < 1.1 * quantized_bytes
+
+
+def greedy_ids(loaded, prompt: list[int], max_tokens: int = 8) -> list[int]:
+    engine = make_engine(loaded, quantization=loaded.model.quantization, num_kv_blocks=16)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return run_to_completion(engine, [prompt], params)["r0"][0]
+
+
+def test_a_restart_reads_the_tensor_names_kept_beside_the_config(ggufs, tmp_path, monkeypatch):
+    """Which HF name each GGUF tensor has is worked out once, from the HF model built on the meta device (its
+    modeling module imported: ~1 s of a 1B's restart), and kept in the data dir with the config and tokenizer. A
+    restart reads them back and runs the same model; a list kept by other versions of transformers or gguf-py is
+    worked out again."""
+    import engine.loader as loader
+
+    path = ggufs.path("Q4_K_M", pure=False)
+    config = EngineConfig(model=str(path), quantization="auto", dtype="float32", data_dir=str(tmp_path))
+    first = load_model(config)
+    (kept,) = tmp_path.glob("models/*.meta/tensor_names.json")
+
+    def not_again(*args: object) -> None:
+        raise AssertionError("the tensor names were worked out again")
+
+    monkeypatch.setattr(loader, "hf_tensor_names", not_again)
+    again = load_model(config)
+    prompt = [1, 2, 3, 4, 5]
+    assert torch.equal(again.model.lm_head.weight.packed, first.model.lm_head.weight.packed)
+    assert greedy_ids(again, prompt) == greedy_ids(first, prompt)
+
+    monkeypatch.undo()
+    saved = json.loads(kept.read_text())
+    saved["made_by"]["transformers"] = "0.0"
+    kept.write_text(json.dumps({**saved, "names": {}}))
+    remade = load_model(config)
+    assert greedy_ids(remade, prompt) == greedy_ids(first, prompt)
+    assert json.loads(kept.read_text())["names"] == saved["names"]
 
 
 @pytest.mark.parametrize("kind", REQUANTIZED)
