@@ -49,6 +49,7 @@ def test_quick_realsize_bench_runs_both_servers_on_one_gguf(llama_cpp_tools: Non
         assert measured["streams_tokens"] == workload["streams"] * workload["output_tokens"], name
         assert system["one_stream_tok_s"] > 0 and system["ttft_s"] > 0 and system["peak_rss_bytes"] > 2**20
         assert system["first_start_s"] > 0 and 0 < system["weight_read_of_bandwidth"]
+        assert system["restart_s"] > 0, name  # tokenmill's second start on the data dir its first one filled
     assert file["systems"]["llama.cpp"]["data_dir_bytes"] == 0
     assert file["registry_estimate"]["total_bytes"] > 0
     assert [target["target"] for target in file["targets"]][0] == "tokenmill loads it with its KV pool"
