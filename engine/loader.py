@@ -294,8 +294,11 @@ def gguf_tensor_names(folder: Path, hf_config: Any, architecture: str) -> dict[s
         pass  # not kept yet (a folder from before), or unreadable: made again
     names = hf_tensor_names(hf_config, architecture)
     staging = kept.with_name(f"{_NAMES_FILE}.tmp{os.getpid()}")
-    staging.write_text(json.dumps({"made_by": made_by, "names": names}))
-    os.replace(staging, kept)
+    try:
+        staging.write_text(json.dumps({"made_by": made_by, "names": names}))
+        os.replace(staging, kept)
+    except OSError:  # a data dir it can read but not write (a folder kept by an older version): runs all the same
+        staging.unlink(missing_ok=True)
     return names
 
 

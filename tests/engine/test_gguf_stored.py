@@ -272,6 +272,24 @@ def test_a_restart_reads_the_tensor_names_kept_beside_the_config(ggufs, tmp_path
     assert json.loads(kept.read_text())["names"] == saved["names"]
 
 
+def test_tensor_names_that_cannot_be_kept_are_worked_out_each_start(ggufs, tmp_path, monkeypatch):
+    """A metadata folder from before the names were kept, on a data dir the server can't write: it starts."""
+    import engine.loader as loader
+
+    path = ggufs.path("Q4_K_M", pure=False)
+    config = EngineConfig(model=str(path), quantization="auto", dtype="float32", data_dir=str(tmp_path))
+    load_model(config)
+    (kept,) = tmp_path.glob("models/*.meta/tensor_names.json")
+    kept.unlink()
+
+    def read_only(*args: object) -> None:
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(loader.os, "replace", read_only)
+    loaded = load_model(config)
+    assert loaded.model.layers and not list(tmp_path.glob("models/*.meta/tensor_names.json*"))
+
+
 @pytest.mark.parametrize("kind", REQUANTIZED)
 def test_where_values_are_requantized_next_tokens_agree_with_transformers(ggufs, smollm2, tmp_path, kind):
     """Teacher-forced along transformers' own greedy continuation: our next token at each position."""
