@@ -197,12 +197,17 @@ def ours(
 ) -> tuple[list[list[int]], object]:
     config = EngineConfig(model=str(path), quantization="auto", dtype="float32", data_dir=str(data_dir))
     loaded = load_model(config)
+    return greedy_runs(loaded, prompts, max_tokens, kv_cache_dtype), loaded
+
+
+def greedy_runs(loaded, prompts: list[list[int]], max_tokens: int, kv_cache_dtype: str = "auto") -> list[list[int]]:
+    """A loaded model's greedy tokens for each prompt, all of them run together."""
     engine = make_engine(
         loaded, quantization=loaded.model.quantization, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype
     )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = run_to_completion(engine, prompts, params)
-    return [results[f"r{n}"][0] for n in range(len(prompts))], loaded
+    return [results[f"r{n}"][0] for n in range(len(prompts))]
 
 
 @pytest.mark.parametrize("kind", KEPT)
@@ -236,12 +241,6 @@ def test_a_q4_k_m_runs_its_q4_k_and_q6_k_linears_in_their_own_blocks(ggufs, tmp_
     assert model.weight_nbytes() < 1.1 * quantized_bytes
 
 
-def greedy_ids(loaded, prompt: list[int], max_tokens: int = 8) -> list[int]:
-    engine = make_engine(loaded, quantization=loaded.model.quantization, num_kv_blocks=16)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return run_to_completion(engine, [prompt], params)["r0"][0]
-
-
 def test_a_restart_reads_the_tensor_names_kept_beside_the_config(ggufs, tmp_path, monkeypatch):
     """Which HF name each GGUF tensor has is worked out once, from the HF model built on the meta device (its
     modeling module imported: ~1 s of a 1B's restart), and kept in the data dir with the config and tokenizer. A
@@ -261,14 +260,14 @@ def test_a_restart_reads_the_tensor_names_kept_beside_the_config(ggufs, tmp_path
     again = load_model(config)
     prompt = [1, 2, 3, 4, 5]
     assert torch.equal(again.model.lm_head.weight.packed, first.model.lm_head.weight.packed)
-    assert greedy_ids(again, prompt) == greedy_ids(first, prompt)
+    assert greedy_runs(again, [prompt], 8) == greedy_runs(first, [prompt], 8)
 
     monkeypatch.undo()
     saved = json.loads(kept.read_text())
     saved["made_by"]["transformers"] = "0.0"
     kept.write_text(json.dumps({**saved, "names": {}}))
     remade = load_model(config)
-    assert greedy_ids(remade, prompt) == greedy_ids(first, prompt)
+    assert greedy_runs(remade, [prompt], 8) == greedy_runs(first, [prompt], 8)
     assert json.loads(kept.read_text())["names"] == saved["names"]
 
 
