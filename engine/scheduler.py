@@ -246,7 +246,10 @@ class Scheduler:
 
         The order is never skipped, so a small request of an over-served team can't pass a waiting
         under-served one; once a queued request finds no place, only the partial prefills already holding
-        seats go on. Requests preempted (or yielded) this step wait for the next.
+        seats go on. Requests preempted this step wait for the next (they gave up their KV for someone). A
+        partial prefill that yielded its seat stays in the order: what the step has left when those ranked
+        before it are placed (a seat, tokens, blocks) is its, as it would be next step. It can't ping-pong:
+        once back it has not run a step, so no candidate makes it give way again in this one.
         """
         admitting = True
         while True:
@@ -284,7 +287,7 @@ class Scheduler:
                 self._yield_seat(victim)
             else:
                 self._preempt(victim, batch)
-            preempted.add(victim)
+                preempted.add(victim)
             self.counters.preemptions_fair += 1
 
     def _continue_prefill(

@@ -128,6 +128,29 @@ def test_yielded_prefills_resume_where_they_stopped_and_leak_no_blocks(tiny):
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+def test_a_prefill_that_gave_way_takes_what_the_step_has_left(tiny):
+    """A newcomer's first chunk needs the blocks a partial prefill holds: the prefill yields and gives them
+    back, and the seat, tokens and blocks the newcomer leaves in that step go to it at once, not a step
+    later (a 2-core CPU runs such a step for the newcomer's tokens alone otherwise)."""
+    config = EngineConfig(
+        num_kv_blocks=5, block_size=8, max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
+    engine = LLMEngine(config, tiny)
+    recorder = Recorder(engine)
+    prompts = {"a-long": (prompt_of(1, 36), 4)}
+    engine.add_request("a-long", prompts["a-long"][0], params(4), Tenancy(team="a"))
+    recorder.step()
+    recorder.step()  # 32 of its 36 tokens: 4 of the 5 blocks
+    prompts["b-short"] = (prompt_of(2, 12), 2)
+    engine.add_request("b-short", prompts["b-short"][0], params(2), Tenancy(team="b"))
+    recorder.step()
+    assert engine.scheduler.counters.preemptions_fair == 1
+    assert recorder.batches[-1] == [("b-short", 12), ("a-long", 4)], "the step left a seat and 4 tokens idle"
+    recorder.drain()
+    assert recorder.outputs == reference_outputs(tiny, prompts)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_held_blocks_are_given_back_when_the_pool_runs_short(tiny, prefix_caching):
     """A yielded prefill's blocks are what a newcomer needs: they are released (full blocks stay in the
