@@ -47,6 +47,9 @@ def test_quick_realsize_bench_runs_both_servers_on_one_gguf(llama_cpp_tools: Non
         assert measured["one_stream_tokens"] == workload["output_tokens"], name
         assert measured["read_bytes_s"] > 0, name  # the round's own plain read, beside its one stream
         assert measured["streams_tokens"] == workload["streams"] * workload["output_tokens"], name
+        # the round's TTFT is the median of its long prompts, each timed
+        assert len(measured["ttft_samples_s"]) == workload["long_prompts"] > 1, name
+        assert min(measured["ttft_samples_s"]) <= measured["ttft_s"] <= max(measured["ttft_samples_s"]), name
         assert system["one_stream_tok_s"] > 0 and system["ttft_s"] > 0 and system["peak_rss_bytes"] > 2**20
         assert system["first_start_s"] > 0 and 0 < system["weight_read_of_bandwidth"]
         assert system["restart_s"] > 0, name  # tokenmill's second start on the data dir its first one filled
