@@ -9,6 +9,10 @@ into a moving average, and the budget is `max_step_seconds` over that, between F
 `max_num_batched_tokens`. Large steps cost little throughput on a CPU (prefill is compute-bound: a 512-token
 chunk reads the weights once more than a 2048-token one, which at 135M is a few milliseconds), and on a GPU a
 step of 2048 tokens takes milliseconds, so the budget stays at `max_num_batched_tokens` there.
+Until a step has been measured the budget is the floor: a fresh server's first burst of prompts took a whole
+2048-token step (a 1B Q4_K_M on a 2-core CPU: about 13 s, every newcomer waiting it out, and the largest
+activations the server ever held), where a first step of the floor measures the cost and costs a GPU one short
+step.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ class StepBudget:
     @property
     def tokens(self) -> int:
         """The budget of the next step."""
-        if self.max_step_seconds <= 0 or self.seconds_per_token is None:
+        if self.max_step_seconds <= 0:
             return self.max_tokens
+        if self.seconds_per_token is None:  # nothing measured yet: a short first step, which measures
+            return min(FLOOR_TOKENS, self.max_tokens)
         fitting = int(self.max_step_seconds / self.seconds_per_token)
         return max(min(fitting, self.max_tokens), min(FLOOR_TOKENS, self.max_tokens))

@@ -176,8 +176,12 @@ def test_held_blocks_are_given_back_when_the_pool_runs_short(tiny, prefix_cachin
 
 def test_a_newcomers_first_token_step_carries_little_of_the_others_prefill(tiny):
     """On a CPU a step's time is its tokens: the step that computes the newcomer's first token carries at
-    most FIRST_TOKEN_STEP_PREFILL prefill tokens of the team served more; the next one is full again."""
-    config = EngineConfig(num_kv_blocks=512, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024)
+    most FIRST_TOKEN_STEP_PREFILL prefill tokens of the team served more; the next one is full again. Steps
+    bounded by tokens alone (max_step_seconds 0), so team a's first step is a whole one and a is ahead when b
+    comes (with the time bound the first step is the floor's, engine/step_budget.py)."""
+    config = EngineConfig(
+        num_kv_blocks=512, block_size=16, max_num_seqs=8, max_num_batched_tokens=1024, max_step_seconds=0.0
+    )
     engine = LLMEngine(config, tiny)
     recorder = Recorder(engine)
     for n in range(6):

@@ -42,7 +42,8 @@ def slowed(engine: LLMEngine) -> LLMEngine:
 
 def test_the_budget_is_the_step_time_over_the_measured_cost_of_a_token():
     budget = StepBudget(max_num_batched_tokens=2048, max_step_seconds=1.0)
-    assert budget.tokens == 2048  # nothing measured yet
+    assert budget.tokens == FLOOR_TOKENS  # nothing measured yet: a short step, which measures
+    assert StepBudget(max_num_batched_tokens=128, max_step_seconds=1.0).tokens == 128  # never above the cap
     budget.observe(2048, 3.0)
     assert budget.tokens == int(1.0 / (3.0 / 2048))
     budget.observe(64, 60.0)  # a small step is mostly fixed cost: not a token's price
@@ -64,9 +65,10 @@ def test_max_step_seconds_must_not_be_negative():
 
 def test_slow_steps_shrink_so_a_newcomer_waits_one_short_step_and_outputs_stay_exact(tiny):
     """Team a floods 12 prompts of 400 tokens at 0.5 ms a token: a 2048-token step would take about a second,
-    and team b's request, arriving mid-step, would wait for it. With max_step_seconds 0.25 every step after
-    the first carries at most ~500 tokens, b's prompt and first token come in the step after it arrives, and
-    every output equals the one each request gets alone."""
+    and team b's request, arriving mid-step, would wait for it. With max_step_seconds 0.25 the first step,
+    with nothing measured yet, carries the floor (where it was a whole 2048-token step), every later one at
+    most ~500 tokens, b's prompt and first token come in the step after it arrives, and every output equals the
+    one each request gets alone."""
     config = EngineConfig(
         num_kv_blocks=1024,
         max_num_seqs=16,
@@ -82,22 +84,23 @@ def test_slow_steps_shrink_so_a_newcomer_waits_one_short_step_and_outputs_stay_e
     for _ in range(3):
         recorder.step()
     step_tokens = [sum(n for _, n in batch) for batch in recorder.batches]
-    assert step_tokens[0] == 2048  # the first step has nothing measured to go by
-    assert all(tokens <= 0.25 / SECONDS_PER_TOKEN for tokens in step_tokens[1:]), step_tokens
+    assert step_tokens[0] == FLOOR_TOKENS  # nothing measured to go by yet
+    assert all(tokens <= 0.25 / SECONDS_PER_TOKEN for tokens in step_tokens), step_tokens
     prompts["b0"] = (prompt_of(99, 8), 4)
     engine.add_request("b0", prompts["b0"][0], params(4), Tenancy(team="b"))
     recorder.step()
     assert ("b0", 8) in recorder.batches[-1]
     assert recorder.first_token_step["b0"] == len(recorder.batches)
     recorder.drain()
-    assert all(sum(n for _, n in batch) <= 0.25 / SECONDS_PER_TOKEN for batch in recorder.batches[1:])
+    assert all(sum(n for _, n in batch) <= 0.25 / SECONDS_PER_TOKEN for batch in recorder.batches)
     assert recorder.outputs == reference_outputs(tiny, prompts)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert engine.stats.step_token_budget <= 0.25 / SECONDS_PER_TOKEN
 
 
 def test_cheap_tokens_keep_whole_steps(tiny):
-    """The tiny model unslowed: a 2048-token step takes milliseconds, so the budget stays whole."""
+    """The tiny model unslowed: a 2048-token step takes milliseconds, so after the first step (the floor, which
+    measures that) the budget is whole."""
     config = EngineConfig(num_kv_blocks=1024, max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_caching=False)
     engine = LLMEngine(config, tiny)
     recorder = Recorder(engine)
@@ -105,4 +108,4 @@ def test_cheap_tokens_keep_whole_steps(tiny):
         engine.add_request(f"a{n}", prompt_of(n, 400), params(2), Tenancy(team="a"))
     for _ in range(3):
         recorder.step()
-    assert [sum(n for _, n in batch) for batch in recorder.batches] == [1024, 1024, 1024]
+    assert [sum(n for _, n in batch) for batch in recorder.batches] == [FLOOR_TOKENS, 1024, 1024]
