@@ -45,7 +45,8 @@ class StepBudget:
         """The budget of the next step."""
         if self.max_step_seconds <= 0:
             return self.max_tokens
+        floor = min(FLOOR_TOKENS, self.max_tokens)
         if self.seconds_per_token is None:  # nothing measured yet: a short first step, which measures
-            return min(FLOOR_TOKENS, self.max_tokens)
+            return floor
         fitting = int(self.max_step_seconds / self.seconds_per_token)
-        return max(min(fitting, self.max_tokens), min(FLOOR_TOKENS, self.max_tokens))
+        return max(min(fitting, self.max_tokens), floor)
