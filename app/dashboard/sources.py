@@ -78,6 +78,7 @@ def model_cards(app: FastAPI) -> list[dict[str, Any]]:
             "name": spec.name,
             "kind": spec.kind,
             "state": pool.state(spec.name),
+            "loads_on_first_use": pool.loads_on_first_use(spec.name),
             "aliases": list(spec.aliases),
             "source": spec.source,
             "architecture": spec.architecture,

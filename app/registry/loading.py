@@ -48,6 +48,15 @@ def preloaded_spec(engine: AsyncEngine) -> ModelSpec:
     )
 
 
+def loads_on_first_use(spec: ModelSpec) -> bool:
+    """The embedded embedding model loads when a request first names it, not at start: registered on first
+    start without anyone asking, loaded at start it cost every server ~0.16 GB (most of it transformers'
+    model code: torch._dynamo, triton, scipy; a 1B Q4_K_M server on 2 cores settled at 2.37 GB with it,
+    2.21 GB without) and ~1.5 s of imports, whether or not anyone embeds. Its first request waits for the
+    load (1.1 s on that server). Every model an admin registers loads at start."""
+    return spec.kind == "embedding" and spec.source == DEFAULT_SOURCE
+
+
 def embedded_defaults() -> tuple[dict[str, Any], ...]:
     """Registered on first start beside --model: the embedded embedding model, when its wheel is here."""
     try:

@@ -25,7 +25,7 @@ from app.gateway.audit import SYSTEM, Actor
 from app.observability.costs import HardwareCostMeter
 from app.registry.adapters import AdapterEngine, adapter_changes_refused, check_adapter, new_adapter_spec
 from app.registry.inspection import SourceFacts, inspect_source
-from app.registry.loading import preloaded_spec, return_memory_to_os, start_serving
+from app.registry.loading import loads_on_first_use, preloaded_spec, return_memory_to_os, start_serving
 from app.registry.memory import check_memory_fits
 from app.registry.registration import LIVE_FIELDS, changed_spec, new_spec
 from app.registry.served import DRAINING, LOADED, ServedModel
@@ -149,7 +149,8 @@ class ModelPool:
 
     async def start(self) -> None:
         """Read the registry; register what is loaded but not registered yet (the embedded default on
-        first start); then, when asked to, load every enabled model in the background."""
+        first start); then, when asked to, load every enabled model in the background, but the one that
+        loads on first use (app.registry.loading.loads_on_first_use)."""
         if self.store is not None:
             stored = {spec.name: spec for spec in await run_in_threadpool(self.store.all)}
             for name, served in self.served.items():
@@ -163,7 +164,7 @@ class ModelPool:
         self._tell_costs()
         if self.load_enabled_at_start:
             for spec in self.specs.values():
-                if spec.enabled and spec.name not in self.served:
+                if spec.enabled and spec.name not in self.served and not loads_on_first_use(spec):
                     self._start_loading(spec)
         if self.store is not None and self.refresh_interval_s:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_every(self.refresh_interval_s))
@@ -355,6 +356,12 @@ class ModelPool:
             self.specs.pop(name, None)
 
     # ---- load and unload ---------------------------------------------------------------------
+    def loads_on_first_use(self, requested: str, kind: str | None = None) -> bool:
+        """Whether the model `requested` names loads when a request (for `kind`, if it says) first names
+        it, whatever --load-on-demand says: a request for another kind is refused without loading it."""
+        spec = self.spec(requested)
+        return spec is not None and loads_on_first_use(spec) and kind in (None, spec.kind)
+
     async def load_on_demand(self, requested: str) -> None:
         """Load the enabled model `requested` names if it is not loaded (a draining one is left alone:
         it was unloaded on purpose). A load that fails is logged; the request then gets resolve()'s error."""

@@ -54,14 +54,16 @@ class ServerContext:
 
     def bind(self, requested_model: str, kind: str | None = None) -> ModelContext:
         """The loaded model a request names (name or alias), of `kind` when given, counted in flight
-        until release()."""
-        served = self.models.resolve(requested_model)
-        if kind is not None and served.kind != kind:
+        until release(). The kind is checked first: a model of another kind is a 400 whether it is
+        loaded or not."""
+        spec = self.models.spec(requested_model)
+        if kind is not None and spec is not None and spec.kind != kind:
             raise invalid_request(
-                f"`{requested_model}` is a model of kind {served.kind}; this endpoint needs kind {kind}.",
+                f"`{requested_model}` is a model of kind {spec.kind}; this endpoint needs kind {kind}.",
                 param="model",
                 code="wrong_model_kind",
             )
+        served = self.models.resolve(requested_model)
         served.acquire()
         return ModelContext(self.settings, self.gateway, served, self.cost_meter, self.admission)
 
@@ -78,7 +80,7 @@ class ServerContext:
         first: a model the key may not use is a 404 naming only what was asked for, before its kind,
         its state or a load on demand could tell that it exists."""
         await self.check_access(principal, requested_model)
-        if self.settings.load_on_demand:
+        if self.settings.load_on_demand or self.models.loads_on_first_use(requested_model, kind):
             await self.models.load_on_demand(requested_model)
         context = self.bind(requested_model, kind)
         try:

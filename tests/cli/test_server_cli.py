@@ -32,14 +32,10 @@ def wait_for_models(client: openai.OpenAI, timeout: float = 30.0):
             time.sleep(0.2)
 
 
-def wait_until_loaded(port: int, name: str, key: str, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        card = httpx.get(f"http://127.0.0.1:{port}/v1/models/{name}", headers={"Authorization": f"Bearer {key}"})
-        if card.json()["status"] == "loaded":
-            return True
-        time.sleep(0.2)
-    return False
+def model_status(port: int, name: str, key: str) -> str:
+    card = httpx.get(f"http://127.0.0.1:{port}/v1/models/{name}", headers={"Authorization": f"Bearer {key}"})
+    status: str = card.json()["status"]
+    return status
 
 
 def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, capsys):
@@ -65,12 +61,19 @@ def test_serve_prints_its_url_and_answers_the_openai_client(smollm2, tmp_path, c
         assert "admin key" in said and "sk-admin-" not in said
         Path(re.search(r"it is in (\S+) \(", said).group(1)).unlink()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
-        # --model, and the embedded embedding model registered beside it on first start (loading in the background)
+        # --model, and the embedded embedding model registered beside it on first start; that one loads when a
+        # request first names it, not at start
         embedded = [spec["name"] for spec in embedded_defaults()]
         assert [model.id for model in wait_for_models(client)] == [MODEL, *embedded]
         for name in embedded:
-            assert wait_until_loaded(port, name, key)
+            assert model_status(port, name, key) == "unloaded"
+            with pytest.raises(
+                openai.BadRequestError, match="is a model of kind embedding"
+            ):  # another kind's request: no load
+                client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+            assert model_status(port, name, key) == "unloaded"
             assert len(client.embeddings.create(model=name, input="Hi").data[0].embedding) == 384
+            assert model_status(port, name, key) == "loaded"
         reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert reply.usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):

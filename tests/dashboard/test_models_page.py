@@ -300,3 +300,15 @@ def test_an_unknown_action_or_model_is_a_404_page(admin):
     key = admin.create_key(admin.create_team())
     assert chat(admin.client, key).status_code == 200
     assert admin.client.get("/v1/models", headers=bearer(key)).status_code == 200
+
+
+def test_the_embedded_embedding_model_says_it_loads_on_first_use(admin, tmp_path):
+    submit(admin, "/admin/models", **register_form("default", name="all-MiniLM-L6-v2", kind="embedding"))
+    submit(admin, "/admin/models", **register_form(checkpoint(tmp_path / "tiny")))
+    assert model(admin, "all-MiniLM-L6-v2")["state"] == model(admin, "tiny")["state"] == "unloaded"
+    page = admin.client.get("/admin/models").text
+    cards = {
+        name: card for name, card in re.findall(r'<section class="card model" id="([^"]+)"(.*?)</section>', page, re.S)
+    }
+    assert "loads on first use" in cards["all-MiniLM-L6-v2"]
+    assert "loads on first use" not in cards["tiny"]  # an admin's model loads at start, or when an admin says
