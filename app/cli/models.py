@@ -70,6 +70,9 @@ def _print_models(models: list[dict[str, Any]]) -> None:
     rows = [
         {
             **model,
+            "state": f"{model['state']} (loads on first use)"
+            if model["state"] == "unloaded" and model.get("loads_on_first_use")
+            else model["state"],
             "aliases": ",".join(model["aliases"]),
             "price_in_out_per_1m": ""
             if model.get("price") is None

@@ -33,7 +33,9 @@ def checked(model: type[Body], values: Mapping[str, Any]) -> Body:
 
 
 def view(pool: ModelPool, name: str) -> ModelView:
-    return ModelView.of(pool.specs[name], pool.state(name), pool.served.get(name))
+    return ModelView.of(
+        pool.specs[name], pool.state(name), pool.served.get(name), loads_on_first_use=pool.loads_on_first_use(name)
+    )
 
 
 async def register_model(pool: ModelPool, body: ModelCreate, *, actor: Actor = SYSTEM) -> ModelView:

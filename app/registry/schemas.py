@@ -93,13 +93,18 @@ class ModelView(BaseModel):
     hardware_cost_per_hour: float | None
     sampling_defaults: dict[str, float | int] = Field(description="what requests that leave them out get")
     state: str = Field(description="loaded | loading | draining | unloaded | disabled, in this process")
+    loads_on_first_use: bool = Field(
+        False, description="it loads when a request first names it, not at start (the embedded embedding model)"
+    )
     in_flight: int = Field(description="requests using it now")
     created_at: str | None
     updated_at: str | None
     adapter_of: str | None = Field(None, description="a LoRA adapter's base model (None: a model of its own)")
 
     @classmethod
-    def of(cls, spec: ModelSpec, state: str, served: ServedModel | None) -> ModelView:
+    def of(
+        cls, spec: ModelSpec, state: str, served: ServedModel | None, *, loads_on_first_use: bool = False
+    ) -> ModelView:
         price = spec.price
         return cls(
             name=spec.name,
@@ -112,6 +117,7 @@ class ModelView(BaseModel):
             aliases=list(spec.aliases),
             enabled=spec.enabled,
             state=state,
+            loads_on_first_use=loads_on_first_use,
             hardware_cost_per_hour=spec.hardware_cost_per_hour,
             sampling_defaults=spec.sampling_defaults,
             in_flight=served.in_flight if served is not None else 0,

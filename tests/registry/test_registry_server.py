@@ -314,12 +314,17 @@ def test_the_costs_view_has_the_price_sheet_and_the_real_cost_of_a_model_with_it
         server.admin("DELETE", "/models/own-gpu")
 
 
-def test_an_embedding_model_is_registered_loaded_and_served(server):
-    model = server.register("minilm", "default", kind="embedding", aliases=["text-embedding-3-small"], load=True)
-    assert (model["state"], model["architecture"]) == ("loaded", "bert")
+def test_an_embedding_model_is_registered_loaded_and_served(server, capsys):
+    # the embedded encoder ("default") loads on its first request, not when registered or at start
+    model = server.register("minilm", "default", kind="embedding", aliases=["text-embedding-3-small"])
+    assert (model["state"], model["architecture"], model["loads_on_first_use"]) == ("unloaded", "bert", True)
+    assert tokenmill(["models", "list", "--url", server.url, "--admin-key", ADMIN_KEY]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("minilm ")]
+    assert "unloaded (loads on first use)" in line
     try:
         response = server.client(server.key()).embeddings.create(model="text-embedding-3-small", input=["Hi", "Yo"])
         assert response.model == "minilm" and [len(item.embedding) for item in response.data] == [384, 384]
+        assert server.state("minilm") == "loaded"
         with pytest.raises(openai.BadRequestError):  # a chat model is not an embedding model, and back
             server.client(server.key()).chat.completions.create(model="minilm", messages=QUESTION, max_tokens=2)
     finally:
