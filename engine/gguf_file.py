@@ -264,6 +264,12 @@ def hf_tensor_names(hf_config: Any, architecture: str) -> dict[str, tuple[str, t
     arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
     if arch is None:
         raise UnsupportedTensorType(f"gguf-py has no tensor names for architecture {architecture!r}")
+    if not type(hf_config).model_type:  # the base class (engine.loader.kept_config): the family's own builds the model
+        from transformers import AutoConfig
+
+        settings = hf_config.to_dict()
+        settings.pop("model_type", None)  # the class's: ""
+        hf_config = AutoConfig.for_model(hf_config.model_type, **settings)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
     name_map = get_tensor_name_map(arch, int(hf_config.num_hidden_layers))

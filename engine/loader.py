@@ -138,13 +138,13 @@ def convert_gguf(gguf: Path, folder: Path, data_dir: Path) -> None:
 
     started = time.monotonic()
     _say(f"converting {gguf.name} to safetensors (once; later starts read the cache)")
-    config, tokenizer, _ = gguf_metadata(gguf, data_dir)
+    config, tokenizer, metadata = gguf_metadata(gguf, data_dir)
     state = dequantized_state(gguf, config)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(staging)
+    shutil.copyfile(metadata / "config.json", staging / "config.json")  # the family's class wrote it (kept_config)
     tokenizer.save_pretrained(staging)
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
@@ -251,8 +251,8 @@ def _metadata_folder(gguf: Path, data_dir: Path) -> Path:
 def gguf_metadata(gguf: Path, data_dir: Path) -> tuple[Any, Any, Path]:
     """(HF config, tokenizer, the folder they are saved in) for a GGUF: the first time, the config from the
     file's metadata (engine/gguf_config.py) and the tokenizer and chat template through transformers' GGUF
-    support; from that folder later."""
-    from transformers import AutoConfig, AutoTokenizer
+    support; from that folder later (`kept_config`, `kept_tokenizer`)."""
+    from transformers import AutoTokenizer
 
     folder = _metadata_folder(gguf, data_dir)
     if not (folder / "config.json").exists():
@@ -263,10 +263,73 @@ def gguf_metadata(gguf: Path, data_dir: Path) -> tuple[Any, Any, Path]:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         hf_config.save_pretrained(staging)
+        _keep_config(staging, hf_config)
         tokenizer.save_pretrained(staging)
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
-    return AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), folder
+    return kept_config(folder), kept_tokenizer(folder), folder
+
+
+# Every settings value of a GGUF's config, defaults included, as its transformers class had them: read back into
+# the base config class on later starts. Any of transformers' model config classes imports its type validators,
+# and with them transformers' model-loading stack (torch.distributed.tensor, sympy): ~1.5 s and ~50 MiB of a 1B
+# server's restart (2-core EPYC Zen 4), for a config the decoder reads only as attributes (DecoderShape, rope).
+_SETTINGS_FILE = "config_settings.json"
+
+
+def _keep_config(folder: Path, hf_config: Any) -> None:
+    from importlib.metadata import version
+
+    kept = {"transformers": version("transformers"), "settings": hf_config.to_dict()}
+    staging = folder / f"{_SETTINGS_FILE}.tmp{os.getpid()}"
+    staging.write_text(json.dumps(kept))
+    os.replace(staging, folder / _SETTINGS_FILE)  # whole or not at all, for a replica starting beside
+
+
+def kept_config(folder: Path) -> Any:
+    """The config a GGUF's metadata folder keeps: its settings in transformers' base config class (same values,
+    same attributes, and the rope helpers transformers' rope functions call), or, where the settings were kept by
+    another transformers version or not at all (a folder from before), its own class from config.json."""
+    from importlib.metadata import version
+
+    try:
+        kept = json.loads((folder / _SETTINGS_FILE).read_text())
+        if kept["transformers"] == version("transformers"):
+            from transformers import PretrainedConfig
+
+            settings = dict(kept["settings"])
+            model_type = settings.pop("model_type")
+            config = PretrainedConfig.from_dict(settings)
+            # on the instance: the base class's own (a class variable) is ""
+            config.model_type = model_type  # type: ignore[misc]
+            return config
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    try:
+        _keep_config(folder, config)  # for the next start
+    except OSError:  # a data dir it can read but not write: this path each time
+        pass
+    return config
+
+
+# The tokenizer classes that are transformers' fast tokenizer itself: loaded as that class directly, since
+# AutoTokenizer reads config.json to choose and so imports the model's config class (see _SETTINGS_FILE)
+_FAST_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def kept_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in _FAST_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 # What the kept tensor names depend on besides the file: the HF model classes' parameter names and gguf-py's name

@@ -340,3 +340,40 @@ def test_gguf_files_of_one_name_keep_their_own_metadata(gguf_files, tmp_path):
         path.symlink_to(gguf_files[family][1])
         configs.append(gguf_metadata(path, tmp_path / "data")[0])
     assert [config.model_type for config in configs] == ["gemma2", "phi3"]
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+def test_a_restart_reads_the_config_and_tokenizer_the_first_start_kept(gguf_files, family, tmp_path):
+    """A GGUF's config comes back from its metadata folder in transformers' base config class (the family's
+    class imports transformers' model-loading stack): the decoder's shape, its rope tables and the tensor names
+    come out as from the family's class, and the tokenizer, loaded as the fast tokenizer it names, as
+    AutoTokenizer gives it."""
+    from transformers import AutoTokenizer
+
+    from engine.gguf_config import gguf_hf_config
+    from engine.gguf_file import gguf_architecture, hf_tensor_names
+    from engine.loader import gguf_metadata
+    from engine.models.rope import rope_tables
+    from engine.models.shape import DecoderShape
+
+    gguf = gguf_files[family][1]
+    gguf_metadata(gguf, tmp_path)  # the first start fills the folder
+    config, tokenizer, folder = gguf_metadata(gguf, tmp_path)
+    family_config, auto_tokenizer = gguf_hf_config(gguf), AutoTokenizer.from_pretrained(folder)
+    # the base class, of the family's model_type (a Mistral GGUF is filed as a Llama)
+    assert not type(config).model_type and config.model_type == type(family_config).model_type != ""
+    shape = DecoderShape.from_hf_config(config)
+    assert shape == DecoderShape.from_hf_config(family_config)
+    tables, family_tables = rope_tables(config, shape, 64), rope_tables(family_config, shape, 64)
+    assert tables.keys() == family_tables.keys()
+    assert all(torch.equal(tables[name], family_tables[name]) for name in tables)
+    architecture = gguf_architecture(gguf)
+    assert hf_tensor_names(config, architecture) == hf_tensor_names(family_config, architecture)
+    assert type(tokenizer) is type(auto_tokenizer)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered == auto_tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert (tokenizer.eos_token_id, tokenizer.all_special_ids) == (
+        auto_tokenizer.eos_token_id,
+        auto_tokenizer.all_special_ids,
+    )

@@ -400,3 +400,30 @@ def test_serving_a_gguf_of_a_type_it_cannot_run_ends_with_one_line_naming_it(ggu
     assert "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "can't serve" in last and "stored as Q2_K" in last
+
+
+def test_a_restart_reads_its_gguf_metadata_without_transformers_model_stack(tmp_path):
+    """A restart reads the config and tokenizer its first start kept without importing a model config class of
+    transformers (each imports the model-loading stack: torch.distributed.tensor and sympy, ~63 MiB and 1-2 s of
+    a 1B server's restart); a metadata folder from before the kept settings gains them on its next read."""
+    import subprocess
+    import sys
+
+    from engine.loader import default_model_path
+
+    gguf = default_model_path()
+    _, _, folder = gguf_metadata(gguf, tmp_path)  # the first start
+    restart = (
+        "import sys; from pathlib import Path; from engine.loader import gguf_metadata; "
+        f"config, tokenizer, _ = gguf_metadata(Path({str(gguf)!r}), Path({str(tmp_path)!r})); "
+        "print(config.model_type, type(tokenizer).__name__, 'torch.distributed.tensor' in sys.modules)"
+    )
+
+    def restarted() -> list[str]:
+        run = subprocess.run([sys.executable, "-c", restart], capture_output=True, text=True, check=True)
+        return run.stdout.split()
+
+    assert restarted() == ["llama", "TokenizersBackend", "False"]
+    (folder / "config_settings.json").unlink()  # as a folder kept before
+    assert restarted() == ["llama", "TokenizersBackend", "True"]
+    assert restarted() == ["llama", "TokenizersBackend", "False"]
