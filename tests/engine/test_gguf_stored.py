@@ -404,7 +404,7 @@ def test_serving_a_gguf_of_a_type_it_cannot_run_ends_with_one_line_naming_it(ggu
 
 def test_a_restart_reads_its_gguf_metadata_without_transformers_model_stack(tmp_path):
     """A restart reads the config and tokenizer its first start kept without importing a model config class of
-    transformers (each imports the model-loading stack: torch.distributed.tensor and sympy, ~63 MiB and 1-2 s of
+    transformers (each imports the model-loading stack: torch.distributed.tensor and sympy, ~1.5 s and ~50 MiB of
     a 1B server's restart); a metadata folder from before the kept settings gains them on its next read."""
     import subprocess
     import sys
