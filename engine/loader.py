@@ -3,10 +3,11 @@
 A GGUF run quantized (int4/int8, what `auto` picks for a quantized GGUF) is read as stored: its tensors from
 the mapped file, each turned into the kernels' packed format one at a time (engine/gguf_file.py,
 engine/gguf_repack.py), nothing written but its config, tokenizer and tensor names (parsing those from the
-GGUF's metadata, or mapping its tensor names to HF's, takes seconds of pure Python: kept in the data directory,
-a few MB). A GGUF run in float (--quantization none)
-is converted once to a safetensors folder, its tensors read the same way, which transformers loads too. Either
-way the config is the file's own (engine/gguf_config.py), not transformers' reading of it.
+GGUF's metadata, or mapping its tensor names to HF's, takes seconds of pure Python and transformers' model code:
+done once, in a child process (engine/gguf_prepare.py), and kept in the data directory, a few MB). A GGUF run
+in float (--quantization none) is converted once to a safetensors folder, its tensors read the same way, which
+transformers loads too. Either way the config is the file's own (engine/gguf_config.py), not transformers'
+reading of it.
 """
 
 from __future__ import annotations
@@ -249,25 +250,52 @@ def _metadata_folder(gguf: Path, data_dir: Path) -> Path:
 
 
 def gguf_metadata(gguf: Path, data_dir: Path) -> tuple[Any, Any, Path]:
-    """(HF config, tokenizer, the folder they are saved in) for a GGUF: the first time, the config from the
-    file's metadata (engine/gguf_config.py) and the tokenizer and chat template through transformers' GGUF
-    support; from that folder later (`kept_config`, `kept_tokenizer`)."""
-    from transformers import AutoTokenizer
-
+    """(HF config, tokenizer, the folder they are saved in) for a GGUF: the first time, the folder is made
+    (`prepare_metadata`, in a child process unless transformers' model code is in this one already); then, and
+    on every later start, both are read from it (`kept_config`, `kept_tokenizer`)."""
     folder = _metadata_folder(gguf, data_dir)
     if not (folder / "config.json").exists():
         _say(f"reading {gguf.name}'s config and tokenizer (once; later starts read {folder.name})")
-        hf_config = gguf_hf_config(gguf)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        if _model_code_imported():
+            prepare_metadata(gguf, folder)
+        else:
+            from engine.gguf_prepare import prepare_in_child
+
+            prepare_in_child(gguf, folder)
+    return kept_config(folder), kept_tokenizer(folder), folder
+
+
+def prepare_metadata(gguf: Path, folder: Path) -> None:
+    """A GGUF's metadata folder: the config from the file's metadata (engine/gguf_config.py), the tokenizer
+    and chat template through transformers' GGUF support, and the HF name of each tensor (`gguf_tensor_names`),
+    written whole or not at all."""
+    from transformers import AutoTokenizer
+
+    hf_config = gguf_hf_config(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
         hf_config.save_pretrained(staging)
         _keep_config(staging, hf_config)
         tokenizer.save_pretrained(staging)
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)
-    return kept_config(folder), kept_tokenizer(folder), folder
+        gguf_tensor_names(staging, hf_config, gguf_architecture(gguf))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+_FAMILY_MODELING = re.compile(r"transformers\.models\.(?!auto\.)\w+\.modeling_\w+")
+
+
+def _model_code_imported() -> bool:
+    """Whether this process holds a model family's modeling code of transformers already (a test or a tool that
+    ran transformers' model, the float path): then the imports `prepare_metadata` makes cost nothing more here,
+    and a child would only add its own start (~3 s of a 1B's first start, 2-core EPYC Zen 3)."""
+    return any(_FAMILY_MODELING.fullmatch(name) for name in sys.modules)
 
 
 # Every settings value of a GGUF's config, defaults included, as its transformers class had them: read back into

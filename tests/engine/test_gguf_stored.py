@@ -427,3 +427,59 @@ def test_a_restart_reads_its_gguf_metadata_without_transformers_model_stack(tmp_
     (folder / "config_settings.json").unlink()  # as a folder kept before
     assert restarted() == ["llama", "TokenizersBackend", "True"]
     assert restarted() == ["llama", "TokenizersBackend", "False"]
+
+
+def test_a_first_start_reads_its_gguf_metadata_in_a_child_process(tmp_path):
+    """A first start makes the metadata folder in a child Python, so the server never imports transformers'
+    model code or a model config class (the first start of a 1B Q4_K_M server settled ~190 MiB above its
+    restarts); the folder is the one made in-process, tensor names included."""
+    import subprocess
+    import sys
+
+    from engine.loader import default_model_path, prepare_metadata
+
+    gguf = default_model_path()
+    first_start = (
+        "import sys; from pathlib import Path; from engine.loader import gguf_metadata; "
+        f"config, tokenizer, folder = gguf_metadata(Path({str(gguf)!r}), Path({str(tmp_path / 'data')!r})); "
+        "print(config.model_type, type(tokenizer).__name__, folder, "
+        "any(m.startswith('transformers.models.llama') for m in sys.modules), 'torch.distributed.tensor' in sys.modules)"
+    )
+    run = subprocess.run([sys.executable, "-c", first_start], capture_output=True, text=True, check=True)
+    model_type, tokenizer_class, folder, llama_code, distributed = run.stdout.split()
+    assert (model_type, tokenizer_class, llama_code, distributed) == ("llama", "TokenizersBackend", "False", "False")
+
+    inline = tmp_path / "inline.meta"
+    prepare_metadata(gguf, inline)
+    made = {path.name: path.read_bytes() for path in Path(folder).iterdir()}
+    assert sorted(made) == sorted(path.name for path in inline.iterdir())
+    assert "tensor_names.json" in made
+    for name, content in made.items():
+        assert content == (inline / name).read_bytes(), name
+
+
+def _gguf_of_architecture(path: Path, architecture: str) -> Path:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_the_child_cannot_read_fails_here_with_the_childs_error(tmp_path):
+    """The child's refusal is raised in the server as the same error class and message, so `tokenmill serve`
+    still ends with one line naming the reason (app/cli/serve.py)."""
+    from engine.gguf_prepare import prepare_in_child
+    from engine.models import UnsupportedModel
+
+    gpt2 = _gguf_of_architecture(tmp_path / "gpt2.gguf", "gpt2")
+    with pytest.raises(UnsupportedModel, match="GGUF architecture 'gpt2' is not supported; tokenmill runs"):
+        prepare_in_child(gpt2, tmp_path / "gpt2.meta")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        prepare_in_child(tmp_path / "missing.gguf", tmp_path / "missing.meta")
+    assert not list(tmp_path.glob("*.meta*"))
