@@ -8,26 +8,30 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-from authlib.common.errors import AuthlibBaseError
-from authlib.integrations.starlette_client import OAuth
 from fastapi import Request
-from joserfc.errors import JoseError
 from starlette.responses import Response
 
 from app.dashboard.sso_config import SsoConfig
 
-try:  # Authlib's client speaks httpx2 where it is installed (huggingface_hub brings it), else httpx
-    import httpx2
-
-    HTTP_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, httpx2.HTTPError)
-except ImportError:  # pragma: no cover - depends on what else is installed
-    HTTP_ERRORS = (httpx.HTTPError,)
-# What a provider that is down or talks nonsense raises on the way (discovery, keys, token exchange).
-PROVIDER_ERRORS: tuple[type[Exception], ...] = (*HTTP_ERRORS, ValueError, KeyError, RuntimeError)
+# Authlib and joserfc (and the cryptography they pull in) are imported by the client, not by this module: every
+# server imports the dashboard's routes, few sign in through a provider, and at the top they held 9-14 MiB of
+# every server's memory from its start (a 1B GGUF server's restart, A/B, 2-core EPYC Zen 3).
 
 LEEWAY_S = 60  # clock skew allowed between us and the provider on the ID token's exp / iat
 PROVIDER_TIMEOUT_S = 10.0
+
+
+def provider_errors() -> tuple[type[Exception], ...]:
+    """What a provider that is down or talks nonsense raises on the way (discovery, keys, token exchange)."""
+    import httpx
+
+    try:  # Authlib's client speaks httpx2 where it is installed (huggingface_hub brings it), else httpx
+        import httpx2
+
+        http: tuple[type[Exception], ...] = (httpx.HTTPError, httpx2.HTTPError)
+    except ImportError:  # pragma: no cover - depends on what else is installed
+        http = (httpx.HTTPError,)
+    return (*http, ValueError, KeyError, RuntimeError)
 
 
 class SsoRefused(Exception):
@@ -40,7 +44,10 @@ class ProviderUnreachable(Exception):
 
 class OidcClient:
     def __init__(self, config: SsoConfig) -> None:
+        from authlib.integrations.starlette_client import OAuth
+
         self.config = config
+        self.provider_errors = provider_errors()
         oauth = OAuth()
         self.client: Any = oauth.register(
             "tokenmill",
@@ -80,7 +87,7 @@ class OidcClient:
         try:
             await self._issuer()
             response = await self.client.authorize_redirect(request, redirect_uri)
-        except PROVIDER_ERRORS as error:
+        except self.provider_errors as error:
             raise ProviderUnreachable(
                 f"The identity provider at {self.config.issuer} did not answer ({error})."
             ) from None
@@ -88,6 +95,9 @@ class OidcClient:
 
     async def finish(self, request: Request, kept: dict[str, Any]) -> dict[str, Any]:
         """The ID token's verified claims for the callback `request`, given what `start` kept."""
+        from authlib.common.errors import AuthlibBaseError
+        from joserfc.errors import JoseError
+
         request.scope["session"] = dict(kept)
         try:
             issuer = await self._issuer()
@@ -102,10 +112,10 @@ class OidcClient:
                 info = await self.client.userinfo(token=token)
                 if group_claim in info:
                     claims[group_claim] = info[group_claim]
-        except (AuthlibBaseError, JoseError) as error:  # before PROVIDER_ERRORS: some are ValueErrors too
+        except (AuthlibBaseError, JoseError) as error:  # before provider_errors: some are ValueErrors too
             description = getattr(error, "description", None) or getattr(error, "error", None) or str(error)
             raise SsoRefused(f"Sign-in refused: {description}") from None
-        except PROVIDER_ERRORS as error:
+        except self.provider_errors as error:
             raise ProviderUnreachable(
                 f"The identity provider at {self.config.issuer} did not answer ({error})."
             ) from None
