@@ -7,9 +7,9 @@ A GGUF run quantized is read as stored: its estimate is the serving process's pe
 (`stored_gguf_bytes`, `stored_gguf_runtime`): the server itself (python, torch, the tokenizer), the packed
 weights' resident size (from each tensor's type: engine/gguf_repack.py's formats), then the larger of the
 load's transient and the KV pool with a full step's activations. Served with default flags and 8 x 300-token
-prompts at once (bench/realsize_bench.py --memory-only), a 1B / 3B Q4_K_M estimated at 2.88 / 4.41 GB peaked
-at 2.71-2.86 / 4.21 GB. Otherwise the estimate is the load's peak: the checkpoint as read from disk, beside
-the weights in the serving
+prompts at once (bench/realsize_bench.py --memory-only), a 1B / 3B Q4_K_M estimated at 2.55 / 3.87 GB peaked
+at 2.23 / 3.43 GB (2-core EPYC Zen 3, 7 Dec). Otherwise the estimate is the load's peak: the checkpoint as
+read from disk, beside the weights in the serving
 dtype (fused and packed copies are made while the read ones are alive), then the KV pool (its block
 count or memory budget) and the CPU swap pool; or, the first time a GGUF is loaded, transformers'
 float32 model and the copies it saves, if that is more; plus a margin. Measured on SmolLM2 loaded
@@ -144,12 +144,13 @@ def gguf_footprint(path: Path) -> Footprint | None:
 
 
 # What a server holds besides the weights, the KV pool and its steps' activations: python, torch, the server's
-# modules, the default embedding model loaded beside the chat model, transformers' config and model code, the
-# kernels' libraries, thread stacks and allocator slack (`tokenmill serve --model FILE`, 1B Q4_K_M, settled
-# after start: RSS 2.49 GB less the packed weights 0.80 GB and the KV pool 1.07 GB, less the tokenizer), and
-# the tokenizer per vocabulary entry (SmolLM2's 49,152-token BPE took 0.10 GiB). Counted for every load (one
-# beside another model shares the process: its check is that much cautious).
-STORED_RUNTIME_BYTES = 500 * 2**20
+# modules, the kernels' libraries, thread stacks and allocator slack (`tokenmill serve --model FILE`, 1B Q4_K_M,
+# settled after its first start or a restart alike: RSS 2.14 GB less the packed weights 0.68 GB, the KV pool
+# 1.07 GB and the tokenizer below, 0.28 GB on a 2-core EPYC Zen 3; the embedding model now loads on first use
+# and transformers' model code stays in a child, engine/gguf_prepare.py), with ~40 MiB spare for machines whose
+# libraries touch more pages; and the tokenizer per vocabulary entry (SmolLM2's 49,152-token BPE took 0.10
+# GiB). Counted for every load (one beside another model shares the process: its check is that much cautious).
+STORED_RUNTIME_BYTES = 300 * 2**20
 TOKENIZER_BYTES_PER_TOKEN = 2200
 # A step's activations, in elements of the activation dtype: ~8 x hidden a token (the residual, the normed
 # input, q/k/v, the attention's output) and the MLP's 3 x FFN a row for MLP_ROWS rows at a time
