@@ -293,8 +293,8 @@ _FAMILY_MODELING = re.compile(r"transformers\.models\.(?!auto\.)\w+\.modeling_\w
 
 def _model_code_imported() -> bool:
     """Whether this process holds a model family's modeling code of transformers already (a test or a tool that
-    ran transformers' model, the float path): then the imports `prepare_metadata` makes cost nothing more here,
-    and a child would only add its own start (~3 s of a 1B's first start, 2-core EPYC Zen 3)."""
+    ran transformers' model): then the imports `prepare_metadata` makes cost nothing more here, and a child
+    would only add its own start (~3 s of a 1B's first start, 2-core EPYC Zen 3)."""
     return any(_FAMILY_MODELING.fullmatch(name) for name in sys.modules)
 
 

@@ -104,7 +104,6 @@ def test_the_gateway_imports_nothing_of_app_but_the_foundation():
     assert {module: targets for module, targets in leaks.items() if targets} == {}
 
 
-
 def test_a_server_imports_the_single_sign_on_libraries_only_when_it_signs_in():
     """Authlib and joserfc (with the cryptography they pull in) stay out of a server that isn't configured for
     single sign-on: at the top of app/dashboard/sso.py they held 9-14 MiB of every server's memory."""
