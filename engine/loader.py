@@ -272,7 +272,9 @@ def prepare_metadata(gguf: Path, folder: Path) -> None:
     from transformers import AutoTokenizer
 
     hf_config = gguf_hf_config(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # local_files_only: a GGUF is a local file, never the hub's, whatever the environment says (the child reads
+    # HF_HUB_OFFLINE afresh); the saved tokenizer_config.json records the flag, so every path writes the same
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     staging = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
