@@ -6,9 +6,11 @@ traffic on it, down with the load.
 A GGUF run quantized is read as stored: its estimate is the serving process's peak, measured part by part
 (`stored_gguf_bytes`, `stored_gguf_runtime`): the server itself (python, torch, the tokenizer), the packed
 weights' resident size (from each tensor's type: engine/gguf_repack.py's formats), then the larger of the
-load's transient and the KV pool with a full step's activations. Served with default flags and 8 x 300-token
-prompts at once (bench/realsize_bench.py --memory-only), a 1B / 3B Q4_K_M estimated at 2.55 / 3.87 GB peaked
-at 2.23 / 3.43 GB (2-core EPYC Zen 3, 7 Dec). Otherwise the estimate is the load's peak: the checkpoint as
+load's transient and the KV pool with a full step's activations. Served 8 x 300-token prompts at once in full
+steps (bench/realsize_bench.py --memory-only, `--max-step-seconds 0`: the largest step the engine takes), a 1B /
+3B Q4_K_M estimated at 2.55 / 3.87 GB peaked at 2.45 / 3.66 GB (2-core EPYC Zen 4, 7 Dec); with default flags a
+2-core CPU takes a few hundred tokens a step (engine/step_budget.py), and peaked at 2.23 / 3.45 GB.
+Otherwise the estimate is the load's peak: the checkpoint as
 read from disk, beside the weights in the serving
 dtype (fused and packed copies are made while the read ones are alive), then the KV pool (its block
 count or memory budget) and the CPU swap pool; or, the first time a GGUF is loaded, transformers'
@@ -155,8 +157,8 @@ TOKENIZER_BYTES_PER_TOKEN = 2200
 # A step's activations, in elements of the activation dtype: ~8 x hidden a token (the residual, the normed
 # input, q/k/v, the attention's output) and the MLP's 3 x FFN a row for MLP_ROWS rows at a time
 # (engine/models/decoder.py; all of the step's rows for a mixture of experts); and what the allocator keeps of
-# them between steps. Served, 8 x 300-token prompts at once (a full 2048-token step): +0.22 to +0.36 GB over
-# the settled RSS at 1B (0.18 GB of it live in the step), +0.34 GB at 3B.
+# them between steps. Served, 8 x 300-token prompts at once in full 2048-token steps: +0.22 to +0.36 GB over
+# the settled RSS at 1B (0.18 GB of it live in the step), +0.34 GB at 3B (+0.30 / +0.34 GB on 7 Dec).
 ACTIVATION_KEPT = 1.75
 STORED_MARGIN = 1.02  # against a measured peak: never below it
 
