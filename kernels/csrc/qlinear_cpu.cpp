@@ -1599,7 +1599,14 @@ void qlinear(const T* x, T* out, int64_t rows, int64_t K, int64_t N, int format,
                                           : run_blocks<kInt4, T>;
     const int64_t unit = kTileBlocks / 2;
     const int64_t units = tiles * kTileBlocks / unit;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
+    // Units are handed out in about 8 chunks a thread, to whichever thread is free: on these VMs one vCPU runs
+    // slower than the other from moment to moment (a neighbour, the host), and with fixed halves the step waited
+    // for the slower one. Each unit writes its own outputs, so the sums and bits are the same. 2-core EPYC Zen 4,
+    // the 1B Q4_K_M in process, static and dynamic alternated 3 / 2 times: one-row decode step p50 28.7 -> 26.5 ms,
+    // eight rows 71.3 -> 65.4 ms, a 512-token prefill 4.49 -> 4.32 s; served, one streamed chat 29.8 -> 34.1 tok/s
+    // (medians of 6, restarts alternated 3 times; each dynamic pair above the static pair beside it).
+    const int64_t chunk = std::max<int64_t>(1, units / (threads * 8));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk) if (threads > 1 && units > 1)
     for (int64_t u = 0; u < units; ++u) run(p, u * unit, unit, out);
 }
 

@@ -139,6 +139,23 @@ def test_a_row_gets_the_same_bits_alone_or_among_many(fmt: str) -> None:
         assert torch.equal(qlinear_native(x[row : row + 1], weight, threads=2)[0], together[row]), row
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", *K_FORMATS])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_bits_do_not_depend_on_which_thread_takes_which_outputs(fmt: str, rows: int) -> None:
+    """Two threads take the output blocks in chunks, whichever is free first (kernels/csrc/qlinear_cpu.cpp), so
+    the split differs from call to call; each output is summed by one thread, so a reply's bits are the same as
+    one thread's, every time."""
+    generator = torch.Generator().manual_seed(11)
+    if fmt in K_FORMATS:
+        weight = pack_quantized(k_quant_rows(fmt, 1056, 512, generator))
+    else:
+        weight = pack_weight(torch.randn(1056, 512, generator=generator), fmt)  # type: ignore[arg-type]
+    x = torch.randn(rows, 512, generator=generator) * 5
+    alone = qlinear_native(x, weight, threads=1)
+    for _ in range(20):
+        assert torch.equal(qlinear_native(x, weight, threads=2), alone)
+
+
 @pytest.mark.parametrize("fmt", K_FORMATS)
 @pytest.mark.parametrize("codes", ["random", "largest"])
 def test_a_k_quant_row_gets_the_same_bits_alone_as_among_many_at_the_digits_extremes(fmt: str, codes: str) -> None:
