@@ -61,7 +61,7 @@ from bench.llama_cpp_tools import (
     gguf_for,
     header_only_gguf,
 )
-from bench.serve_bench import launch_tokenmill, synthetic_chats
+from bench.serve_bench import Launched, launch_tokenmill, synthetic_chats
 from bench.servers import stop
 
 RESULTS = ROOT / "bench" / "results"
@@ -253,6 +253,12 @@ def served_model(url: str, headers: dict[str, str]) -> dict[str, Any]:
     return entry
 
 
+def tokenmill_system(launched: Launched) -> tuple[System, dict[str, Any]]:
+    """A started tokenmill as a System to measure, and its /v1/models entry (the model it serves)."""
+    card = served_model(launched.url, launched.headers)
+    return System(TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s), card
+
+
 # ---- one file ------------------------------------------------------------------------------------
 
 
@@ -287,11 +293,8 @@ def bench_file(
             report["skipped"][TOKENMILL] = why_not
         else:
             launched = launch_tokenmill(stack, str(data_dir), f"--model {gguf} {args.tokenmill_flags}", timeout=1800)
-            card = served_model(launched.url, launched.headers)
-            report["tokenmill_model"] = card
-            systems.append(
-                System(TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s)
-            )
+            system, report["tokenmill_model"] = tokenmill_system(launched)
+            systems.append(system)
         print(f"{gguf.name}: up: " + ", ".join(f"{s.name} in {s.start_s:.1f} s" for s in systems), flush=True)
         # Unmeasured warm-up: first requests pay one-off allocations (bench/latency_bench.py saw 0.66x without).
         for system in systems:
@@ -384,11 +387,7 @@ def memory_file(shape: ModelShape, kind: str, args: argparse.Namespace) -> dict[
                 launched = launch_tokenmill(
                     stack, str(data_dir), f"--model {gguf} {args.tokenmill_flags}", timeout=1800
                 )
-                card = served_model(launched.url, launched.headers)
-                report["tokenmill_model"] = card
-                system = System(
-                    TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s
-                )
+                system, report["tokenmill_model"] = tokenmill_system(launched)
             settle(system.process)
             row: dict[str, Any] = {"load_peak_rss_bytes": peak_rss(system.process), "first_start_s": system.start_s}
             row["rss_up_bytes"] = peak_rss(system.process, "VmRSS")
@@ -418,8 +417,7 @@ def restart_load(report: dict[str, Any], gguf: Path, data_dir: Path, jobs: list[
         launched = launch_tokenmill(stack, str(data_dir), flags, timeout=1800)
         settle(launched.process)
         row["restart_load_peak_rss_bytes"] = peak_rss(launched.process)
-        card = served_model(launched.url, launched.headers)
-        system = System(TOKENMILL, launched.url, launched.headers, card["id"], launched.process, launched.start_s)
+        system, _ = tokenmill_system(launched)
         results = summarize(*asyncio.run(run_jobs(system, jobs, len(jobs))))
         row["full_step_peak_rss_bytes"] = peak_rss(launched.process)
         row["full_step_failed"] = results["failed"]

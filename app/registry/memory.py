@@ -10,8 +10,7 @@ load's transient and the KV pool with a full step's activations. Served 8 x 300-
 steps (bench/realsize_bench.py --memory-only, `--max-step-seconds 0`: the largest step the engine takes), a 1B /
 3B Q4_K_M estimated at 2.55 / 3.87 GB peaked at 2.45 / 3.66 GB (2-core EPYC Zen 4, 7 Dec); with default flags a
 2-core CPU takes a few hundred tokens a step (engine/step_budget.py), and peaked at 2.23 / 3.45 GB.
-Otherwise the estimate is the load's peak: the checkpoint as
-read from disk, beside the weights in the serving
+Otherwise the estimate is the load's peak: the checkpoint as read from disk, beside the weights in the serving
 dtype (fused and packed copies are made while the read ones are alive), then the KV pool (its block
 count or memory budget) and the CPU swap pool; or, the first time a GGUF is loaded, transformers'
 float32 model and the copies it saves, if that is more; plus a margin. Measured on SmolLM2 loaded
