@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, select
 from app.tables import UsageRow
 from bench.servers import ROOT, serve_command
 from tests.support import MODEL_CACHE
-from tests.support.gateway import admin_headers, bearer, free_port, usage_rows
+from tests.support.gateway import admin_headers, bearer, free_port, usage_rows, window_start_clock
 from tests.support.server import MODEL, running_server
 
 pytestmark = pytest.mark.real_model
@@ -57,7 +57,7 @@ def test_openai_client_usage_is_metered_exactly(smollm2, make_gateway):
 
 
 def test_openai_client_sees_auth_and_rate_limit_errors(smollm2, make_gateway):
-    gateway = make_gateway()
+    gateway = make_gateway(clock=window_start_clock())
     with running_server(smollm2, gateway=gateway) as server:
         key = team_key(server.url, rpm_limit=1)
         client = server.client(api_key=key["key"])

@@ -22,6 +22,7 @@ from tests.support.gateway import (
     redis_prefix,
     serve_in_thread,
     usage_rows,
+    window_start_clock,
 )
 
 CONCURRENT = 16
@@ -52,7 +53,8 @@ def test_concurrent_requests_never_pass_the_tpm_limit(make_gateway, replicas, re
     extra = {}
     if replicas == "two_with_redis":
         extra = {"redis_url": request.getfixturevalue("redis_url"), "redis_prefix": redis_prefix()}
-    gateways = [make_gateway(**extra) for _ in range(1 if replicas == "one" else 2)]
+    clock = window_start_clock()  # the burst must fall in one window, on both replicas
+    gateways = [make_gateway(clock=clock, **extra) for _ in range(1 if replicas == "one" else 2)]
     with ExitStack() as stack:
         urls = [stack.enter_context(serve_in_thread(build_app(g, FakeEngine(token_delay_s=0.02)))) for g in gateways]
         key = team_and_key(urls[0], tpm_limit=100)

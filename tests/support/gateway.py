@@ -142,6 +142,12 @@ class FakeClock:
         self.now += seconds
 
 
+def window_start_clock(window_s: float = 60.0) -> FakeClock:
+    """A clock stopped one second into the current rate-limit window: a test whose requests must all
+    count in one window (an rpm of 1, a tpm burst) would otherwise fail when one lands past a boundary."""
+    return FakeClock(start=time.time() // window_s * window_s + 1)
+
+
 # ---- a fake engine behind the real routes ----
 
 
