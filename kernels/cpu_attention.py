@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.huge_pages import huge_page_buffer
+from kernels.huge_pages import zeroed_huge_page_buffer
 from kernels.paged_attention import masked_attention, soft_cap
 
 
@@ -23,14 +23,15 @@ def is_heads_major(cache: torch.Tensor) -> bool:
 
 
 def heads_major_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype) -> torch.Tensor:
-    """A zeroed cache in the usual [blocks, block_size, kv_heads, head_dim] view, stored heads-major, on huge pages.
+    """A zeroed cache in the usual [blocks, block_size, kv_heads, head_dim] view, stored heads-major, on huge pages
+    that become resident as blocks are first written.
 
     A decode step reads each sequence's blocks (2-4 KB per head) from anywhere in the pool; on 4 KB pages nearly
     every block began with a TLB miss: on 2 MB pages the native decode attention at 64 sequences x 300 tokens
     (bfloat16, 30 layers, 2-core EPYC Zen 5) took 0.83-0.88x the time, the same bits."""
     shape = (kv_heads, num_blocks, block_size, head_dim)
     nbytes = math.prod(shape) * dtype.itemsize
-    cache = huge_page_buffer(nbytes).view(dtype).view(shape).zero_()
+    cache = zeroed_huge_page_buffer(nbytes).view(dtype).view(shape)
     return cache.permute(1, 2, 0, 3)
 
 

@@ -340,10 +340,12 @@ def test_the_registry_estimates_what_a_stored_gguf_holds(ggufs, tmp_path):
 
 
 def test_the_registry_estimate_of_a_served_gguf_is_its_measured_peak(ggufs, tmp_path):
-    """`tokenmill serve --model FILE` (default flags, a GGUF run as stored), settled and then through a full
-    step (8 x 300 prompt tokens at once, over the 2048 a step takes): its peak RSS (VmHWM) is never above the
-    registry's estimate, and not far below it. Sizing the weights and the KV pool alone, the estimate missed
-    the server itself, the tokenizer and the step's activations (1B Q4_K_M: 2.19 GiB against 2.52 GiB)."""
+    """`tokenmill serve --model FILE` (a GGUF run as stored, its KV pool just the 160 blocks the load fills),
+    settled and then through a full step (8 x 300 prompt tokens at once, over the 2048 a step takes) until
+    the pool is full: its peak RSS (VmHWM) is never above the registry's estimate, and not far below it. Sizing
+    the weights and the KV pool alone, the estimate missed the server itself, the tokenizer and the step's
+    activations (1B Q4_K_M: 2.19 GiB against 2.52 GiB). The pool's pages are resident only once written, so
+    a pool the load leaves half empty would leave its other half out of the peak (kernels/huge_pages.py)."""
     import asyncio
     from contextlib import ExitStack
 
@@ -354,9 +356,10 @@ def test_the_registry_estimate_of_a_served_gguf_is_its_measured_peak(ggufs, tmp_
     path = ggufs.path("Q4_K_M", pure=False)
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    estimated = registry_estimate(path, str(data_dir))["total_bytes"]
+    pool = "--num-kv-blocks 160"  # 8 x (300 + 16) tokens in 16-token blocks
+    estimated = registry_estimate(path, str(data_dir), pool)["total_bytes"]
     with ExitStack() as stack:
-        server = launch_tokenmill(stack, str(data_dir), f"--model {path}", timeout=600)
+        server = launch_tokenmill(stack, str(data_dir), f"--model {path} {pool}", timeout=600)
         settle(server.process)
         model = httpx.get(f"{server.url}/v1/models", headers=server.headers).json()["data"][0]["id"]
         system = System("tokenmill", server.url, server.headers, model, server.process)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,6 +64,23 @@ def test_a_big_heads_major_cache_starts_zeroed_on_a_huge_page_boundary():
     assert cache.shape == (600, 16, 3, 64) and cache.dtype == torch.bfloat16
     assert cache.data_ptr() % HUGE_PAGE == 0
     assert not cache.any()
+
+
+def test_a_kv_pool_takes_memory_only_as_its_blocks_are_written():
+    """A server's 1 GiB pool was written with zeros at start-up: 1.6 s of a restart, and resident before any
+    request. The kernel's fresh pages are zeros already; each 2 MB page becomes resident when first written."""
+
+    def resident() -> int:
+        return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc/self/status here")
+    before = resident()
+    cache = heads_major_cache(4096, 16, 8, 64, torch.float32)  # 128 MiB, 16 MiB per head
+    assert resident() - before < 8 << 20
+    cache[0] = 1.0  # block 0: a page in each head's 16 MiB
+    assert 8 * 4096 <= resident() - before < 8 * HUGE_PAGE + (8 << 20)
+    assert not cache[1:4].any() and not cache[-4:].any()
 
 
 def test_store_kv_writes_the_same_slots_in_either_layout():
