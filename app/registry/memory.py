@@ -6,10 +6,11 @@ traffic on it, down with the load.
 A GGUF run quantized is read as stored: its estimate is the serving process's peak, measured part by part
 (`stored_gguf_bytes`, `stored_gguf_runtime`): the server itself (python, torch, the tokenizer), the packed
 weights' resident size (from each tensor's type: engine/gguf_repack.py's formats), then the larger of the
-load's transient and the KV pool with a full step's activations. Served 8 x 300-token prompts at once in full
-steps (bench/realsize_bench.py --memory-only, `--max-step-seconds 0`: the largest step the engine takes), a 1B /
-3B Q4_K_M estimated at 2.55 / 3.87 GB peaked at 2.45 / 3.66 GB (2-core EPYC Zen 4, 7 Dec); with default flags a
-2-core CPU takes a few hundred tokens a step (engine/step_budget.py), and peaked at 2.23 / 3.45 GB.
+load's transient and the KV pool with a full step's activations. With its whole pool filled at once by prompts of
+the longest context, in full steps (bench/realsize_bench.py --memory-only, `--max-step-seconds 0`: the largest
+step the engine takes), a 1B / 3B Q4_K_M estimated at 2.73 / 4.11 GB peaked at 2.65-2.69 / 4.06 GB (2-core EPYC
+Zen 4, 7 Dec). The pool's pages are resident only once written (kernels/huge_pages.py), so lighter use peaks
+lower: 8 x 300-token prompts with default flags (a few hundred tokens a step on 2 cores) at 1.70 / 3.40 GB.
 Otherwise the estimate is the load's peak: the checkpoint as read from disk, beside the weights in the serving
 dtype (fused and packed copies are made while the read ones are alive), then the KV pool (its block
 count or memory budget) and the CPU swap pool; or, the first time a GGUF is loaded, transformers'
@@ -34,7 +35,7 @@ from app.registry.gguf_header import read_string, read_value
 from app.registry.inspection import default_source_path
 from app.registry.spec import DEFAULT_SOURCE, ModelSpec, RegistryError
 from engine.config import DTYPES, EngineConfig
-from engine.gguf_file import TensorEntry, read_tensor_index
+from engine.gguf_file import TensorEntry, read_header
 from engine.gguf_repack import CHUNK_VALUES, is_packed_matrix, packed_linears
 from engine.loader import converted_folder, resolve_quantization
 from engine.models.decoder import MLP_ROWS
@@ -159,6 +160,7 @@ TOKENIZER_BYTES_PER_TOKEN = 2200
 # them between steps. Served, 8 x 300-token prompts at once in full 2048-token steps: +0.22 to +0.36 GB over
 # the settled RSS at 1B (0.18 GB of it live in the step), +0.34 GB at 3B (+0.30 / +0.34 GB on 7 Dec).
 ACTIVATION_KEPT = 1.75
+ATTENTION_KEPT = 1.3
 STORED_MARGIN = 1.02  # against a measured peak: never below it
 
 
@@ -193,6 +195,17 @@ def stored_gguf_runtime(entries: list[TensorEntry], config: EngineConfig) -> tup
     return STORED_RUNTIME_BYTES + vocab * TOKENIZER_BYTES_PER_TOKEN, activations
 
 
+def longest_attention_bytes(context: int, kv_width: int, kv_element: int, element: int, config: EngineConfig) -> int:
+    """A full step's chunk of a prompt attending the longest context (kernels/cpu_attention.py), one layer at a
+    time: the context's keys and values gathered from the pool and widened to the activations' type, and the
+    chunk's causal mask, which SDPA copies to float; and what the allocator keeps of them. In process, full steps
+    of 8,000- and 2,040-token prompts peaked 0.13-0.15 GB above those of 8 x 300-token ones at 1B Q4_K_M, where
+    the tensors come to 0.13 GB (bench/realsize_bench.py --memory-only fills the pool with the longest)."""
+    queries = min(config.max_num_batched_tokens, context)
+    tensors = 2 * context * kv_width * (kv_element + element) + queries * context * (1 + FLOAT32_BYTES)
+    return math.ceil(tensors * ATTENTION_KEPT)
+
+
 def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     """What loading `spec` takes, or None where the weights' size can't be told from their headers."""
     if spec.kind == "embedding":
@@ -208,7 +221,7 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     stored: tuple[int, int] | None = None
     if source.is_file() and quantization != "none":  # a GGUF run as stored: never converted
         try:
-            entries = read_tensor_index(source)
+            metadata, entries = read_header(source)
         except (OSError, ValueError, struct.error):
             return None
         stored = stored_gguf_bytes(entries, quantization)
@@ -234,6 +247,10 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
     if config.preemption_mode == "swap":
         kv += (config.num_cpu_blocks or device_blocks) * bytes_per_block
     if stored is not None:
+        architecture = metadata.get("general.architecture")
+        context = int(metadata.get(f"{architecture}.context_length") or 4096)
+        context = min(config.max_model_len or context, context, device_blocks * config.block_size)
+        activations += longest_attention_bytes(context, footprint.kv_width, kv_element, element, config)
         return Estimate(stored[1], stored[0], kv, runtime_bytes=runtime, activation_bytes=activations, stored=True)
     return Estimate(footprint.stored_bytes, footprint.parameters * element, kv, conversion)
 

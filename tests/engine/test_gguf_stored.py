@@ -315,7 +315,7 @@ def test_auto_decides_by_the_tensor_types_not_the_file_name(ggufs, tmp_path):
     assert resolve_quantization(EngineConfig(model=str(ggufs.path("F32")), quantization="auto")) == "none"
 
 
-def registry_estimate(path: Path, data_dir: Path):
+def registry_estimate(path: Path, data_dir: Path, max_model_len: int | None = None):
     from app.registry.memory import estimate
     from app.registry.spec import ModelSpec
 
@@ -326,6 +326,7 @@ def registry_estimate(path: Path, data_dir: Path):
         architecture="llama",
         dtype="float32",
         engine_settings={"quantization": "auto"},
+        max_model_len=max_model_len,
     )
     return estimate(spec, EngineConfig(data_dir=str(data_dir)))
 
@@ -337,6 +338,17 @@ def test_the_registry_estimates_what_a_stored_gguf_holds(ggufs, tmp_path):
     loaded = load_model(EngineConfig(model=str(path), quantization="auto", data_dir=str(tmp_path)))
     assert needed.conversion_bytes == 0
     assert abs(needed.weights_bytes - loaded.model.weight_nbytes()) <= 0.05 * loaded.model.weight_nbytes()
+
+
+def test_the_registry_counts_a_full_steps_attention_over_the_longest_context(ggufs, tmp_path):
+    """A full step's chunk of a long prompt gathers its whole context's keys and values, and SDPA copies its
+    chunk x context mask to float, layer by layer. A 1B Q4_K_M's pool filled with 2,040- and 8,176-token
+    prompts in full steps peaked at 2.65-2.69 GB against an estimate of 2.55 GB that left them out."""
+    path = ggufs.path("Q4_K_M", pure=False)  # its context: 512 tokens
+    long, short = (registry_estimate(path, tmp_path, max_model_len=n) for n in (512, 64))
+    float_mask = 512 * 512 * 4  # the largest chunk's queries x the longest context
+    assert long.activation_bytes - short.activation_bytes > float_mask
+    assert long.kv_bytes == short.kv_bytes and long.total_bytes > short.total_bytes
 
 
 def test_the_registry_estimate_of_a_served_gguf_is_its_measured_peak(ggufs, tmp_path):
