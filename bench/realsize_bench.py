@@ -430,7 +430,7 @@ def restart_load(report: dict[str, Any], gguf: Path, data_dir: Path, jobs: list[
         row["full_step_peak_rss_bytes"] = peak_rss(launched.process)
         row["full_step_failed"] = results["failed"]
         blocks, longest = pool_blocks(launched.url), int(served_model(launched.url, launched.headers)["max_model_len"])
-        prompt = min(longest, POOL_FILL_PROMPT_LIMIT) - 16  # room for 8 new tokens
+        prompt = min(longest, blocks * 16, POOL_FILL_PROMPT_LIMIT) - 16  # fits the pool, with room for 8 new tokens
         filling = [Job(exact_prompt(prompt, seed), 8, 0.0) for seed in range(blocks * 16 // prompt + 2)]
         results = summarize(*asyncio.run(run_jobs(system, filling, len(filling))))
         row["full_pool_peak_rss_bytes"] = peak_rss(launched.process)
@@ -446,7 +446,10 @@ def restart_load(report: dict[str, Any], gguf: Path, data_dir: Path, jobs: list[
 def pool_blocks(url: str) -> int:
     """The served model's KV pool, in blocks (its /metrics)."""
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    return int(float(re.search(r"^tokenmill:kv_blocks_total\{[^}]*\} (\S+)$", metrics, re.M)[1]))
+    found = re.search(r"^tokenmill:kv_blocks_total\{[^}]*\} (\S+)$", metrics, re.M)
+    if found is None:
+        raise RuntimeError(f"{url}/metrics has no tokenmill:kv_blocks_total")
+    return int(float(found[1]))
 
 
 def settle(process: Any, quiet_s: float = 3.0, limit_s: float = 120.0) -> None:
