@@ -22,14 +22,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     Linux in `madvise` mode (the common default) backs memory with 2 MB pages only where asked; a best-effort
     request: where THP is off, or off Linux, the buffer is the same memory on 4 KB pages. Advise before the
     first write: pages are chosen when first touched."""
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    buffer = raw[start : start + nbytes]
-    whole_pages = nbytes // HUGE_PAGE * HUGE_PAGE
-    if sys.platform.startswith("linux") and whole_pages:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(whole_pages), _MADV_HUGEPAGE)
-    return buffer
+    return _advised(torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8), nbytes)
 
 
 def zeroed_huge_page_buffer(nbytes: int) -> torch.Tensor:
@@ -41,9 +34,15 @@ def zeroed_huge_page_buffer(nbytes: int) -> torch.Tensor:
     resident on its first write; the registry's estimate still counts the pool whole."""
     # private (the default, shared, would be shmem, which takes no transparent huge pages), anonymous: zeros
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive as long as any view of it
+    return _advised(torch.frombuffer(mapping, dtype=torch.uint8), nbytes)  # the tensor keeps `mapping` alive
+
+
+def _advised(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """`nbytes` of `raw` (one huge page longer) from its first 2 MB boundary, its whole pages advised."""
     start = -raw.data_ptr() % HUGE_PAGE
+    buffer = raw[start : start + nbytes]
     whole_pages = nbytes // HUGE_PAGE * HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE") and whole_pages:
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, whole_pages)
-    return raw[start : start + nbytes]
+    if sys.platform.startswith("linux") and whole_pages:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(whole_pages), _MADV_HUGEPAGE)
+    return buffer
