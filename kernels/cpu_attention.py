@@ -17,6 +17,26 @@ import torch.nn.functional as F
 from kernels.huge_pages import zeroed_huge_page_buffer
 from kernels.paged_attention import masked_attention, soft_cap
 
+FLOAT32_BYTES = 4
+# A chunk's queries attend in pieces whose float scores (SDPA's float copy of the mask, or the spelled-out scores of a
+# window or a soft cap) stay near this size. Whole, a full step's chunk of 2,048 queries over an 8,192-token context
+# had SDPA copy a 64 MiB mask per layer, and Gemma 2's scores (8 heads) took 512 MiB, then as much again for the
+# softmax: memory the registry's estimate must reserve for every model it loads. Each piece attends the keys up to
+# its own last query, so a piece costs no more work than its rows did in the whole.
+ATTENTION_PIECE_BYTES = 16 * 2**20
+
+
+def attention_piece_peak_bytes(queries: int, heads: int, context: int) -> int:
+    """The most one piece's temporaries take (the registry's estimate) for a chunk of `queries` over `context`
+    positions: where a window or a soft cap spells the scores out, the scores, their softmax and its cast to the
+    activations' type; SDPA's float mask and its bool source take less."""
+    per_query = heads * context * FLOAT32_BYTES
+    return 3 * min(queries, piece_rows(per_query)) * per_query
+
+
+def piece_rows(bytes_per_query: int) -> int:
+    return max(1, ATTENTION_PIECE_BYTES // bytes_per_query)
+
 
 def is_heads_major(cache: torch.Tensor) -> bool:
     return cache.permute(2, 0, 1, 3).is_contiguous()
@@ -91,27 +111,41 @@ def paged_attention_prefill_cpu(
         # [kv_heads, length, head_dim], widened to the query's type where the cache is narrower
         keys = key_store.index_select(1, blocks).flatten(1, 2)[:, :length].to(query.dtype)
         values = value_store.index_select(1, blocks).flatten(1, 2)[:, :length].to(query.dtype)
+        first = length - num_queries  # the chunk's first position: its queries are the context's last
+        if window is not None or softcap is not None:
+            q_heads = query[start:end].transpose(0, 1)
+            rows = piece_rows(q_heads.shape[0] * length * FLOAT32_BYTES)
+            for a in range(0, num_queries, rows):
+                b = min(a + rows, num_queries)
+                seen = first + b  # what the piece's last query sees; later keys are masked for all of it
+                attended = masked_attention(
+                    q_heads[:, a:b], keys[:, :seen], values[:, :seen], seen, scale, window, softcap
+                )
+                out[start + a : start + b] = attended.transpose(0, 1)
+            continue
         # 4-D inputs: with 3-D ones SDPA on the CPU falls back to its math path (bmm, masks, softmax),
         # measured 2.5-3.5x slower at 512 tokens in bfloat16 and float32; 4-D takes the flash kernel,
         # which also handles the GQA groups without repeating the kv heads.
-        if window is not None or softcap is not None:
-            q_heads = query[start:end].transpose(0, 1)
-            attended = masked_attention(q_heads, keys, values, length, scale, window, softcap)
+        q = query[start:end].transpose(0, 1)[None]
+        gqa = query.shape[1] != keys.shape[0]
+        if first == 0:  # a whole prompt: causal, no mask to copy
+            attended = F.scaled_dot_product_attention(
+                q, keys[None], values[None], is_causal=True, scale=scale, enable_gqa=gqa
+            )[0]
             out[start:end] = attended.transpose(0, 1)
             continue
-        q = query[start:end].transpose(0, 1)[None]
-        mask = None
-        if num_queries != length:
-            query_pos = torch.arange(length - num_queries, length)
-            mask = torch.arange(length)[None, :] <= query_pos[:, None]
-        attended = F.scaled_dot_product_attention(
-            q,
-            keys[None],
-            values[None],
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=query.shape[1] != keys.shape[0],
-        )[0]
-        out[start:end] = attended.transpose(0, 1)
+        rows = piece_rows(length * FLOAT32_BYTES)
+        for a in range(0, num_queries, rows):
+            b = min(a + rows, num_queries)
+            seen = first + b
+            mask = torch.arange(seen)[None, :] <= torch.arange(first + a, seen)[:, None]
+            attended = F.scaled_dot_product_attention(
+                q[:, :, a:b],
+                keys[None, :, :seen],
+                values[None, :, :seen],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )[0]
+            out[start + a : start + b] = attended.transpose(0, 1)
     return out

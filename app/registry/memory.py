@@ -39,6 +39,7 @@ from engine.gguf_file import TensorEntry, read_header
 from engine.gguf_repack import CHUNK_VALUES, is_packed_matrix, packed_linears
 from engine.loader import converted_folder, resolve_quantization
 from engine.models.decoder import MLP_ROWS
+from kernels.cpu_attention import attention_piece_peak_bytes
 from kernels.qlinear import BYTES_PER_VALUE
 
 MARGIN = 1.1  # activations, the tokenizer, allocator slack
@@ -195,14 +196,17 @@ def stored_gguf_runtime(entries: list[TensorEntry], config: EngineConfig) -> tup
     return STORED_RUNTIME_BYTES + vocab * TOKENIZER_BYTES_PER_TOKEN, activations
 
 
-def longest_attention_bytes(context: int, kv_width: int, kv_element: int, element: int, config: EngineConfig) -> int:
+def longest_attention_bytes(
+    context: int, heads: int, kv_width: int, kv_element: int, element: int, config: EngineConfig
+) -> int:
     """A full step's chunk of a prompt attending the longest context (kernels/cpu_attention.py), one layer at a
-    time: the context's keys and values gathered from the pool and widened to the activations' type, and the
-    chunk's causal mask, which SDPA copies to float; and what the allocator keeps of them. In process, full steps
-    of 8,000- and 2,040-token prompts peaked 0.13-0.15 GB above those of 8 x 300-token ones at 1B Q4_K_M, where
-    the tensors come to 0.13 GB (bench/realsize_bench.py --memory-only fills the pool with the longest)."""
+    time: the context's keys and values gathered from the pool and widened to the activations' type, and one
+    piece of the chunk's queries' float scores or mask; and what the allocator keeps of them. In process, full
+    steps of 8,000- and 2,040-token prompts peaked 0.13-0.15 GB above those of 8 x 300-token ones at 1B Q4_K_M,
+    when the whole chunk's mask was copied to float (bench/realsize_bench.py --memory-only fills the pool with the
+    longest)."""
     queries = min(config.max_num_batched_tokens, context)
-    tensors = 2 * context * kv_width * (kv_element + element) + queries * context * (1 + FLOAT32_BYTES)
+    tensors = 2 * context * kv_width * (kv_element + element) + attention_piece_peak_bytes(queries, heads, context)
     return math.ceil(tensors * ATTENTION_KEPT)
 
 
@@ -250,7 +254,9 @@ def estimate(spec: ModelSpec, base: EngineConfig) -> Estimate | None:
         architecture = metadata.get("general.architecture")
         context = int(metadata.get(f"{architecture}.context_length") or 4096)
         context = min(config.max_model_len or context, context, device_blocks * config.block_size)
-        activations += longest_attention_bytes(context, footprint.kv_width, kv_element, element, config)
+        # the query heads (absent: kv_width, more than any model has)
+        heads = int(metadata.get(f"{architecture}.attention.head_count") or footprint.kv_width)
+        activations += longest_attention_bytes(context, heads, footprint.kv_width, kv_element, element, config)
         return Estimate(stored[1], stored[0], kv, runtime_bytes=runtime, activation_bytes=activations, stored=True)
     return Estimate(footprint.stored_bytes, footprint.parameters * element, kv, conversion)
 

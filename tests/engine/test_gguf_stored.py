@@ -341,13 +341,13 @@ def test_the_registry_estimates_what_a_stored_gguf_holds(ggufs, tmp_path):
 
 
 def test_the_registry_counts_a_full_steps_attention_over_the_longest_context(ggufs, tmp_path):
-    """A full step's chunk of a long prompt gathers its whole context's keys and values, and SDPA copies its
-    chunk x context mask to float, layer by layer. A 1B Q4_K_M's pool filled with 2,040- and 8,176-token
-    prompts in full steps peaked at 2.65-2.69 GB against an estimate of 2.55 GB that left them out."""
+    """A full step's chunk of a long prompt gathers its whole context's keys and values, and attends in pieces
+    whose float scores or mask take up to a few tens of MiB, layer by layer. A 1B Q4_K_M's pool filled with
+    2,040- and 8,176-token prompts in full steps peaked at 2.65-2.69 GB against an estimate of 2.55 GB that left
+    them out."""
     path = ggufs.path("Q4_K_M", pure=False)  # its context: 512 tokens
     long, short = (registry_estimate(path, tmp_path, max_model_len=n) for n in (512, 64))
-    float_mask = 512 * 512 * 4  # the largest chunk's queries x the longest context
-    assert long.activation_bytes - short.activation_bytes > float_mask
+    assert long.activation_bytes > short.activation_bytes  # the longer context's keys and values, widened
     assert long.kv_bytes == short.kv_bytes and long.total_bytes > short.total_bytes
 
 
