@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_attention
 from kernels.cpu_attention import heads_major_cache, paged_attention_decode_cpu, paged_attention_prefill_cpu
 from kernels.huge_pages import HUGE_PAGE
 from kernels.paged_attention import paged_attention_decode_reference, paged_attention_prefill_reference
@@ -191,3 +192,23 @@ def test_a_long_contexts_last_chunk_attends_without_a_mask_or_scores_of_its_size
     grown = int(done.stdout.split()[-1])
     # the keys and values widened (8 MiB each), the output (4 MiB) and one piece's temporaries (16-48 MiB)
     assert grown < 56 << 20, f"peak grew {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 2.0)])
+def test_a_chunk_attended_in_many_pieces_matches_the_reference(monkeypatch, window, softcap):
+    """Pieces of a few queries each (the piece size shrunk to 1 KiB), each seeing the keys up to its own last
+    query: the same attention as the reference's whole chunk, for a cached prefix, a whole prompt and one query."""
+    monkeypatch.setattr(cpu_attention, "ATTENTION_PIECE_BYTES", 1024)
+    g = torch.Generator().manual_seed(5)
+    block_size, kv_heads, group, head_dim, num_blocks = 8, 2, 2, 16, 24
+    keys_tm, keys_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, torch.float32, g)
+    values_tm, values_hm = filled_caches(num_blocks, block_size, kv_heads, head_dim, torch.float32, g)
+    lengths = torch.tensor([60, 37, 45], dtype=torch.int32)  # queries: the last 23 of 60, all 37, the last 1 of 45
+    starts = torch.tensor([0, 23, 60, 61], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=g)[:24].view(3, 8).int()
+    query = torch.randn(61, kv_heads * group, head_dim, generator=g)
+    args = (tables, starts, lengths, 0.3, window, softcap)
+    expected = paged_attention_prefill_reference(query, keys_tm, values_tm, *args)
+    got = paged_attention_prefill_cpu(query, keys_hm, values_hm, *args)
+    assert cpu_attention.piece_rows(kv_heads * group * 60 * 4) < 23  # the first chunk went in several pieces
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
