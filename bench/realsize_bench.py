@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import platform
-import re
 import shlex
 import statistics
 import sys
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -445,11 +445,11 @@ def restart_load(report: dict[str, Any], gguf: Path, data_dir: Path, jobs: list[
 
 def pool_blocks(url: str) -> int:
     """The served model's KV pool, in blocks (its /metrics)."""
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    found = re.search(r"^tokenmill:kv_blocks_total\{[^}]*\} (\S+)$", metrics, re.M)
-    if found is None:
-        raise RuntimeError(f"{url}/metrics has no tokenmill:kv_blocks_total")
-    return int(float(found[1]))
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "tokenmill:kv_blocks_total":
+                return int(sample.value)
+    raise RuntimeError(f"{url}/metrics has no tokenmill:kv_blocks_total")
 
 
 def settle(process: Any, quiet_s: float = 3.0, limit_s: float = 120.0) -> None:

@@ -10,6 +10,7 @@ The references in paged_attention.py stay the definition; tests hold these to th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,15 @@ def attention_piece_peak_bytes(queries: int, heads: int, context: int) -> int:
 
 def piece_rows(bytes_per_query: int) -> int:
     return max(1, ATTENTION_PIECE_BYTES // bytes_per_query)
+
+
+def query_pieces(first: int, num_queries: int, bytes_per_query: int) -> Iterator[tuple[int, int, int]]:
+    """(a, b, seen) per piece of a chunk whose queries sit at positions first..first + num_queries - 1: the piece's
+    queries a..b-1 of the chunk, and the keys it sees (later ones are masked for all of it)."""
+    rows = piece_rows(bytes_per_query)
+    for a in range(0, num_queries, rows):
+        b = min(a + rows, num_queries)
+        yield a, b, first + b
 
 
 def is_heads_major(cache: torch.Tensor) -> bool:
@@ -114,10 +124,7 @@ def paged_attention_prefill_cpu(
         first = length - num_queries  # the chunk's first position: its queries are the context's last
         if window is not None or softcap is not None:
             q_heads = query[start:end].transpose(0, 1)
-            rows = piece_rows(q_heads.shape[0] * length * FLOAT32_BYTES)
-            for a in range(0, num_queries, rows):
-                b = min(a + rows, num_queries)
-                seen = first + b  # what the piece's last query sees; later keys are masked for all of it
+            for a, b, seen in query_pieces(first, num_queries, q_heads.shape[0] * length * FLOAT32_BYTES):
                 attended = masked_attention(
                     q_heads[:, a:b], keys[:, :seen], values[:, :seen], seen, scale, window, softcap
                 )
@@ -134,10 +141,7 @@ def paged_attention_prefill_cpu(
             )[0]
             out[start:end] = attended.transpose(0, 1)
             continue
-        rows = piece_rows(length * FLOAT32_BYTES)
-        for a in range(0, num_queries, rows):
-            b = min(a + rows, num_queries)
-            seen = first + b
+        for a, b, seen in query_pieces(first, num_queries, length * FLOAT32_BYTES):
             mask = torch.arange(seen)[None, :] <= torch.arange(first + a, seen)[:, None]
             attended = F.scaled_dot_product_attention(
                 q[:, :, a:b],
